@@ -1,0 +1,62 @@
+"""The reference LightningModule: a GPT trained on next-token prediction, written as for one device."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_3d.models.gpt import GPT, GPTConfig
+
+
+class GPTLightningModule(L.LightningModule):
+    """Trains :class:`GPT` with AdamW and a linear warm-up. The model is built in ``configure_model()``, so
+    ``ThreeDStrategy`` builds it on the meta device and materializes only this rank's part.
+
+    Example::
+
+        module = GPTLightningModule(config=GPTConfig(n_layer=2), learning_rate=3e-3)
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | None = None,
+        *,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 10,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = config or GPTConfig()
+        self.model: GPT | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # Lightning calls this hook once per fit/validate/test; build once
+            self.model = GPT(self.config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        tokens, targets = batch
+        logits = self.model(tokens)  # (B, T, vocab_size)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = torch.optim.AdamW(self.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay)
+        warmup = max(1, h.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,96 @@
+"""What the user asked for: the parallel layout and features, validated before any process talks to another."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Union
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+ZERO_STAGES = (0, 1, 2, 3)
+ACTIVATION_CHECKPOINTING = (None, "full", "selective")
+MODEL_INIT = ("auto", "exact", "meta")
+
+
+class ParallelConfigError(ValueError):
+    """A layout or feature setting that cannot work; the message says which values and what to change."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The settings of one 3D run, as given to :class:`~lightning_3d.ThreeDStrategy`.
+
+    Plain values only (strings for policies), so LightningCLI and YAML can carry it. Value checks happen here;
+    checks against the world size happen in :meth:`ParallelDims.from_config`, once the launcher has started
+    the processes.
+
+    Example::
+
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)  # dp = world // 4
+    """
+
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's matrices (the "tp" mesh dimension, innermost: keep it within a node)."""
+    pipeline_parallel_size: int = 1
+    """Ranks that hold consecutive groups of layers (the "pp" mesh dimension, outermost)."""
+    data_parallel_size: Union[int, Literal["auto"]] = "auto"
+    """Model replicas or shards that see different data; "auto" takes world // (tp * pp)."""
+    policy: Any = "auto"
+    """How to parallelize the model: a registered name, a ``Policy`` instance or a dotted class path."""
+    pipeline_schedule: str = "1f1b"
+    """Micro-batch schedule under pipeline parallelism: one of ``PIPELINE_SCHEDULES``."""
+    num_microbatches: int | None = None
+    """Micro-batches per step under pipeline parallelism; None takes pp (the fewest that fill the pipeline)."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline rank; above 1 only with the interleaved and zero-bubble schedules."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence over "tp" (saves activation memory; needs tp > 1)."""
+    zero_stage: int = 0
+    """0 replicates over "dp"; 1, 2, 3 shard optimizer state, then gradients, then parameters (FSDP2)."""
+    activation_checkpointing: str | None = None
+    """Recompute activations in backward: None, "full" (every block) or "selective"."""
+    init_from: str | None = None
+    """Pretrained weights to start from (a consolidated state dict file or a safetensors directory)."""
+    model_init: str = "auto"
+    """How full weights come to be: "exact" builds the model on the host as written; "meta" builds it on the
+    meta device and replays each module's ``reset_parameters()`` per shard; "auto" takes "exact" for a model
+    built in ``__init__`` and "meta" for one built in ``configure_model()``."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size"):
+            _require_positive_int(name, getattr(self, name))
+        if self.data_parallel_size != "auto":
+            _require_positive_int("data_parallel_size", self.data_parallel_size)
+        if self.num_microbatches is not None:
+            _require_positive_int("num_microbatches", self.num_microbatches)
+        _require_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        _require_choice("zero_stage", self.zero_stage, ZERO_STAGES)
+        _require_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        _require_choice("model_init", self.model_init, MODEL_INIT)
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
+            raise ParallelConfigError(
+                f"virtual_pipeline_size={self.virtual_pipeline_size} needs an interleaved schedule, but"
+                f" pipeline_schedule={self.pipeline_schedule!r}. Set pipeline_schedule='interleaved_1f1b' (or"
+                " 'zero_bubble'), or virtual_pipeline_size=1."
+            )
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ParallelConfigError(
+                "sequence_parallel=True shards activations over the tensor-parallel ranks, but"
+                " tensor_parallel_size=1. Set tensor_parallel_size > 1 or sequence_parallel=False."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict (for hyper-parameter logging and checkpoints); a policy instance becomes its class path."""
+        values = asdict(self)
+        if not isinstance(self.policy, str):
+            values["policy"] = f"{type(self.policy).__module__}.{type(self.policy).__qualname__}"
+        return values
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _require_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ParallelConfigError(f"{name}={value!r} is not supported; choose one of {choices}.")

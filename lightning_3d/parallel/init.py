@@ -1,0 +1,108 @@
+"""Layout-independent initialization: with one seed, every layout starts from the same full weights.
+
+Two ways there (``ParallelConfig.model_init``):
+
+* **exact** -- the model was built on the host as the user wrote it (in ``__init__``, or in
+  ``configure_model()`` with ``model_init="exact"``). Rank 0's weights are broadcast to every rank, as
+  ``DistributedDataParallel`` does, then each rank keeps its shard. Any model, including ones whose init runs
+  after construction (Hugging Face ``post_init``).
+* **meta** -- the model was built on the meta device (no memory, no random numbers drawn). After it is
+  split and sharded, :func:`replay_init` walks the *unsharded* skeleton in construction order and, module by
+  module, draws each module's full parameters on the host by calling its ``reset_parameters()`` from the same
+  random state that construction started from, then keeps only this rank's slice. At most one module's full
+  tensors exist at a time. Every rank draws every module (even those on other pipeline stages) so the random
+  stream, and the state it is left in, are the same on every rank and equal an eager build's.
+
+The meta way relies on one convention (PyTorch's own, used by FSDP's meta-device init): a module that owns
+parameters or buffers initializes exactly those in ``reset_parameters()``, and an eager build calls it once
+per module in construction order (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` and the reference GPT
+do). Modules that own tensors but have no ``reset_parameters()`` are named in an error before any weight is
+used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+class InitError(RuntimeError):
+    """A model that the chosen init cannot handle; the message names the modules and the way out."""
+
+
+def modules_without_reset(model: nn.Module) -> list[str]:
+    """FQNs of modules that own parameters or buffers but have no ``reset_parameters()`` to replay."""
+    return [
+        fqn or "<root>"
+        for fqn, module in model.named_modules()
+        if _own_tensors(module) and not callable(getattr(module, "reset_parameters", None))
+    ]
+
+
+def check_replayable(model: nn.Module) -> None:
+    """Raise before any weight is allocated if :func:`replay_init` cannot initialize ``model``."""
+    missing = modules_without_reset(model)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise InitError(
+            f"model_init='meta' replays each module's reset_parameters(), but these modules own parameters or"
+            f" buffers and have none: {shown}. Give them a reset_parameters() that initializes their own"
+            " tensors, or pass ThreeDStrategy(model_init='exact') to build the model on the host as written."
+        )
+
+
+def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor) -> None:
+    """Initialize the materialized (possibly split and sharded) ``model`` from the meta ``skeleton``.
+
+    ``skeleton`` is the unsharded model on the meta device with the same FQNs; it is used as scratch space
+    (one module's tensors at a time) and left on meta. ``rng_state`` is the host random state construction
+    started from; the host generator ends in the state an eager build would leave it in.
+    """
+    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    torch.set_rng_state(rng_state)
+    with torch.no_grad():
+        for prefix, module in skeleton.named_modules():
+            own = _own_tensors(module)
+            if not own:
+                continue
+            for name, tensor in own.items():
+                _set_tensor(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"))
+            module.reset_parameters()
+            for name, meta in own.items():
+                target = targets.get(f"{prefix}.{name}" if prefix else name)
+                if target is not None:  # None: it lives on another pipeline stage
+                    _copy_slice(getattr(module, name), target)
+                _set_tensor(module, name, meta)
+
+
+def broadcast_from_rank0(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Make every rank's parameters and buffers equal global rank 0's (collective over ``group``)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0, group=group)
+
+
+def _own_tensors(module: nn.Module) -> dict[str, Tensor]:
+    return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+
+
+def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
+    """Swap one tensor of a skeleton module (ours: a scratch copy) keeping its kind, parameter or buffer."""
+    current = getattr(module, name)
+    if isinstance(current, nn.Parameter) and not isinstance(value, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=current.requires_grad)
+    setattr(module, name, value)
+
+
+def _copy_slice(full: Tensor, target: Tensor) -> None:
+    """Copy the part of the full tensor that ``target`` (a plain tensor or a DTensor shard) holds."""
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank already has the full tensor; slice locally, no communication.
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)

@@ -1,0 +1,54 @@
+"""The "auto" policy: a registered policy when a known model class is inside, else one found by structure."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from lightning_3d.policies.base import Plan, Policy, find_submodule, join_fqn
+from lightning_3d.policies.registry import register_policy, registered_policies
+
+log = logging.getLogger(__name__)
+
+
+@register_policy("auto")
+class AutoPolicy(Policy):
+    """Delegates to the registered policy whose ``model_classes`` the model contains; for unknown models,
+    takes the longest list of same-class child modules (``nn.ModuleList`` / ``nn.Sequential``) as the blocks."""
+
+    def plan(self, root: nn.Module) -> Plan:
+        policy = self.known_policy(root)
+        if policy is not None:
+            log.info("policy='auto' uses policy=%r for %s", policy.name, type(root).__name__)
+            return policy.plan(root)
+        blocks = repeated_blocks(root)
+        if not blocks:
+            log.warning(
+                "policy='auto' found no repeated blocks in %s: data parallel reduces all gradients at once after"
+                " backward. Register a policy (lightning_3d.policies.register_policy) to name the blocks.",
+                type(root).__name__,
+            )
+        return Plan(blocks=blocks)
+
+    @staticmethod
+    def known_policy(root: nn.Module) -> Policy | None:
+        for cls in registered_policies().values():
+            if cls.model_classes and find_submodule(root, cls.model_classes) is not None:
+                return cls()
+        return None
+
+
+def repeated_blocks(root: nn.Module) -> list[str]:
+    """FQNs of the children of the longest ``ModuleList``/``Sequential`` whose children share one class and
+    hold parameters (transformer layers, in every model we know)."""
+    best: list[str] = []
+    for fqn, module in root.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        same_class = len({type(child) for _, child in children}) == 1
+        has_params = all(any(True for _ in child.parameters()) for _, child in children)
+        if same_class and has_params and len(children) > len(best):
+            best = [join_fqn(fqn, name) for name, _ in children]
+    return best

@@ -1,0 +1,3 @@
+from lightning_3d.strategies.three_d import ThreeDStrategy
+
+__all__ = ["ThreeDStrategy"]

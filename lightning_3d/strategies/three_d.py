@@ -1,0 +1,420 @@
+"""``ThreeDStrategy``: Lightning's glue around the parallel layout, the policy and the appliers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_3d.parallel.data_parallel import apply_data_parallel, no_gradient_sync
+from lightning_3d.parallel.dims import ParallelDims, RankCoords
+from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
+from lightning_3d.policies import Policy, resolve_policy
+
+log = logging.getLogger(__name__)
+
+
+class ThreeDStrategy(ParallelStrategy):
+    """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
+
+    The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
+    asks the policy how to cut the model, applies the parallel layers and initializes the weights so that
+    every layout starts from the same full model (see ``lightning_3d.parallel.init``).
+
+    Example::
+
+        import lightning as L
+        from lightning_3d import ThreeDStrategy
+
+        strategy = ThreeDStrategy(data_parallel_size=2)
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=2).fit(module, datamodule)
+        # or, after `import lightning_3d`: L.Trainer(strategy="3d", devices=2)
+
+    Arguments are those of :class:`~lightning_3d.parallel.config.ParallelConfig` (each documented there),
+    plus Lightning's plumbing (accelerator, devices, cluster environment, checkpoint IO, precision plugin),
+    ``process_group_backend`` ("gloo" on CPU, "nccl" on CUDA by default) and the collective ``timeout``.
+    """
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        policy: Any = "auto",
+        pipeline_schedule: str = "1f1b",
+        num_microbatches: Optional[int] = None,
+        virtual_pipeline_size: int = 1,
+        sequence_parallel: bool = False,
+        zero_stage: int = 0,
+        activation_checkpointing: Optional[str] = None,
+        init_from: Optional[str] = None,
+        model_init: str = "auto",
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Value checks run here, in the launching process, before any rank exists.
+        self.parallel_config = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            policy=policy,
+            pipeline_schedule=pipeline_schedule,
+            num_microbatches=num_microbatches,
+            virtual_pipeline_size=virtual_pipeline_size,
+            sequence_parallel=sequence_parallel,
+            zero_stage=zero_stage,
+            activation_checkpointing=activation_checkpointing,
+            init_from=init_from,
+            model_init=model_init,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._parallel_dims: Optional[ParallelDims] = None
+        self._device_mesh = None
+        self._policy: Optional[Policy] = None
+        self._init_rng_state: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Resolved sizes (dp, pp, tp) of this run; available once the processes are set up."""
+        if self._parallel_dims is None:
+            raise RuntimeError("The parallel layout is known once the strategy has set up its environment.")
+        return self._parallel_dims
+
+    @property
+    def device_mesh(self):
+        """The ("pp", "dp", "tp") ``DeviceMesh``; ``device_mesh["tp"]`` is this rank's tensor-parallel sub-mesh."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the strategy has set up its environment.")
+        return self._device_mesh
+
+    @property
+    def coords(self) -> RankCoords:
+        """This rank's (dp, pp, tp) coordinates."""
+        return self.parallel_dims.coords(self.global_rank)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Read by Lightning's connector for third-party strategies: inject a distributed sampler (see below).
+        return True
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Only data-parallel ranks see different data; the tp and pp ranks of one replica share its batch.
+        return {"num_replicas": self.parallel_dims.dp, "rank": self.coords.dp}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Weights only exist after setup() has materialized them (the model may be on the meta device before).
+        return True
+
+    # ------------------------------------------------------------------ processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        # Every check that a user can fail runs here, identically on every rank, before the first collective.
+        self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
+        _reject_unavailable_features(self.parallel_config)
+        self._policy = resolve_policy(self.parallel_config.policy)
+        _require_a_model(self.lightning_module)
+
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
+        self.lightning_module._device_mesh = self._device_mesh
+        rank_zero_info(f"lightning_3d: {self._parallel_dims}, policy={self._policy.name or self._policy!r}")
+
+    # ------------------------------------------------------------------ model
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # A model built in configure_model() goes on the meta device unless the user asked for an exact build;
+        # the host random state is kept so that setup() can replay the init from it.
+        on_meta = self.parallel_config.model_init != "exact" and empty_init is not False
+        self._init_rng_state = torch.get_rng_state()
+        with torch.device("meta") if on_meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not _is_parallelized(module):  # setup() runs again for validate()/test() after fit()
+            self._parallelize(module)
+        self.model = module
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: pl.LightningModule) -> None:
+        """Apply the layout to the module, in place, in this order:
+        stage split -> tensor parallel -> activation checkpointing -> data parallel -> materialize + init.
+        Data parallel wraps what the earlier steps produced; materializing last means no rank ever holds
+        more than its own shards (plus one module's full tensors while initializing)."""
+        dims = self.parallel_dims
+        on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        if self.parallel_config.model_init == "meta" and not on_meta:
+            raise ParallelConfigError(
+                "model_init='meta' needs the model built in configure_model(), but this one was built in"
+                " __init__. Move its construction to configure_model(), or use model_init='auto'."
+            )
+        if on_meta:
+            check_replayable(module)
+            # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
+            skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
+            rng_state = self.broadcast(self._init_rng_state)  # rank 0's stream, for every rank
+            rank_zero_info("lightning_3d: model_init='meta' (replaying reset_parameters() per shard)")
+        else:
+            broadcast_from_rank0(module)
+            rank_zero_info("lightning_3d: model_init='exact' (rank 0's eagerly built weights)")
+
+        plan = self._policy.plan(module)
+        if dims.dp > 1:
+            apply_data_parallel(module, plan.blocks, self.device_mesh["dp"])
+
+        if on_meta:
+            module.to_empty(device=self.root_device)
+            replay_init(skeleton, module, rng_state)
+        self.precision_plugin.convert_module(module)
+        module.to(self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for all but the last micro-step of gradient accumulation.
+        with no_gradient_sync(self.model):
+            yield
+
+    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # Data parallel hooks run on the module's __call__ (FSDP2-style root forward: lazy init, gradient
+        # reduction set-up); Lightning's forward redirection sends the call through it into `method`.
+        if isinstance(self.model, FSDPModule):
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints (full state, rank 0 writes)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.lightning_module, options=options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)
+
+    # ------------------------------------------------------------------ registration and teardown
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="3D parallel (tensor x pipeline x data) from lightning_3d"
+        )
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+# Features that ParallelConfig accepts (they are part of the public signature) but that this version does
+# not implement yet; each is rejected before any collective instead of being silently ignored.
+_UNAVAILABLE = {
+    "tensor_parallel_size": (lambda c: c.tensor_parallel_size > 1, "tensor parallelism"),
+    "pipeline_parallel_size": (lambda c: c.pipeline_parallel_size > 1, "pipeline parallelism"),
+    "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
+    "activation_checkpointing": (lambda c: c.activation_checkpointing is not None, "activation checkpointing"),
+    "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),
+}
+
+
+def _reject_unavailable_features(config: ParallelConfig) -> None:
+    for name, (requested, feature) in _UNAVAILABLE.items():
+        if requested(config):
+            raise ParallelConfigError(
+                f"{name}={getattr(config, name)!r} asks for {feature}, which this version of lightning_3d does not"
+                f" implement yet. Leave {name} at its default for now."
+            )
+
+
+def _is_parallelized(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def _require_a_model(module: Optional[pl.LightningModule]) -> None:
+    if module is None:
+        return
+    if not is_overridden("configure_model", module) and not any(True for _ in module.parameters()):
+        raise TypeError(
+            f"{type(module).__name__} has no parameters and does not override configure_model(). Build the model"
+            " in configure_model() (preferred: ThreeDStrategy then builds it on the meta device and materializes"
+            " only this rank's part) or in __init__."
+        )
