@@ -57,7 +57,7 @@ class GPTConfig:
         """Parameter count without building the model (for planning and logging)."""
         c, b = self, int(self.bias)
         hidden = c.mlp_ratio * c.n_embd
-        attn = 4 * (c.n_embd * c.n_embd + b * c.n_embd)
+        attn = 4 * c.n_embd * c.n_embd + 3 * b * c.n_embd  # q, k, v, o; no key bias
         mlp = c.n_embd * hidden + b * hidden + hidden * c.n_embd + b * c.n_embd
         norms = 2 * (c.n_embd + b * c.n_embd)
         block = attn + mlp + norms
@@ -96,7 +96,8 @@ class CausalSelfAttention(nn.Module):
         c = config
         # Separate q/k/v projections so tensor parallelism can split each by heads with a plain column split.
         self.q_proj = Linear(c.n_embd, c.n_embd, bias=c.bias, std=c.init_std)
-        self.k_proj = Linear(c.n_embd, c.n_embd, bias=c.bias, std=c.init_std)
+        # No key bias: softmax is shift-invariant, so q . b_k cancels out and the bias would never learn.
+        self.k_proj = Linear(c.n_embd, c.n_embd, bias=False, std=c.init_std)
         self.v_proj = Linear(c.n_embd, c.n_embd, bias=c.bias, std=c.init_std)
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layer).
         self.o_proj = Linear(c.n_embd, c.n_embd, bias=c.bias, std=c.init_std / math.sqrt(2 * c.n_layer))

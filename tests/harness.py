@@ -1,0 +1,202 @@
+"""The parity harness: run one training case in one process and under a layout, and compare.
+
+A :class:`Case` is plain data (JSON-able), so one launch of N ranks (``launch``) can run many cases in a row:
+process start-up (importing torch and Lightning on every rank) is paid once per launch, not per layout.
+Each run records the global per-step loss (mean over all ranks) and the full parameters after training
+(gathered from whatever shards and stages hold them), keyed by their single-device FQNs.
+
+The reference is :func:`run_reference`: plain Lightning on one device, no lightning_3d strategy involved,
+with the global batch and the same sample order Lightning's distributed sampler deals out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+TESTS_DIR = Path(__file__).parent
+SEED = 1234
+
+
+@dataclass(kw_only=True)
+class Case:
+    """One training run. ``strategy`` is "single", "ddp" or "3d" (then ``strategy_kwargs`` go to ThreeDStrategy)."""
+
+    name: str
+    strategy: str = "3d"
+    strategy_kwargs: dict = field(default_factory=dict)
+    module: str = "gpt"
+    """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
+    (training_step calls ``self(...)``, i.e. LightningModule.forward)."""
+    dp: int = 1
+    """Data-parallel size of the run: the global batch is split into dp per-rank batches."""
+    global_batch_size: int = 8
+    steps: int = 6
+    accumulate_grad_batches: int = 1
+    model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
+
+
+@dataclass
+class Result:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+class EagerGPTModule(GPTLightningModule):
+    """The reference module with its model built in ``__init__`` (the "exact" init path)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.configure_model()
+
+
+class SelfCallingGPTModule(GPTLightningModule):
+    """training_step goes through ``self(...)`` (LightningModule.forward), as many modules do."""
+
+    def _loss(self, batch):
+        tokens, targets = batch
+        logits = self(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+MODULES = {"gpt": GPTLightningModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule}
+
+
+class ReferenceDataModule(SyntheticDataModule):
+    """One process, whole global batches, in the order Lightning's (shuffling) distributed sampler uses."""
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler, drop_last=True)
+
+
+class LossRecorder(L.Callback):
+    """The loss of each optimizer step, averaged over every rank (so over dp) and over accumulation."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self._pending: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._pending.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean"))
+        if len(self._pending) == trainer.accumulate_grad_batches:
+            self.losses.append(torch.stack(self._pending).mean().item())
+            self._pending = []
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=case.steps,
+        accumulate_grad_batches=case.accumulate_grad_batches,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+    )
+
+
+def _module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModule):
+    L.seed_everything(SEED, verbose=False)
+    config = GPTConfig(**case.model)
+    module = MODULES[case.module](config=config, learning_rate=1e-2, warmup_steps=2)
+    data = data_cls(vocab_size=config.vocab_size, seq_len=config.block_size, batch_size=per_rank_batch, seed=SEED)
+    return module, data
+
+
+def run_reference(case: Case) -> Result:
+    """The case in this process on one device with plain Lightning (no lightning_3d strategy)."""
+    module, data = _module_and_data(case, case.global_batch_size, ReferenceDataModule)
+    recorder = LossRecorder()
+    _trainer(case, "auto", 1, recorder).fit(module, data)
+    return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+def run_distributed(case: Case) -> Result | None:
+    """The case on every rank of the current launch; the result on global rank 0, None elsewhere."""
+    from lightning_3d import ThreeDStrategy
+
+    world = int(os.environ["WORLD_SIZE"])
+    module, data = _module_and_data(case, case.global_batch_size // case.dp)
+    strategy = ThreeDStrategy(**case.strategy_kwargs) if case.strategy == "3d" else case.strategy
+    recorder = LossRecorder()
+    _trainer(case, strategy, world, recorder).fit(module, data)
+    params = gather_full_state(module)
+    return Result(recorder.losses, params) if dist.get_rank() == 0 else None
+
+
+def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full CPU tensor under its single-device FQN (collective; all ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    local = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        local[name] = full.detach().cpu().clone()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, local)
+    merged: dict[str, torch.Tensor] = {}
+    for state in per_rank:
+        merged.update(state)
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------- launch
+
+
+def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) -> dict[str, Result]:
+    """Run ``cases`` one after another in one launch of ``nprocs`` ranks (torchrun, gloo); results by name.
+
+    A hang or a crash fails within ``timeout`` seconds with the ranks' output, never silently."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases_file = out_dir / "cases.json"
+    cases_file.write_text(json.dumps([asdict(c) for c in cases]))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+        str(TESTS_DIR / "parity_worker.py"), str(cases_file), str(out_dir),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")[-4000:]
+        raise AssertionError(f"launch of {nprocs} ranks did not finish within {timeout}s:\n{tail}") from err
+    if proc.returncode != 0:
+        raise AssertionError(f"launch of {nprocs} ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return {c.name: torch.load(out_dir / f"{c.name}.pt", weights_only=False) for c in cases}
+
+
+def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5, param_atol: float = 2e-5) -> None:
+    """Same per-step losses and same full parameters (by FQN) as the reference."""
+    assert len(result.losses) == len(reference.losses) > 0, (result.losses, reference.losses)
+    loss_diff = max(abs(a - b) for a, b in zip(result.losses, reference.losses))
+    assert loss_diff <= loss_atol, f"losses differ by {loss_diff:.3g}:\n{result.losses}\n{reference.losses}"
+    assert result.params.keys() == reference.params.keys(), (
+        sorted(set(result.params) ^ set(reference.params))
+    )
+    worst = max(result.params, key=lambda k: (result.params[k] - reference.params[k]).abs().max().item())
+    param_diff = (result.params[worst] - reference.params[worst]).abs().max().item()
+    assert param_diff <= param_atol, f"parameter {worst} differs by {param_diff:.3g} after training"
