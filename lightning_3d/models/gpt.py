@@ -41,7 +41,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(

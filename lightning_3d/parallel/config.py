@@ -82,7 +82,8 @@ class ParallelConfig:
         """A plain dict (for hyper-parameter logging and checkpoints); a policy instance becomes its class path."""
         values = asdict(self)
         if not isinstance(self.policy, str):
-            values["policy"] = f"{type(self.policy).__module__}.{type(self.policy).__qualname__}"
+            cls = self.policy if isinstance(self.policy, type) else type(self.policy)
+            values["policy"] = f"{cls.__module__}.{cls.__qualname__}"
         return values
 
 
@@ -92,5 +93,6 @@ def _require_positive_int(name: str, value: Any) -> None:
 
 
 def _require_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
+    # `True in (0, 1)` and `1.0 in (0, 1)` hold in Python; a choice must also have the choices' type.
+    if value not in choices or not any(type(value) is type(choice) for choice in choices):
         raise ParallelConfigError(f"{name}={value!r} is not supported; choose one of {choices}.")

@@ -22,8 +22,8 @@ class Plan:
     """
 
     blocks: list[str] = field(default_factory=list)
-    """The repeated blocks in execution order: units of data-parallel communication (one gradient
-    reduction per block, overlapped with the backward of the blocks before it)."""
+    """The repeated blocks (transformer layers) in execution order: the units pipeline stages are cut from
+    and activation checkpointing wraps."""
 
 
 class Policy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -24,29 +24,22 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule
-from torch.optim import Optimizer
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_3d.parallel.data_parallel import apply_data_parallel, no_gradient_sync
+from lightning_3d.parallel.data_parallel import replicate_with_ddp
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
 from lightning_3d.policies import Policy, resolve_policy
@@ -128,6 +121,9 @@ class ThreeDStrategy(ParallelStrategy):
         self._device_mesh = None
         self._policy: Optional[Policy] = None
         self._init_rng_state: Optional[Tensor] = None
+        self._materialized_module: Optional[nn.Module] = None
+        # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
+        self._forward_redirection = _DDPForwardRedirection()
 
     # ------------------------------------------------------------------ layout
 
@@ -162,7 +158,8 @@ class ThreeDStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Read by Lightning's connector for third-party strategies: inject a distributed sampler (see below).
+        # Lightning's connector reads this for third-party strategies: it then injects a distributed sampler,
+        # configured by distributed_sampler_kwargs.
         return True
 
     @property
@@ -204,7 +201,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         _reject_unavailable_features(self.parallel_config)
         self._policy = resolve_policy(self.parallel_config.policy)
-        _require_a_model(self.lightning_module)
+        _check_model(self.lightning_module, self.parallel_config)
 
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
@@ -234,86 +231,60 @@ class ThreeDStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        if not _is_parallelized(module):  # setup() runs again for validate()/test() after fit()
-            self._parallelize(module)
-        self.model = module
-        if trainer.state.fn == TrainerFn.FITTING:
+        self._materialize(self.lightning_module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # Only fitting has gradients to reduce; evaluation runs the module as is (as DDPStrategy does).
+        self.model = self._parallelize(self.lightning_module) if fitting else self.lightning_module
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, module: pl.LightningModule) -> None:
-        """Apply the layout to the module, in place, in this order:
-        stage split -> tensor parallel -> activation checkpointing -> data parallel -> materialize + init.
-        Data parallel wraps what the earlier steps produced; materializing last means no rank ever holds
-        more than its own shards (plus one module's full tensors while initializing)."""
-        dims = self.parallel_dims
+    def _materialize(self, module: pl.LightningModule) -> None:
+        """Give the module its initial full weights, the same on every rank and for every layout."""
         on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-        if self.parallel_config.model_init == "meta" and not on_meta:
-            raise ParallelConfigError(
-                "model_init='meta' needs the model built in configure_model(), but this one was built in"
-                " __init__. Move its construction to configure_model(), or use model_init='auto'."
-            )
         if on_meta:
             check_replayable(module)
             # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
             skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
-            rng_state = self.broadcast(self._init_rng_state)  # rank 0's stream, for every rank
-            rank_zero_info("lightning_3d: model_init='meta' (replaying reset_parameters() per shard)")
-        else:
-            broadcast_from_rank0(module)
-            rank_zero_info("lightning_3d: model_init='exact' (rank 0's eagerly built weights)")
-
-        plan = self._policy.plan(module)
-        if dims.dp > 1:
-            apply_data_parallel(module, plan.blocks, self.device_mesh["dp"])
-
-        if on_meta:
+            # Rank 0's random stream as it was when construction began, for every rank.
+            rng_state = self.broadcast(self._init_rng_state if self._init_rng_state is not None else torch.get_rng_state())
             module.to_empty(device=self.root_device)
             replay_init(skeleton, module, rng_state)
+            self._materialized_module = module
+            rank_zero_info("lightning_3d: model_init='meta' (reset_parameters() replayed from the seed)")
+        elif not self._materialized_by_us(module):
+            broadcast_from_rank0(module)
+            rank_zero_info("lightning_3d: model_init='exact' (rank 0's eagerly built weights)")
         self.precision_plugin.convert_module(module)
         module.to(self.root_device)
+
+    def _materialized_by_us(self, module: nn.Module) -> bool:
+        # setup() runs again for validate()/test() after fit(): the weights are trained by then, keep them.
+        return self._materialized_module is module
+
+    def _parallelize(self, module: pl.LightningModule) -> nn.Module:
+        """Apply the layout and return the module Lightning calls. The order, fixed:
+        stage split -> tensor parallel -> activation checkpointing -> data parallel.
+        Data parallel goes last because it wraps (and reduces gradients of) what the earlier steps produced."""
+        # Fails here, on every rank alike, if the policy does not fit the model. The plan's blocks are what
+        # the pipeline split and activation checkpointing will consume.
+        self._policy.plan(module)
+        if self.parallel_dims.dp == 1:
+            return module
+        return replicate_with_ddp(module, self.device_mesh["dp"], self.root_device)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @contextmanager
     @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        # Lightning enters this for all but the last micro-step of gradient accumulation.
-        with no_gradient_sync(self.model):
-            yield
-
-    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # Data parallel hooks run on the module's __call__ (FSDP2-style root forward: lazy init, gradient
-        # reduction set-up); Lightning's forward redirection sends the call through it into `method`.
-        if isinstance(self.model, FSDPModule):
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-        return getattr(self.lightning_module, method)(*args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", *args, **kwargs)
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization calls backward inside DDP's forward; DDP must be told what to reduce.
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
 
     # ------------------------------------------------------------------ collectives
 
@@ -342,31 +313,6 @@ class ThreeDStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ------------------------------------------------------------------ checkpoints (full state, rank 0 writes)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.lightning_module, options=options)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        options = StateDictOptions(full_state_dict=True)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            set_optimizer_state_dict(self.lightning_module, optimizer, state, options=options)
-
     # ------------------------------------------------------------------ registration and teardown
 
     @classmethod
@@ -378,6 +324,7 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.model = self.lightning_module  # unwrap DDP: the next fit()/validate() sets up afresh
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -405,16 +352,19 @@ def _reject_unavailable_features(config: ParallelConfig) -> None:
             )
 
 
-def _is_parallelized(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
-
-
-def _require_a_model(module: Optional[pl.LightningModule]) -> None:
+def _check_model(module: Optional[pl.LightningModule], config: ParallelConfig) -> None:
     if module is None:
         return
+    built_eagerly = any(not p.is_meta for p in module.parameters())
     if not is_overridden("configure_model", module) and not any(True for _ in module.parameters()):
         raise TypeError(
             f"{type(module).__name__} has no parameters and does not override configure_model(). Build the model"
             " in configure_model() (preferred: ThreeDStrategy then builds it on the meta device and materializes"
             " only this rank's part) or in __init__."
+        )
+    if config.model_init == "meta" and built_eagerly:
+        raise ParallelConfigError(
+            f"model_init='meta' needs the model built in configure_model(), but {type(module).__name__} already"
+            " has parameters from __init__. Move their construction to configure_model(), or use"
+            " model_init='auto'."
         )

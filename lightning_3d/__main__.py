@@ -1,0 +1,3 @@
+from lightning_3d.cli import main
+
+main()

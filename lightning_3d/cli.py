@@ -1,0 +1,30 @@
+"""The ``lightning-3d`` console script (also ``python -m lightning_3d``): LightningCLI with omegaconf configs.
+
+    lightning-3d fit --config example_configs/gpt_tiny_dp_cpu.yaml
+    lightning-3d fit --config my.yaml --trainer.max_steps 20 --print_config
+
+``trainer.strategy`` may be ``3d`` or ``class_path: lightning_3d.ThreeDStrategy`` with ``init_args``; the
+model and data are any LightningModule / LightningDataModule by ``class_path`` (the reference ones by short
+name: ``GPTLightningModule``, ``SyntheticDataModule``). Configs may interpolate (``${model.init_args...}``).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_3d  # noqa: F401  (registers strategy="3d")
+from lightning_3d.models import GPTLightningModule, SyntheticDataModule  # noqa: F401  (short class names)
+
+
+def main(args: list[str] | None = None) -> None:
+    LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_kwargs={"parser_mode": "omegaconf"},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()
