@@ -1,0 +1,59 @@
+"""Run under torchrun: try each bad configuration on every rank and report what each rank raised.
+
+For each case it prints one JSON line per rank: the exception type and message, and whether a process group
+existed afterwards (it must not: the error has to come before any collective, or ranks could hang)."""
+
+import json
+import sys
+
+import lightning as L
+import torch.distributed as dist
+from torch import nn
+
+from lightning_3d import ThreeDStrategy
+from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
+
+
+class NoModel(L.LightningModule):
+    def training_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return None
+
+
+class EagerModel(GPTLightningModule):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.model = nn.Linear(2, 2)
+
+
+CASES = {
+    "dp_times_tp_pp_is_not_world": lambda: (ThreeDStrategy(data_parallel_size=3), GPTLightningModule(config=TINY)),
+    "tp_pp_does_not_divide_world": lambda: (ThreeDStrategy(pipeline_parallel_size=3), GPTLightningModule(config=TINY)),
+    "unknown_policy": lambda: (ThreeDStrategy(policy="no_such_policy"), GPTLightningModule(config=TINY)),
+    "no_model_at_all": lambda: (ThreeDStrategy(), NoModel()),
+    "meta_init_of_an_eager_model": lambda: (ThreeDStrategy(model_init="meta"), EagerModel(config=TINY)),
+    "unavailable_feature": lambda: (ThreeDStrategy(tensor_parallel_size=2), GPTLightningModule(config=TINY)),
+    "non_positive_size": lambda: (ThreeDStrategy(tensor_parallel_size=0), GPTLightningModule(config=TINY)),
+}
+
+
+def main() -> None:
+    for name in sys.argv[1:]:
+        error = None
+        try:
+            strategy, module = CASES[name]()
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(module, SyntheticDataModule(seq_len=16, batch_size=2))
+        except Exception as err:  # noqa: BLE001  (reporting whatever was raised is the point)
+            error = {"type": type(err).__name__, "message": str(err)}
+        print("RESULT " + json.dumps({"case": name, "error": error, "process_group": dist.is_initialized()}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""ThreeDStrategy as Lightning sees it: registration, construction checks, and bad configurations that must
+fail on every rank before any collective (so no rank can hang waiting for another)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_3d
+from lightning_3d import ParallelConfigError, ThreeDStrategy
+
+TESTS_DIR = Path(__file__).parent
+
+
+def test_import_registers_the_3d_strategy():
+    assert "3d" in StrategyRegistry
+    trainer = L.Trainer(strategy="3d", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, ThreeDStrategy)
+    assert trainer.strategy.parallel_config.tensor_parallel_size == 1
+
+
+def test_constructor_keywords_reach_the_config():
+    strategy = ThreeDStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=8, policy="gpt")
+    config = strategy.parallel_config
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.num_microbatches) == (2, 2, 8)
+    assert config.data_parallel_size == "auto" and config.policy == "gpt"
+
+
+def test_bad_values_fail_at_construction():
+    with pytest.raises(ParallelConfigError, match="tensor_parallel_size must be a positive integer, got 0"):
+        ThreeDStrategy(tensor_parallel_size=0)
+    with pytest.raises(ParallelConfigError, match="pipeline_schedule='pipedream'"):
+        ThreeDStrategy(pipeline_schedule="pipedream")
+
+
+def test_layout_is_unknown_before_setup():
+    with pytest.raises(RuntimeError, match="set up its environment"):
+        ThreeDStrategy().parallel_dims
+
+
+def _torchrun(args, timeout):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+EXPECTED = {
+    "dp_times_tp_pp_is_not_world": ("ParallelConfigError", ["data_parallel_size (3)", "= 3", "world size is 2"]),
+    "tp_pp_does_not_divide_world": ("ParallelConfigError", ["pipeline_parallel_size (3)", "world size 2", "[1, 2]"]),
+    "unknown_policy": ("PolicyError", ["'no_such_policy'", "'gpt'", "register_policy"]),
+    "no_model_at_all": ("TypeError", ["NoModel has no parameters", "configure_model()"]),
+    "meta_init_of_an_eager_model": ("ParallelConfigError", ["model_init='meta'", "EagerModel", "model_init='auto'"]),
+    "unavailable_feature": ("ParallelConfigError", ["tensor_parallel_size=2", "does not implement yet"]),
+    "non_positive_size": ("ParallelConfigError", ["tensor_parallel_size must be a positive integer, got 0"]),
+}
+
+
+@pytest.mark.multiprocess
+def test_bad_configurations_fail_on_every_rank_before_any_collective():
+    proc = _torchrun([str(TESTS_DIR / "bad_config_worker.py"), *EXPECTED], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 2 * len(EXPECTED), proc.stdout[-4000:]
+    for result in results:
+        error_type, fragments = EXPECTED[result["case"]]
+        assert result["error"] is not None, f"{result['case']} did not fail"
+        assert result["error"]["type"] == error_type, result
+        for fragment in fragments:
+            assert fragment in result["error"]["message"], (fragment, result)
+        assert not result["process_group"], f"{result['case']} failed after the process group was created"
+
+
+@pytest.mark.multiprocess
+def test_an_uncaught_config_error_ends_every_process(tmp_path):
+    """Lightning's own launcher (devices=2 from a plain script): both ranks exit non-zero with the message,
+    in seconds, and no process is left behind."""
+    script = tmp_path / "bad_job.py"
+    script.write_text(textwrap.dedent("""
+        import lightning as L
+        from lightning_3d import ThreeDStrategy
+        from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ThreeDStrategy(data_parallel_size=4),
+                            max_steps=1, logger=False, enable_checkpointing=False)
+        trainer.fit(GPTLightningModule(config=GPTConfig(n_layer=1)), SyntheticDataModule())
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "data_parallel_size (4) * pipeline_parallel_size (1) * tensor_parallel_size (1) = 4" in proc.stderr
+    assert "world size is 2" in proc.stderr
+    leftover = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes left behind: {leftover.stdout}"
