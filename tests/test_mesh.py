@@ -1,0 +1,44 @@
+"""The DeviceMesh that ParallelDims builds on 8 real ranks has the documented layout."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_3d import ParallelDims, RankCoords
+
+LAYOUTS = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 4, 1), (4, 1, 2), (1, 2, 4)]  # (dp, pp, tp)
+
+
+@pytest.fixture(scope="module")
+def mesh_views():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+           str(Path(__file__).parent / "mesh_worker.py"), *(",".join(map(str, layout)) for layout in LAYOUTS)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    views = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("MESH ")]
+    assert len(views) == 8 * len(LAYOUTS)
+    return views
+
+
+@pytest.mark.multiprocess
+def test_every_rank_sees_the_documented_groups_and_coordinates(mesh_views):
+    for view in mesh_views:
+        dp, pp, tp = (int(x) for x in view["layout"].split(","))
+        dims = ParallelDims(dp=dp, pp=pp, tp=tp)
+        rank = view["rank"]
+        assert view["names"] == ["pp", "dp", "tp"]
+        for dim in ("pp", "dp", "tp"):
+            assert view["groups"][dim] == dims.group_ranks(dim, rank), (view, dim)
+        assert RankCoords(**{d: view["local"][d] for d in ("dp", "pp", "tp")}) == dims.coords(rank), view
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_groups_are_consecutive_ranks(mesh_views):
+    for view in mesh_views:
+        tp_group = view["groups"]["tp"]
+        assert tp_group == list(range(tp_group[0], tp_group[0] + len(tp_group))), view
