@@ -55,6 +55,10 @@ class ParallelConfig:
     meta device and replays each module's ``reset_parameters()`` per shard; "auto" takes "exact" for a model
     built in ``__init__`` and "meta" for one built in ``configure_model()``."""
 
+    vocab_parallel_loss: bool = True
+    """Under tp > 1, keep the logits sharded over the vocabulary and compute ``F.cross_entropy`` on the shards
+    (the full logits never exist on one rank); False gathers full logits, as plain tensors, on every rank."""
+
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size"):
             _require_positive_int(name, getattr(self, name))

@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_3d.policies.base import Plan
 
-def replicate_with_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> DistributedDataParallel:
-    """Wrap ``module`` in PyTorch's ``DistributedDataParallel`` over the "dp" process group.
 
-    DDP's bucketed gradient all-reduce, overlapped with backward, is the fastest replicated data parallel
+def apply_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Replicate ``module`` over ``dp_mesh``; return the module Lightning should call.
+
+    Plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned as a wrapper.
+    Its bucketed gradient all-reduce, overlapped with backward, is the fastest replicated data parallel
     PyTorch has (FSDP2's ``replicate`` steps the optimizer on DTensors: measured ~3x slower optimizer steps
     for the reference GPT on CPU), and it is what Lightning's ``DDPStrategy`` runs, so a data-parallel run
-    here trains exactly like one there. The weights are already equal on every dp rank (see
-    ``lightning_3d.parallel.init``), so DDP's start-up broadcast is skipped.
+    trains exactly like one there. The weights are already equal on every dp rank
+    (``lightning_3d.parallel.init``), so DDP's start-up broadcast is skipped.
+
+    DTensor parameters (tensor parallel): DDP cannot reduce them; FSDP2's ``replicate`` can, on the 2D
+    (dp, tp) mesh. It is applied in place to each block first, then to the module, so each block's
+    all-reduce starts as soon as its backward is done.
     """
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        for fqn in plan.blocks:
+            replicate(module.get_submodule(fqn), mesh=dp_mesh)
+        replicate(module, mesh=dp_mesh)
+        return module
     return DistributedDataParallel(
         module,
         device_ids=None if device.type == "cpu" else [device.index],

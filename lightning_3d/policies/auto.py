@@ -6,7 +6,7 @@ import logging
 
 from torch import nn
 
-from lightning_3d.policies.base import Plan, Policy, find_submodule, join_fqn
+from lightning_3d.policies.base import Plan, PlanOptions, Policy, find_submodule, join_fqn
 from lightning_3d.policies.registry import register_policy, registered_policies
 
 log = logging.getLogger(__name__)
@@ -17,11 +17,11 @@ class AutoPolicy(Policy):
     """Delegates to the registered policy whose ``model_classes`` the model contains; for unknown models,
     takes the longest list of same-class child modules (``nn.ModuleList`` / ``nn.Sequential``) as the blocks."""
 
-    def plan(self, root: nn.Module) -> Plan:
+    def plan(self, root: nn.Module, options: PlanOptions = PlanOptions()) -> Plan:
         policy = self.known_policy(root)
         if policy is not None:
             log.info("policy='auto' uses policy=%r for %s", policy.name, type(root).__name__)
-            return policy.plan(root)
+            return policy.plan(root, options)
         blocks = repeated_blocks(root)
         if not blocks:
             log.warning(

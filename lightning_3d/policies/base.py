@@ -3,27 +3,49 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 
 class PolicyError(ValueError):
     """A policy that cannot be found or cannot handle the model; the message says what to change."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What the layout asks of a policy (plain values: a policy never sees a process group)."""
+
+    tp: int = 1
+    """Tensor-parallel size: heads, hidden and vocabulary sizes are split by it."""
+    sequence_parallel: bool = False
+    """Keep activations between blocks sharded along the sequence (Megatron-style SP)."""
+    vocab_parallel_loss: bool = True
+    """Leave the logits sharded over the vocabulary (the loss is computed on the shards) instead of gathering."""
+
+
 @dataclass(kw_only=True)
 class Plan:
     """How to parallelize one model. Every name is a fully qualified module name (FQN) relative to the
-    LightningModule, i.e. the names ``named_modules()`` of the single-device model gives.
+    LightningModule, i.e. the names ``named_modules()`` of the single-device model gives; in ``tp_plan`` a
+    ``*`` stands for any one name (``"model.blocks.*.attn.q_proj"``).
 
     Example::
 
-        Plan(blocks=["model.blocks.0", "model.blocks.1"])
+        Plan(blocks=["model.blocks.0", "model.blocks.1"],
+             tp_plan={"model.blocks.*.mlp.up_proj": ColwiseParallel(), "model.blocks.*.mlp.down_proj": RowwiseParallel()})
     """
 
     blocks: list[str] = field(default_factory=list)
     """The repeated blocks (transformer layers) in execution order: the units pipeline stages are cut from
     and activation checkpointing wraps."""
+    tp_plan: dict[str, ParallelStyle] = field(default_factory=dict)
+    """FQN pattern -> PyTorch ``ParallelStyle`` (column-/row-wise, sequence parallel, prepare input/output),
+    applied on the "tp" sub-mesh by ``parallelize_module``. Empty when tp == 1."""
+    attribute_fixes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """FQN -> {attribute: value on each tp rank}, for modules that keep sizes the split changes (heads per
+    rank, hidden size per rank)."""
 
 
 class Policy:
@@ -38,16 +60,19 @@ class Policy:
         class MyNetPolicy(Policy):
             model_classes = ("my_pkg.models.MyNet",)
 
-            def plan(self, root):
+            def plan(self, root, options=PlanOptions()):
                 prefix = find_submodule(root, self.model_classes)
-                return Plan(blocks=[f"{prefix}.layers.{i}" for i in range(len(root.get_submodule(prefix).layers))])
+                layers = root.get_submodule(prefix).layers
+                tp_plan = {f"{prefix}.layers.*.fc1": ColwiseParallel(), f"{prefix}.layers.*.fc2": RowwiseParallel()}
+                return Plan(blocks=[f"{prefix}.layers.{i}" for i in range(len(layers))],
+                            tp_plan=tp_plan if options.tp > 1 else {})
     """
 
     name: str = ""
     model_classes: tuple[str, ...] = ()
 
-    def plan(self, root: nn.Module) -> Plan:
-        raise NotImplementedError(f"{type(self).__name__} must implement plan(root) -> Plan")
+    def plan(self, root: nn.Module, options: PlanOptions = PlanOptions()) -> Plan:
+        raise NotImplementedError(f"{type(self).__name__} must implement plan(root, options) -> Plan")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -35,14 +34,26 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_3d.parallel.data_parallel import replicate_with_ddp
+from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
+from lightning_3d.parallel.loss import VocabParallelLoss
+from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.policies import Policy, resolve_policy
+from lightning_3d.policies.base import Plan, PlanOptions
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +95,7 @@ class ThreeDStrategy(ParallelStrategy):
         activation_checkpointing: Optional[str] = None,
         init_from: Optional[str] = None,
         model_init: str = "auto",
+        vocab_parallel_loss: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -113,6 +125,7 @@ class ThreeDStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             init_from=init_from,
             model_init=model_init,
+            vocab_parallel_loss=vocab_parallel_loss,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -121,7 +134,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._device_mesh = None
         self._policy: Optional[Policy] = None
         self._init_rng_state: Optional[Tensor] = None
-        self._materialized_module: Optional[nn.Module] = None
+        self._prepared_module: Optional[nn.Module] = None
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
 
@@ -231,60 +244,92 @@ class ThreeDStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._materialize(self.lightning_module)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        # Only fitting has gradients to reduce; evaluation runs the module as is (as DDPStrategy does).
-        self.model = self._parallelize(self.lightning_module) if fitting else self.lightning_module
-        if fitting:
+        module = self.lightning_module
+        if self._prepared_module is not module:  # setup() runs again for validate()/test() after fit()
+            init = prepare_model(module, self._plan(module), self.device_mesh, self.root_device, self._init_rng_state)
+            rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
+            self.precision_plugin.convert_module(module)
+            self._prepared_module = module
+        self.model = self._data_parallel(module)
+        if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if fitting:
+        if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _materialize(self, module: pl.LightningModule) -> None:
-        """Give the module its initial full weights, the same on every rank and for every layout."""
-        on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-        if on_meta:
-            check_replayable(module)
-            # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
-            skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
-            # Rank 0's random stream as it was when construction began, for every rank.
-            rng_state = self.broadcast(self._init_rng_state if self._init_rng_state is not None else torch.get_rng_state())
-            module.to_empty(device=self.root_device)
-            replay_init(skeleton, module, rng_state)
-            self._materialized_module = module
-            rank_zero_info("lightning_3d: model_init='meta' (reset_parameters() replayed from the seed)")
-        elif not self._materialized_by_us(module):
-            broadcast_from_rank0(module)
-            rank_zero_info("lightning_3d: model_init='exact' (rank 0's eagerly built weights)")
-        self.precision_plugin.convert_module(module)
-        module.to(self.root_device)
+    def _plan(self, module: nn.Module) -> Plan:
+        config = self.parallel_config
+        options = PlanOptions(tp=self.parallel_dims.tp, sequence_parallel=config.sequence_parallel,
+                              vocab_parallel_loss=config.vocab_parallel_loss)
+        return self._policy.plan(module, options)
 
-    def _materialized_by_us(self, module: nn.Module) -> bool:
-        # setup() runs again for validate()/test() after fit(): the weights are trained by then, keep them.
-        return self._materialized_module is module
-
-    def _parallelize(self, module: pl.LightningModule) -> nn.Module:
-        """Apply the layout and return the module Lightning calls. The order, fixed:
-        stage split -> tensor parallel -> activation checkpointing -> data parallel.
-        Data parallel goes last because it wraps (and reduces gradients of) what the earlier steps produced."""
-        # Fails here, on every rank alike, if the policy does not fit the model. The plan's blocks are what
-        # the pipeline split and activation checkpointing will consume.
-        self._policy.plan(module)
-        if self.parallel_dims.dp == 1:
+    def _data_parallel(self, module: nn.Module) -> nn.Module:
+        if self.parallel_dims.dp == 1 or isinstance(module, FSDPModule):  # FSDPModule: replicated in place before
             return module
-        return replicate_with_ddp(module, self.device_mesh["dp"], self.root_device)
+        return apply_data_parallel(module, self._plan(module), self.device_mesh["dp"], self.root_device)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
+        # Lightning's forward redirection sends the call through that forward into `method`.
+        with self._vocab_parallel_loss():
+            if self.model is not self.lightning_module or isinstance(self.model, FSDPModule):
+                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+            return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    def _vocab_parallel_loss(self):
+        tp_loss = self.parallel_dims.tp > 1 and self.parallel_config.vocab_parallel_loss
+        return VocabParallelLoss() if tp_loss else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
+        with loss_parallel() if self.parallel_dims.tp > 1 else nullcontext():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         # Manual optimization calls backward inside DDP's forward; DDP must be told what to reduce.
         if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
             prepare_for_backward(self.model, closure_loss)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for all but the last micro-step of gradient accumulation.
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+        else:
+            with super().block_backward_sync():
+                yield
 
     # ------------------------------------------------------------------ collectives
 
@@ -313,6 +358,30 @@ class ThreeDStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ------------------------------------------------------------------ checkpoints: full tensors, rank 0 writes
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Shards (DTensors) are gathered into the single-device tensors under their single-device names.
+        return get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            set_optimizer_state_dict(self.lightning_module, optimizer, state,
+                                     options=StateDictOptions(full_state_dict=True))
+
     # ------------------------------------------------------------------ registration and teardown
 
     @classmethod
@@ -335,7 +404,6 @@ class ThreeDStrategy(ParallelStrategy):
 # Features that ParallelConfig accepts (they are part of the public signature) but that this version does
 # not implement yet; each is rejected before any collective instead of being silently ignored.
 _UNAVAILABLE = {
-    "tensor_parallel_size": (lambda c: c.tensor_parallel_size > 1, "tensor parallelism"),
     "pipeline_parallel_size": (lambda c: c.pipeline_parallel_size > 1, "pipeline parallelism"),
     "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
     "activation_checkpointing": (lambda c: c.activation_checkpointing is not None, "activation checkpointing"),

@@ -1,0 +1,48 @@
+"""Vocabulary-parallel cross-entropy for an unchanged ``training_step``.
+
+Under tensor parallelism the output head leaves the logits sharded over the vocabulary (a DTensor), so the
+full ``(tokens, vocab)`` logits never exist on one rank. The user's ``F.cross_entropy(logits, targets)``
+(or ``nn.CrossEntropyLoss``, which calls it) still works: while the strategy runs a step it holds
+:class:`VocabParallelLoss`, a ``TorchFunctionMode`` that sends cross-entropy on a DTensor to PyTorch's
+``loss_parallel`` (log-softmax reduced across the shards: two small all-reduces per call) and hands back an
+ordinary tensor, so logging and everything after it is as on one device. Backward must run inside
+``loss_parallel()`` too; the strategy does that.
+
+Outside a strategy step, :func:`vocab_parallel_cross_entropy` is the same computation as a plain function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.overrides import TorchFunctionMode
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
+    """``F.cross_entropy`` on logits sharded over the class dimension, returning a plain tensor.
+
+    Example::
+
+        logits = model(tokens)                     # DTensor, (B, T, V) sharded on V
+        loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """
+    if not isinstance(logits, DTensor):
+        return F.cross_entropy(logits, targets, **kwargs)
+    with loss_parallel():
+        loss = F.cross_entropy(logits, targets, **kwargs)
+    # The loss is replicated on every tp rank: its local value is the whole value.
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+class VocabParallelLoss(TorchFunctionMode):
+    """Routes ``F.cross_entropy`` on vocabulary-sharded DTensor logits to :func:`vocab_parallel_cross_entropy`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and args and isinstance(args[0], DTensor):
+            return vocab_parallel_cross_entropy(*args, **kwargs)
+        return func(*args, **kwargs)

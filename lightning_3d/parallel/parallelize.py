@@ -1,0 +1,59 @@
+"""Turn the single-device model into this rank's part of the parallel model, in one fixed order."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
+from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_3d.policies.base import Plan
+
+log = logging.getLogger(__name__)
+
+
+def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
+                  init_rng_state: Tensor | None) -> str:
+    """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
+
+    Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
+    ``lightning_3d.parallel.init``). The order:
+
+    1. tensor parallel (``plan.tp_plan`` on the "tp" sub-mesh) -- on the meta device when the model is
+       there, so a rank only ever allocates its shards;
+    2. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
+       rank 0's eagerly built weights, broadcast before any sharding (exact).
+
+    Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced.
+    """
+    on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    if on_meta:
+        check_replayable(module)
+        # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
+        skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
+        rng_state = _from_rank0(init_rng_state if init_rng_state is not None else torch.get_rng_state())
+    else:
+        broadcast_from_rank0(module)
+
+    if plan.tp_plan:
+        apply_tensor_parallel(module, plan, mesh["tp"])
+
+    if on_meta:
+        module.to_empty(device=device)
+        replay_init(skeleton, module, rng_state)
+    module.to(device)
+    return "meta" if on_meta else "exact"
+
+
+def _from_rank0(state: Tensor) -> Tensor:
+    """Rank 0's random state, for every rank (each rank's own may differ if the user did not seed)."""
+    if not dist.is_initialized():
+        return state
+    holder = [state]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

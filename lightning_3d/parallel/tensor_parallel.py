@@ -1,0 +1,70 @@
+"""Tensor parallel over the "tp" mesh dimension: a policy's plan, checked, then applied by PyTorch."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from lightning_3d.policies.base import Plan, PolicyError
+
+
+def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
+    """Swap in the plan's parallel layers (DTensor parameters on ``tp_mesh``) and apply its attribute fixes.
+
+    Runs on the meta device as well: parameters become DTensors whose local shards are allocated and
+    initialized later (``lightning_3d.parallel.init``)."""
+    check_tp_plan(root, plan.tp_plan, tp_mesh.size())
+    parallelize_module(root, tp_mesh, plan.tp_plan)
+    for fqn, attributes in plan.attribute_fixes.items():
+        module = root.get_submodule(fqn)
+        for name, value in attributes.items():
+            setattr(module, name, value)
+
+
+def match_modules(root: nn.Module, pattern: str) -> list[str]:
+    """FQNs of the modules a plan pattern names; ``*`` matches any one name, as in ``parallelize_module``."""
+    atoms = pattern.split(".")
+    return [
+        fqn for fqn, _ in root.named_modules()
+        if fqn and len(fqn.split(".")) == len(atoms)
+        and all(fnmatchcase(name, atom) for name, atom in zip(fqn.split("."), atoms))
+    ]
+
+
+def check_tp_plan(root: nn.Module, tp_plan: dict[str, ParallelStyle], tp: int) -> None:
+    """Every pattern names at least one module, and every split divides the size it splits; else one error
+    listing all problems (raised identically on every rank, before any parameter is sharded)."""
+    problems = []
+    for pattern, style in tp_plan.items():
+        fqns = match_modules(root, pattern)
+        if not fqns:
+            problems.append(f"pattern {pattern!r} ({type(style).__name__}) matches no module")
+        for fqn in fqns:
+            problem = _split_problem(root.get_submodule(fqn), style, tp)
+            if problem:
+                problems.append(f"{fqn}: {problem}")
+    if problems:
+        raise PolicyError(
+            f"The tensor-parallel plan does not fit the model at tensor_parallel_size={tp}:\n  - "
+            + "\n  - ".join(problems)
+            + "\nChange the model sizes, tensor_parallel_size, or the policy."
+        )
+
+
+def _split_problem(module: nn.Module, style: ParallelStyle, tp: int) -> str | None:
+    """What a column-/row-wise split of ``module`` over ``tp`` ranks cannot do, or None."""
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return None
+    column = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Linear):
+        name, size = ("out_features", module.out_features) if column else ("in_features", module.in_features)
+    elif isinstance(module, nn.Embedding):
+        name, size = ("embedding_dim", module.embedding_dim) if column else ("num_embeddings", module.num_embeddings)
+    else:
+        return f"{type(style).__name__} applies to nn.Linear or nn.Embedding, not {type(module).__name__}"
+    if size % tp:
+        return f"{type(style).__name__} splits {name}={size} over {tp} ranks, which does not divide it"
+    return None
