@@ -1,10 +1,16 @@
 """Run under torchrun: try each bad configuration on every rank and report what each rank raised.
 
-For each case it prints one JSON line per rank: the exception type and message, and whether a process group
-existed afterwards (it must not: the error has to come before any collective, or ranks could hang)."""
+Each rank writes a JSON file (stdout lines of several ranks can interleave): per case, the exception type and
+message, and whether a process group existed afterwards (it must not: the error has to come before any
+collective, or ranks could hang).
+
+    python -m torch.distributed.run --nproc-per-node 2 bad_config_worker.py OUT_DIR CASE [CASE ...]
+"""
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch.distributed as dist
@@ -36,13 +42,14 @@ CASES = {
     "unknown_policy": lambda: (ThreeDStrategy(policy="no_such_policy"), GPTLightningModule(config=TINY)),
     "no_model_at_all": lambda: (ThreeDStrategy(), NoModel()),
     "meta_init_of_an_eager_model": lambda: (ThreeDStrategy(model_init="meta"), EagerModel(config=TINY)),
-    "unavailable_feature": lambda: (ThreeDStrategy(tensor_parallel_size=2), GPTLightningModule(config=TINY)),
+    "unavailable_feature": lambda: (ThreeDStrategy(pipeline_parallel_size=2), GPTLightningModule(config=TINY)),
     "non_positive_size": lambda: (ThreeDStrategy(tensor_parallel_size=0), GPTLightningModule(config=TINY)),
 }
 
 
-def main() -> None:
-    for name in sys.argv[1:]:
+def main(out_dir: str, names: list[str]) -> None:
+    results = []
+    for name in names:
         error = None
         try:
             strategy, module = CASES[name]()
@@ -51,9 +58,9 @@ def main() -> None:
             trainer.fit(module, SyntheticDataModule(seq_len=16, batch_size=2))
         except Exception as err:  # noqa: BLE001  (reporting whatever was raised is the point)
             error = {"type": type(err).__name__, "message": str(err)}
-        print("RESULT " + json.dumps({"case": name, "error": error, "process_group": dist.is_initialized()}),
-              flush=True)
+        results.append({"case": name, "error": error, "process_group": dist.is_initialized()})
+    (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2:])

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+from toy_model import ToyLightningModule
 
 TESTS_DIR = Path(__file__).parent
 SEED = 1234
@@ -38,7 +39,7 @@ class Case:
     strategy_kwargs: dict = field(default_factory=dict)
     module: str = "gpt"
     """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
-    (training_step calls ``self(...)``, i.e. LightningModule.forward)."""
+    (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py)."""
     dp: int = 1
     """Data-parallel size of the run: the global batch is split into dp per-rank batches."""
     global_batch_size: int = 8
@@ -73,7 +74,8 @@ class SelfCallingGPTModule(GPTLightningModule):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-MODULES = {"gpt": GPTLightningModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule}
+MODULES = {"gpt": GPTLightningModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
+           "toy": ToyLightningModule}
 
 
 class ReferenceDataModule(SyntheticDataModule):
@@ -132,6 +134,17 @@ def run_reference(case: Case) -> Result:
     recorder = LossRecorder()
     _trainer(case, "auto", 1, recorder).fit(module, data)
     return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+_REFERENCES: dict[tuple, Result] = {}
+
+
+def reference_for(case: Case) -> Result:
+    """The one-process run that ``case`` must match: same module, global batch, accumulation, steps (cached)."""
+    key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_reference(case)
+    return _REFERENCES[key]
 
 
 def run_distributed(case: Case) -> Result | None:

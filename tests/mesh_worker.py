@@ -1,19 +1,24 @@
 """Run under torchrun with 8 ranks: build the device mesh of several layouts and report each rank's view.
 
-Prints one JSON line per (layout, rank): the rank's coordinates and the global ranks of its tp, dp and pp
-sub-meshes, as the DeviceMesh itself reports them."""
+Writes one JSON file per rank (stdout lines of 8 ranks can interleave): per layout, the rank's coordinates and
+the global ranks of its tp, dp and pp sub-meshes, as the DeviceMesh itself reports them.
+
+    python -m torch.distributed.run --nproc-per-node 8 mesh_worker.py OUT_DIR 2,2,2 8,1,1 ...
+"""
 
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
 from lightning_3d import ParallelConfig, ParallelDims
 
 
-def main(layouts: list[str]) -> None:
+def main(out_dir: str, layouts: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    views = []
     for layout in layouts:
         dp, pp, tp = (int(x) for x in layout.split(","))
         dims = ParallelDims.from_config(
@@ -23,10 +28,11 @@ def main(layouts: list[str]) -> None:
         mesh = dims.build_mesh("cpu")
         view = {dim: mesh[dim].mesh.flatten().tolist() for dim in ("pp", "dp", "tp")}
         local = {dim: mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp")}
-        print("MESH " + json.dumps({"layout": layout, "rank": rank, "groups": view, "local": local,
-                                    "names": list(mesh.mesh_dim_names)}), flush=True)
+        views.append({"layout": layout, "rank": rank, "groups": view, "local": local,
+                      "names": list(mesh.mesh_dim_names)})
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(views))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1], sys.argv[2:])

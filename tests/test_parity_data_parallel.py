@@ -4,7 +4,7 @@ One torchrun launch per world size runs every case of that size (start-up is pai
 
 import pytest
 
-from harness import Case, assert_parity, launch, run_reference
+from harness import Case, assert_parity, launch, reference_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,24 +29,9 @@ def results(tmp_path_factory):
     return {**launch(WORLD_2, 2, out / "world2"), **launch(WORLD_4, 4, out / "world4")}
 
 
-@pytest.fixture(scope="module")
-def references():
-    return {}
-
-
-def reference_for(case, references):
-    key = (case.module, case.accumulate_grad_batches, case.global_batch_size, case.steps)
-    if key not in references:
-        references[key] = run_reference(Case(name="reference", strategy="single", module=case.module,
-                                             accumulate_grad_batches=case.accumulate_grad_batches,
-                                             global_batch_size=case.global_batch_size, steps=case.steps))
-    return references[key]
-
-
 @pytest.mark.parametrize("name", [c.name for c in WORLD_2 + WORLD_4])
-def test_matches_single_process(name, results, references):
-    case = CASES[name]
-    assert_parity(results[name], reference_for(case, references))
+def test_matches_single_process(name, results):
+    assert_parity(results[name], reference_for(CASES[name]))
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from lightning_3d.models import GPTConfig, GPTLightningModule
-from lightning_3d.policies import Plan, Policy, PolicyError, register_policy, registered_policies, resolve_policy
+from lightning_3d.policies import Plan, PlanOptions, Policy, PolicyError, register_policy, registered_policies, resolve_policy
 from lightning_3d.policies import registry
 from lightning_3d.policies.auto import AutoPolicy
 from lightning_3d.policies.gpt import GPTPolicy
@@ -187,7 +187,7 @@ def test_auto_policy_prefers_a_registered_policy_for_its_model_class(restore_reg
     class UnknownNetPolicy(Policy):
         model_classes = (f"{UnknownNet.__module__}.{UnknownNet.__qualname__}",)
 
-        def plan(self, root):
+        def plan(self, root, options=PlanOptions()):
             return Plan(blocks=["stem.0", "stem.1"])
 
     assert AutoPolicy().plan(UnknownNet()).blocks == ["stem.0", "stem.1"]

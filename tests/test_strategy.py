@@ -56,16 +56,16 @@ EXPECTED = {
     "unknown_policy": ("PolicyError", ["'no_such_policy'", "'gpt'", "register_policy"]),
     "no_model_at_all": ("TypeError", ["NoModel has no parameters", "configure_model()"]),
     "meta_init_of_an_eager_model": ("ParallelConfigError", ["model_init='meta'", "EagerModel", "model_init='auto'"]),
-    "unavailable_feature": ("ParallelConfigError", ["tensor_parallel_size=2", "does not implement yet"]),
+    "unavailable_feature": ("ParallelConfigError", ["pipeline_parallel_size=2", "does not implement yet"]),
     "non_positive_size": ("ParallelConfigError", ["tensor_parallel_size must be a positive integer, got 0"]),
 }
 
 
 @pytest.mark.multiprocess
-def test_bad_configurations_fail_on_every_rank_before_any_collective():
-    proc = _torchrun([str(TESTS_DIR / "bad_config_worker.py"), *EXPECTED], timeout=300)
+def test_bad_configurations_fail_on_every_rank_before_any_collective(tmp_path):
+    proc = _torchrun([str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), *EXPECTED], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [r for rank in range(2) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert len(results) == 2 * len(EXPECTED), proc.stdout[-4000:]
     for result in results:
         error_type, fragments = EXPECTED[result["case"]]

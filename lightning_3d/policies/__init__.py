@@ -3,13 +3,14 @@
 Built-ins: ``"gpt"`` (the reference GPT) and ``"auto"``. Register your own with :func:`register_policy`.
 """
 
-from lightning_3d.policies.base import Plan, Policy, PolicyError, find_submodule
+from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy, registered_policies, resolve_policy
 from lightning_3d.policies import auto as _auto  # noqa: F401  (registers "auto")
 from lightning_3d.policies import gpt as _gpt  # noqa: F401  (registers "gpt")
 
 __all__ = [
     "Plan",
+    "PlanOptions",
     "Policy",
     "PolicyError",
     "find_submodule",
