@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_3d.policies.base import Plan, PolicyError
@@ -68,3 +71,24 @@ def _split_problem(module: nn.Module, style: ParallelStyle, tp: int) -> str | No
     if size % tp:
         return f"{type(style).__name__} splits {name}={size} over {tp} ranks, which does not divide it"
     return None
+
+
+def reduce_partial_grads(module: nn.Module) -> None:
+    """Finish the gradients that backward left as pending sums (``Partial``) across tp ranks, in one
+    collective per (mesh, placements) group.
+
+    Replicated parameters used on sharded activations -- the norms under sequence parallelism -- get a
+    partial gradient on each tp rank. Left alone, every optimizer op that reads such a gradient would
+    all-reduce it again; Megatron-LM sums them once per step, coalesced, and so does this."""
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            groups[(grad.device_mesh, grad.placements)].append(param)
+    for (mesh, placements), params in groups.items():
+        locals_ = [p.grad.to_local() for p in params]
+        flat = DTensor.from_local(torch.cat([t.reshape(-1) for t in locals_]), mesh, placements, run_check=False)
+        done = [Replicate() if p.is_partial() else p for p in placements]
+        summed = flat.redistribute(placements=done).to_local()
+        for param, local, chunk in zip(params, locals_, summed.split([t.numel() for t in locals_])):
+            param.grad = DTensor.from_local(chunk.view_as(local), mesh, done, run_check=False)

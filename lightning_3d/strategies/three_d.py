@@ -52,6 +52,7 @@ from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import VocabParallelLoss
 from lightning_3d.parallel.parallelize import prepare_model
+from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
 
@@ -135,6 +136,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._policy: Optional[Policy] = None
         self._init_rng_state: Optional[Tensor] = None
         self._prepared_module: Optional[nn.Module] = None
+        self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
 
@@ -309,7 +311,10 @@ class ThreeDStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
         with loss_parallel() if self.parallel_dims.tp > 1 else nullcontext():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.parallel_dims.tp > 1 and self._gradient_sync:
+            reduce_partial_grads(self.lightning_module)
+        return loss
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -321,15 +326,19 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         # Lightning enters this for all but the last micro-step of gradient accumulation.
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self.model.set_requires_gradient_sync(True)
-        else:
-            with super().block_backward_sync():
-                yield
+        self._gradient_sync = False
+        try:
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(False)
+                try:
+                    yield
+                finally:
+                    self.model.set_requires_gradient_sync(True)
+            else:
+                with super().block_backward_sync():
+                    yield
+        finally:
+            self._gradient_sync = True
 
     # ------------------------------------------------------------------ collectives
 
