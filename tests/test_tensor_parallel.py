@@ -117,3 +117,33 @@ def test_sharded_layers_hold_one_tp_th_of_their_bytes_per_rank(measured, tp):
             r = result[f"tp{tp}_sp0_layers{layers}"]
             assert r["sharded_local_bytes"] * tp == r["sharded_full_bytes"]
             assert r["local_bytes"] < r["full_bytes"] / tp * 1.1  # what stays replicated is small
+
+
+@pytest.mark.multiprocess
+def test_sharded_regions_draw_per_tp_rank_and_leave_the_default_stream_alone(measured):
+    # ranks 0,1 form one tp group at tp=2 (dp=2 fills the 4 ranks); so do ranks 2,3
+    for a, b in [(0, 1), (2, 3)]:
+        ra, rb = measured[a]["rng"], measured[b]["rng"]
+        assert ra["shared"] == rb["shared"], "the default stream must be equal across tp ranks"
+        assert ra["private"] != rb["private"], "a sharded region must draw differently on each tp rank"
+        assert ra["default_stream_untouched"] and rb["default_stream_untouched"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sp", ["sp0", "sp1"])
+def test_replicated_parameters_stay_identical_across_tp_ranks_with_dropout(measured, sp):
+    """Different dropout masks on replicated activations would make the replicas drift apart."""
+    for a, b in [(0, 1), (2, 3)]:
+        assert measured[a]["dropout_replicated_params"][sp] == measured[b]["dropout_replicated_params"][sp]
+
+
+def test_gpt_plan_names_the_dropout_that_acts_on_shards():
+    def regions(dropout, sp):
+        gpt = GPT(GPTConfig(**TINY, dropout=dropout))
+        plan = GPTPolicy().plan(gpt, PlanOptions(tp=2, sequence_parallel=sp))
+        assert all(match_modules(gpt, pattern) for pattern in plan.sharded_rng_regions)
+        return plan.sharded_rng_regions
+
+    assert regions(0.0, False) == [] and regions(0.0, True) == []  # nothing random: no stream switching
+    assert regions(0.1, False) == ["blocks.*.attn"]  # attention dropout acts on this rank's heads
+    assert set(regions(0.1, True)) == {"blocks.*.attn", "blocks.*.attn_dropout", "blocks.*.mlp_dropout", "emb_dropout"}

@@ -37,6 +37,8 @@ class GPTConfig:
     """Biases in Linear layers and LayerNorms."""
     init_std: float = 0.02
     """Standard deviation of the normal init of Linear and Embedding weights (GPT-2's 0.02)."""
+    dropout: float = 0.0
+    """Dropout on attention probabilities, on each block's residual branches and on the embeddings."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -102,6 +104,7 @@ class CausalSelfAttention(nn.Module):
         # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * n_layer).
         self.o_proj = Linear(c.n_embd, c.n_embd, bias=c.bias, std=c.init_std / math.sqrt(2 * c.n_layer))
         self.head_dim = c.head_dim
+        self.dropout = c.dropout
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -110,7 +113,8 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.o_proj(y)
 
@@ -135,10 +139,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.mlp_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn_dropout(self.attn(self.ln_1(x)))
+        return x + self.mlp_dropout(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
@@ -155,6 +161,7 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = Embedding(config.vocab_size, config.n_embd, std=config.init_std)
         self.pos_emb = Embedding(config.block_size, config.n_embd, std=config.init_std)
+        self.emb_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, std=config.init_std)
@@ -164,7 +171,7 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds GPTConfig.block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # (B, T, C)
+        x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
+from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_3d.policies.base import Plan
 
@@ -25,35 +26,42 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
     ``lightning_3d.parallel.init``). The order:
 
     1. tensor parallel (``plan.tp_plan`` on the "tp" sub-mesh) -- on the meta device when the model is
-       there, so a rank only ever allocates its shards;
+       there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
+       sharded regions;
     2. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
        rank 0's eagerly built weights, broadcast before any sharding (exact).
 
     Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced.
     """
     on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
+    # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
+    rank0 = _from_rank0({"init": init_rng_state if init_rng_state is not None else torch.get_rng_state(),
+                         "now": torch.get_rng_state(), "seed": torch.initial_seed()})
+    torch.set_rng_state(rank0["now"])
     if on_meta:
         check_replayable(module)
         # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
         skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
-        rng_state = _from_rank0(init_rng_state if init_rng_state is not None else torch.get_rng_state())
     else:
         broadcast_from_rank0(module)
 
     if plan.tp_plan:
         apply_tensor_parallel(module, plan, mesh["tp"])
+        seed = rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank()
+        apply_sharded_rng(module, plan.sharded_rng_regions, ShardedRNG(seed, device))
 
     if on_meta:
         module.to_empty(device=device)
-        replay_init(skeleton, module, rng_state)
+        replay_init(skeleton, module, rank0["init"])
     module.to(device)
     return "meta" if on_meta else "exact"
 
 
-def _from_rank0(state: Tensor) -> Tensor:
-    """Rank 0's random state, for every rank (each rank's own may differ if the user did not seed)."""
+def _from_rank0(obj: dict) -> dict:
+    """Rank 0's object, for every rank."""
     if not dist.is_initialized():
-        return state
-    holder = [state]
+        return obj
+    holder = [obj]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]

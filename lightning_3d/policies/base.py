@@ -46,6 +46,10 @@ class Plan:
     attribute_fixes: dict[str, dict[str, Any]] = field(default_factory=dict)
     """FQN -> {attribute: value on each tp rank}, for modules that keep sizes the split changes (heads per
     rank, hidden size per rank)."""
+    sharded_rng_regions: list[str] = field(default_factory=list)
+    """FQN patterns of modules that draw random numbers (dropout) on tp-sharded data: they draw from a
+    stream private to each tp rank (see ``lightning_3d.parallel.rng``); everything else from the default
+    stream, equal on every tp rank."""
 
 
 class Policy:

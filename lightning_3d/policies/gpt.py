@@ -50,7 +50,12 @@ class GPTPolicy(Policy):
             return Plan(blocks=blocks)
         _check_sizes(gpt.config, options)
         tp_plan = {join_fqn(prefix, name): style for name, style in gpt_tp_plan(options).items()}
-        return Plan(blocks=blocks, tp_plan=tp_plan)
+        # Attention dropout acts on this rank's heads; with SP the residual and embedding dropout act on
+        # this rank's sequence shard. Without SP those two see replicated data: default stream.
+        sharded = ["blocks.*.attn"] if gpt.config.dropout > 0 else []
+        if sharded and options.sequence_parallel:
+            sharded += ["blocks.*.attn_dropout", "blocks.*.mlp_dropout", "emb_dropout"]
+        return Plan(blocks=blocks, tp_plan=tp_plan, sharded_rng_regions=[join_fqn(prefix, n) for n in sharded])
 
 
 def gpt_tp_plan(options: PlanOptions) -> dict[str, ParallelStyle]:

@@ -283,9 +283,12 @@ class ThreeDStrategy(ParallelStrategy):
                 return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
             return getattr(self.lightning_module, method)(*args, **kwargs)
 
+    @property
+    def _uses_vocab_parallel_loss(self) -> bool:
+        return self.parallel_dims.tp > 1 and self.parallel_config.vocab_parallel_loss
+
     def _vocab_parallel_loss(self):
-        tp_loss = self.parallel_dims.tp > 1 and self.parallel_config.vocab_parallel_loss
-        return VocabParallelLoss() if tp_loss else nullcontext()
+        return VocabParallelLoss() if self._uses_vocab_parallel_loss else nullcontext()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -310,7 +313,7 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
-        with loss_parallel() if self.parallel_dims.tp > 1 else nullcontext():
+        with loss_parallel() if self._uses_vocab_parallel_loss else nullcontext():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self.parallel_dims.tp > 1 and self._gradient_sync:
             reduce_partial_grads(self.lightning_module)
