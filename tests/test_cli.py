@@ -29,13 +29,15 @@ def test_example_config_prints_a_complete_resolved_config(config):
 
 
 @pytest.mark.multiprocess
-def test_tiny_cpu_config_trains_a_few_steps_with_the_3d_strategy(tmp_path):
-    config = ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"
+@pytest.mark.parametrize("name, layout", [("gpt_tiny_dp_cpu.yaml", "dp=2 x pp=1 x tp=1 = 2 ranks"),
+                                          ("gpt_tiny_tp_cpu.yaml", "dp=2 x pp=1 x tp=2 = 4 ranks")])
+def test_cpu_config_trains_a_few_steps_with_the_3d_strategy(tmp_path, name, layout):
+    config = ROOT / "example_configs" / name
     proc = _cli("fit", "--config", str(config), "--trainer.max_steps=4", "--trainer.val_check_interval=2",
                 "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "dp=2 x pp=1 x tp=1 = 2 ranks" in proc.stdout + proc.stderr
+    assert layout in proc.stdout + proc.stderr
     assert "`Trainer.fit` stopped: `max_steps=4` reached" in proc.stdout + proc.stderr
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*")), "no TensorBoard event file written"
 
