@@ -202,7 +202,7 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
     return {c.name: torch.load(out_dir / f"{c.name}.pt", weights_only=False) for c in cases}
 
 
-def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5, param_atol: float = 2e-5) -> None:
+def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5, param_atol: float = 1e-5) -> None:
     """Same per-step losses and same full parameters (by FQN) as the reference."""
     assert len(result.losses) == len(reference.losses) > 0, (result.losses, reference.losses)
     loss_diff = max(abs(a - b) for a, b in zip(result.losses, reference.losses))
