@@ -45,6 +45,8 @@ class Case:
     global_batch_size: int = 8
     steps: int = 6
     accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
     model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
 
 
@@ -110,6 +112,8 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
         strategy=strategy,
         max_steps=case.steps,
         accumulate_grad_batches=case.accumulate_grad_batches,
+        gradient_clip_val=case.gradient_clip_val,
+        gradient_clip_algorithm=case.gradient_clip_algorithm,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -141,7 +145,8 @@ _REFERENCES: dict[tuple, Result] = {}
 
 def reference_for(case: Case) -> Result:
     """The one-process run that ``case`` must match: same module, global batch, accumulation, steps (cached)."""
-    key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model))
+    key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model),
+           case.gradient_clip_val, case.gradient_clip_algorithm)
     if key not in _REFERENCES:
         _REFERENCES[key] = run_reference(case)
     return _REFERENCES[key]

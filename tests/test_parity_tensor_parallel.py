@@ -1,4 +1,5 @@
-"""Tensor (and sequence) parallel matches one process, step by step, alone and combined with data parallel.
+"""Tensor (and sequence) parallel matches one process, step by step, alone and combined with data parallel,
+with gradient clipping by the global norm too.
 
 One torchrun launch per world size runs every case of that size."""
 
@@ -7,6 +8,10 @@ import pytest
 from harness import Case, assert_parity, launch, reference_for
 
 pytestmark = pytest.mark.multiprocess
+
+
+# Small enough to clip at every step (the tiny GPT's gradient norm is about 1): see test_clipping_is_active.
+CLIP_NORM, CLIP_VALUE = 0.3, 0.01
 
 
 def tp_case(name, tp, dp=1, **kwargs):
@@ -21,6 +26,10 @@ WORLD_2 = [
     tp_case("tp2_eager_init", 2, module="gpt_eager"),
     tp_case("tp2_user_policy", 2, module="toy", strategy_kwargs=dict(policy="toy")),
     tp_case("tp2_auto_policy_unknown_model", 2, module="toy", strategy_kwargs=dict(policy="auto")),
+    tp_case("tp2_clip_norm", 2, gradient_clip_val=CLIP_NORM),
+    tp_case("tp2_sp_clip_value", 2, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value",
+            strategy_kwargs=dict(sequence_parallel=True)),
+    tp_case("dp2_clip_norm", 1, dp=2, gradient_clip_val=CLIP_NORM),
 ]
 WORLD_4 = [
     tp_case("tp4", 4),
@@ -28,6 +37,7 @@ WORLD_4 = [
     tp_case("dp2_tp2", 2, dp=2),
     tp_case("dp2_tp2_sp", 2, dp=2, strategy_kwargs=dict(sequence_parallel=True)),
     tp_case("dp2_tp2_accumulate2", 2, dp=2, accumulate_grad_batches=2),
+    tp_case("dp2_tp2_sp_clip_norm", 2, dp=2, gradient_clip_val=CLIP_NORM, strategy_kwargs=dict(sequence_parallel=True)),
 ]
 CASES = {c.name: c for c in WORLD_2 + WORLD_4}
 
@@ -41,3 +51,11 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(name, results):
     assert_parity(results[name], reference_for(CASES[name]))
+
+
+def test_clipping_is_active():
+    """The clipping cases above would prove nothing if the thresholds never clipped."""
+    plain = reference_for(tp_case("plain", 1))
+    for kwargs in (dict(gradient_clip_val=CLIP_NORM), dict(gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")):
+        clipped = reference_for(tp_case("clipped", 1, **kwargs))
+        assert abs(clipped.losses[-1] - plain.losses[-1]) > 1e-3, kwargs

@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
@@ -253,6 +254,11 @@ class ThreeDStrategy(ParallelStrategy):
             self.precision_plugin.convert_module(module)
             self._prepared_module = module
         self.model = self._data_parallel(module)
+        # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
+        # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
+        # norm, so its two clip methods are replaced on this instance with global-norm ones.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -269,6 +275,12 @@ class ThreeDStrategy(ParallelStrategy):
         if self.parallel_dims.dp == 1 or isinstance(module, FSDPModule):  # FSDPModule: replicated in place before
             return module
         return apply_data_parallel(module, self._plan(module), self.device_mesh["dp"], self.root_device)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, self.parallel_dims)
+
+    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_value_(self.precision_plugin.main_params(optimizer), clip_val)
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,63 @@
+"""Gradient clipping by the true global norm: every gradient of the whole model counted once.
+
+A rank holds a mix of gradients: tp shards (DTensors, each a piece of one full gradient), copies replicated
+across tp and dp (plain tensors, or DTensors on the dp mesh), and only its own pipeline stage's. The squared
+norm of the whole model is then the sum, over all ranks, of each local squared norm divided by the number of
+ranks that hold an identical copy of that piece -- one all-reduce over the world. It equals the norm of the
+single-device model's gradient, so clipping changes nothing about parity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_3d.parallel.dims import ParallelDims
+
+
+def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor:
+    """The 2-norm of the gradients of the whole model (collective over the world; every rank gets it)."""
+    squares = []
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        local, distinct_shards = grad, 1
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                raise RuntimeError("global_grad_norm got a pending (Partial) gradient; reduce it first")
+            local = grad.to_local()
+            distinct_shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
+        copies = dims.dp * dims.tp // distinct_shards  # ranks of this pipeline stage holding this very piece
+        squares.append(local.detach().float().pow(2).sum() / copies)
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:
+    """Scale all gradients so that their global norm is at most ``max_norm`` (as ``torch.nn.utils`` does,
+    with the norm of the whole model). Returns the norm before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(parameters, dims)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for param in parameters:
+        _local(param.grad).mul_(scale.to(param.grad.dtype))
+    return norm
+
+
+def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (elementwise: no communication)."""
+    for param in parameters:
+        if param.grad is not None:
+            _local(param.grad).clamp_(-clip_value, clip_value)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
