@@ -150,6 +150,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab_size)``.
 
+    Pipeline-ready: its forward skips the modules a pipeline stage does not hold (set to None, blocks
+    deleted from ``blocks``), the convention any model needs to run under ``pipeline_parallel_size > 1``.
+
     Example::
 
         model = GPT(GPTConfig(n_layer=2, n_embd=32))
@@ -162,16 +165,23 @@ class GPT(nn.Module):
         self.tok_emb = Embedding(config.vocab_size, config.n_embd, std=config.init_std)
         self.pos_emb = Embedding(config.block_size, config.n_embd, std=config.init_std)
         self.emb_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # A dict keyed "0", "1", ... (FQNs "blocks.0", as with a list): a pipeline stage deletes the blocks
+        # it does not run and the others keep their names.
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False, std=config.init_std)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds GPTConfig.block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.emb_dropout(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        for block in self.blocks:
+    def forward(self, x: Tensor) -> Tensor:
+        # Under pipeline parallelism a stage holds some of these modules (the rest are None) and gets the
+        # previous stage's hidden states (B, T, C) instead of token ids (B, T).
+        if self.tok_emb is not None:
+            B, T = x.shape
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds GPTConfig.block_size={self.config.block_size}")
+            pos = torch.arange(T, device=x.device)
+            x = self.emb_dropout(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, C)
+        for block in self.blocks.values():
             x = block(x)  # (B, T, C)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        if self.lm_head is not None:
+            x = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        return x

@@ -9,10 +9,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_3d.policies.base import Plan
 
 
-def apply_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
+                        device: torch.device) -> nn.Module:
     """Replicate ``module`` over ``dp_mesh``; return the module Lightning should call.
 
     Plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned as a wrapper.
@@ -23,12 +23,12 @@ def apply_data_parallel(module: nn.Module, plan: Plan, dp_mesh: DeviceMesh, devi
     (``lightning_3d.parallel.init``), so DDP's start-up broadcast is skipped.
 
     DTensor parameters (tensor parallel): DDP cannot reduce them; FSDP2's ``replicate`` can, on the 2D
-    (dp, tp) mesh. It is applied in place to each block first, then to the module, so each block's
-    all-reduce starts as soon as its backward is done.
+    (dp, tp) mesh. It is applied in place to each of ``blocks`` (submodules of ``module``) first, then to
+    the module, so each block's all-reduce starts as soon as its backward is done.
     """
     if any(isinstance(p, DTensor) for p in module.parameters()):
-        for fqn in plan.blocks:
-            replicate(module.get_submodule(fqn), mesh=dp_mesh)
+        for block in blocks:
+            replicate(block, mesh=dp_mesh)
         replicate(module, mesh=dp_mesh)
         return module
     return DistributedDataParallel(

@@ -12,26 +12,32 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
-from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
+from lightning_3d.pipeline.split import split_stages
 from lightning_3d.policies.base import Plan
 
 log = logging.getLogger(__name__)
 
 
 def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
-                  init_rng_state: Tensor | None) -> str:
+                  init_rng_state: Tensor | None, stage_blocks: list[list[str]] | None = None,
+                  stage_ids: list[int] = ()) -> tuple[str, list[nn.Module]]:
     """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
 
     Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
-    ``lightning_3d.parallel.init``). The order:
+    ``lightning_3d.parallel.init``), and this rank's pipeline stage modules (none without pipeline
+    parallelism). The order:
 
+    0. pipeline split (``stage_blocks``: the blocks of every stage; ``stage_ids``: this rank's stages) --
+       ``module`` keeps this rank's part under the single-device names;
     1. tensor parallel (``plan.tp_plan`` on the "tp" sub-mesh) -- on the meta device when the model is
        there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
        sharded regions;
     2. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
        rank 0's eagerly built weights, broadcast before any sharding (exact).
 
-    Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced.
+    Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced (the
+    module, or each pipeline stage).
     """
     on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
@@ -47,6 +53,9 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
         broadcast_from_rank0(module)
 
     if plan.tp_plan:
+        check_tp_plan(module, plan.tp_plan, mesh["tp"].size())  # on the whole model, before any split
+    stages = split_stages(module, plan, stage_blocks, list(stage_ids)) if stage_blocks else []
+    if plan.tp_plan:
         apply_tensor_parallel(module, plan, mesh["tp"])
         seed = rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank()
         apply_sharded_rng(module, plan.sharded_rng_regions, ShardedRNG(seed, device))
@@ -55,7 +64,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
         module.to_empty(device=device)
         replay_init(skeleton, module, rank0["init"])
     module.to(device)
-    return "meta" if on_meta else "exact"
+    return ("meta" if on_meta else "exact"), stages
 
 
 def _from_rank0(obj: dict) -> dict:

@@ -15,16 +15,19 @@ from lightning_3d.policies.base import Plan, PolicyError
 
 
 def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:
-    """Swap in the plan's parallel layers (DTensor parameters on ``tp_mesh``) and apply its attribute fixes.
+    """Swap in the plan's parallel layers (DTensor parameters on ``tp_mesh``) and apply its attribute fixes,
+    for the modules ``root`` holds (a pipeline stage holds some; check the plan on the whole model first
+    with :func:`check_tp_plan`).
 
     Runs on the meta device as well: parameters become DTensors whose local shards are allocated and
     initialized later (``lightning_3d.parallel.init``)."""
-    check_tp_plan(root, plan.tp_plan, tp_mesh.size())
-    parallelize_module(root, tp_mesh, plan.tp_plan)
+    present = {pattern: style for pattern, style in plan.tp_plan.items() if match_modules(root, pattern)}
+    parallelize_module(root, tp_mesh, present)
+    held = {fqn for fqn, _ in root.named_modules()}
     for fqn, attributes in plan.attribute_fixes.items():
-        module = root.get_submodule(fqn)
-        for name, value in attributes.items():
-            setattr(module, name, value)
+        if fqn in held:
+            for name, value in attributes.items():
+                setattr(root.get_submodule(fqn), name, value)
 
 
 def match_modules(root: nn.Module, pattern: str) -> list[str]:

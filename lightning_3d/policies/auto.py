@@ -72,11 +72,11 @@ class AutoPolicy(Policy):
 
 
 def repeated_blocks(root: nn.Module) -> list[str]:
-    """FQNs of the children of the longest ``ModuleList``/``Sequential`` whose children share one class and
-    hold parameters (transformer layers, in every model we know)."""
+    """FQNs of the children of the longest ``ModuleList``/``ModuleDict``/``Sequential`` whose children share
+    one class and hold parameters (transformer layers, in every model we know)."""
     best: list[str] = []
     for fqn, module in root.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(module) < 2:
             continue
         children = list(module.named_children())
         same_class = len({type(child) for _, child in children}) == 1

@@ -40,6 +40,13 @@ class Plan:
     blocks: list[str] = field(default_factory=list)
     """The repeated blocks (transformer layers) in execution order: the units pipeline stages are cut from
     and activation checkpointing wraps."""
+    pipeline_root: str | None = None
+    """The module whose forward the pipeline splits (the model ``training_step`` calls, e.g. "model"); its
+    forward must skip submodules that are None and blocks that are missing (see ``models.GPT``)."""
+    before: list[str] = field(default_factory=list)
+    """Modules that run before the first block (embeddings): only the first pipeline stage keeps them."""
+    after: list[str] = field(default_factory=list)
+    """Modules that run after the last block (final norm, output head): only the last stage keeps them."""
     tp_plan: dict[str, ParallelStyle] = field(default_factory=dict)
     """FQN pattern -> PyTorch ``ParallelStyle`` (column-/row-wise, sequence parallel, prepare input/output),
     applied on the "tp" sub-mesh by ``parallelize_module``. Empty when tp == 1."""

@@ -45,9 +45,14 @@ class GPTPolicy(Policy):
                 " Use policy='auto' for other models."
             )
         gpt = root.get_submodule(prefix)
-        blocks = [join_fqn(prefix, f"blocks.{i}") for i in range(len(gpt.blocks))]
+        stages = dict(
+            blocks=[join_fqn(prefix, f"blocks.{name}") for name in gpt.blocks.keys()],
+            pipeline_root=prefix,
+            before=[join_fqn(prefix, n) for n in ("tok_emb", "pos_emb", "emb_dropout")],
+            after=[join_fqn(prefix, n) for n in ("ln_f", "lm_head")],
+        )
         if options.tp == 1:
-            return Plan(blocks=blocks)
+            return Plan(**stages)
         _check_sizes(gpt.config, options)
         tp_plan = {join_fqn(prefix, name): style for name, style in gpt_tp_plan(options).items()}
         # Attention dropout acts on this rank's heads; with SP the residual and embedding dropout act on
@@ -55,7 +60,7 @@ class GPTPolicy(Policy):
         sharded = ["blocks.*.attn"] if gpt.config.dropout > 0 else []
         if sharded and options.sequence_parallel:
             sharded += ["blocks.*.attn_dropout", "blocks.*.mlp_dropout", "emb_dropout"]
-        return Plan(blocks=blocks, tp_plan=tp_plan, sharded_rng_regions=[join_fqn(prefix, n) for n in sharded])
+        return Plan(**stages, tp_plan=tp_plan, sharded_rng_regions=[join_fqn(prefix, n) for n in sharded])
 
 
 def gpt_tp_plan(options: PlanOptions) -> dict[str, ParallelStyle]:

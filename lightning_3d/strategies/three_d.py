@@ -53,6 +53,8 @@ from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import VocabParallelLoss
 from lightning_3d.parallel.parallelize import prepare_model
+from lightning_3d.pipeline.engine import PipelineEngine
+from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
 from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
@@ -137,6 +139,9 @@ class ThreeDStrategy(ParallelStrategy):
         self._policy: Optional[Policy] = None
         self._init_rng_state: Optional[Tensor] = None
         self._prepared_module: Optional[nn.Module] = None
+        self._blocks: list[nn.Module] = []
+        self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
+        self._pipeline_grads: list[tuple[nn.Parameter, Optional[Tensor]]] = []  # this step's, until backward()
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
@@ -249,11 +254,8 @@ class ThreeDStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._prepared_module is not module:  # setup() runs again for validate()/test() after fit()
-            init = prepare_model(module, self._plan(module), self.device_mesh, self.root_device, self._init_rng_state)
-            rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
-            self.precision_plugin.convert_module(module)
-            self._prepared_module = module
-        self.model = self._data_parallel(module)
+            self._prepare(module)
+        self.model = self._data_parallel(module) if self._engine is None else module
         # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
         # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
         # norm, so its two clip methods are replaced on this instance with global-norm ones.
@@ -265,6 +267,42 @@ class ThreeDStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _prepare(self, module: pl.LightningModule) -> None:
+        dims, config = self.parallel_dims, self.parallel_config
+        plan = self._plan(module)
+        stage_blocks, stage_ids = None, []
+        if dims.pp > 1:
+            if not module.automatic_optimization:
+                raise ParallelConfigError(
+                    "pipeline_parallel_size > 1 runs backward inside the pipeline schedule, which manual"
+                    " optimization (self.manual_backward) cannot drive. Use automatic optimization, or pp=1."
+                )
+            stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size)
+            stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
+        init, stages = prepare_model(module, plan, self.device_mesh, self.root_device, self._init_rng_state,
+                                     stage_blocks, stage_ids)
+        rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
+        self.precision_plugin.convert_module(module)
+        held = dict(module.named_modules())
+        self._blocks = [held[fqn] for fqn in plan.blocks if fqn in held]  # this rank's blocks: DP units
+        if stages:
+            rank_zero_info(f"lightning_3d: pipeline of {len(stage_blocks)} stages, blocks per stage"
+                           f" {[len(b) for b in stage_blocks]}, schedule {config.pipeline_schedule!r},"
+                           f" {self._num_microbatches} micro-batches")
+            self._engine = PipelineEngine(
+                module=module, root_name=plan.pipeline_root, num_stages=len(stage_blocks),
+                stages={i: self._data_parallel(stage) for i, stage in zip(stage_ids, stages)},
+                schedule=config.pipeline_schedule, num_microbatches=self._num_microbatches,
+                pp_group=self.device_mesh["pp"].get_group(), device=self.root_device,
+                last_stage_rank=dims.rank(self.coords._replace(pp=dims.pp - 1)),
+                loss_context=self._loss_context,
+            )
+        self._prepared_module = module
+
+    @property
+    def _num_microbatches(self) -> int:
+        return self.parallel_config.num_microbatches or self.parallel_dims.pp
+
     def _plan(self, module: nn.Module) -> Plan:
         config = self.parallel_config
         options = PlanOptions(tp=self.parallel_dims.tp, sequence_parallel=config.sequence_parallel,
@@ -272,9 +310,11 @@ class ThreeDStrategy(ParallelStrategy):
         return self._policy.plan(module, options)
 
     def _data_parallel(self, module: nn.Module) -> nn.Module:
+        """DP over the module Lightning calls, or over one pipeline stage."""
         if self.parallel_dims.dp == 1 or isinstance(module, FSDPModule):  # FSDPModule: replicated in place before
             return module
-        return apply_data_parallel(module, self._plan(module), self.device_mesh["dp"], self.root_device)
+        blocks = [m for m in module.modules() if m is not module and any(m is b for b in self._blocks)]
+        return apply_data_parallel(module, blocks, self.device_mesh["dp"], self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, self.parallel_dims)
@@ -288,6 +328,23 @@ class ThreeDStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            if method != "training_step":
+                return self._engine.run(method, *args, train=False, **kwargs)
+            # The schedule runs backward now, but Lightning zeroes gradients after training_step and before
+            # its backward: keep this step's gradients aside and add them in backward(), as if computed there.
+            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            previous = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            loss_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+            loss = self._engine.run(method, *args, train=True, loss_scale=loss_scale, **kwargs)
+            if self.parallel_dims.tp > 1:
+                reduce_partial_grads(self.lightning_module)
+            self._pipeline_grads = [(p, p.grad) for p in params]
+            for p, grad in zip(params, previous):
+                p.grad = grad
+            return loss
         # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
         # Lightning's forward redirection sends the call through that forward into `method`.
         with self._vocab_parallel_loss():
@@ -301,6 +358,12 @@ class ThreeDStrategy(ParallelStrategy):
 
     def _vocab_parallel_loss(self):
         return VocabParallelLoss() if self._uses_vocab_parallel_loss else nullcontext()
+
+    @contextmanager
+    def _loss_context(self) -> Generator[None, None, None]:
+        # Under pipeline parallelism forward and backward both happen inside the schedule.
+        with self._vocab_parallel_loss(), loss_parallel() if self._uses_vocab_parallel_loss else nullcontext():
+            yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -319,11 +382,20 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            raise NotImplementedError("predict_step under pipeline parallelism is not supported yet; predict with"
+                                      " pipeline_parallel_size=1 (e.g. from a checkpoint).")
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._engine is not None:  # the schedule ran backward inside training_step: add its gradients
+            for param, grad in self._pipeline_grads:
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+            self._pipeline_grads = []
+            return closure_loss
         # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
         with loss_parallel() if self._uses_vocab_parallel_loss else nullcontext():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -428,7 +500,6 @@ class ThreeDStrategy(ParallelStrategy):
 # Features that ParallelConfig accepts (they are part of the public signature) but that this version does
 # not implement yet; each is rejected before any collective instead of being silently ignored.
 _UNAVAILABLE = {
-    "pipeline_parallel_size": (lambda c: c.pipeline_parallel_size > 1, "pipeline parallelism"),
     "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
     "activation_checkpointing": (lambda c: c.activation_checkpointing is not None, "activation checkpointing"),
     "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),

@@ -1,0 +1,242 @@
+"""The micro-batch engine: runs the user's unchanged ``training_step`` under a pipeline schedule.
+
+Per step, on the ranks of one pipeline (one pp group):
+
+1. **First stage** -- runs ``training_step(batch)`` once with the pipeline root (the model ``training_step``
+   calls, e.g. ``self.model``) replaced by a stub that captures its inputs and stops: those are the inputs
+   the schedule cuts into micro-batches. Code in ``training_step`` before the model call therefore runs once
+   more than on one device.
+2. **Every stage** -- ``torch.distributed.pipelining`` runs its schedule (GPipe, 1F1B, interleaved 1F1B,
+   interleaved zero-bubble): forward and backward of each micro-batch, activations sent between stages.
+3. **Last stage** -- the schedule's loss function runs ``training_step(micro-batch i)`` with the stub now
+   returning stage output ``i``, so the user's own code computes the loss. Its ``self.log`` calls are
+   recorded, not sent (a collective there, like ``sync_dist=True``, would hang the other stages).
+4. **Every stage** -- the last stage broadcasts the mean loss and the logged values (each averaged over the
+   micro-batches) to its pp group; every rank returns that loss and replays those ``self.log`` calls, so
+   every rank logs the single-process value and ``sync_dist=True`` is a collective that all ranks join.
+
+The schedule has already run backward, so the strategy skips Lightning's. Evaluation steps use the same path
+with forward-only schedules.
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_3d.parallel.config import ParallelConfigError
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+class PipelineEngine:
+    """Runs one LightningModule step method through a pipeline schedule (see the module docstring)."""
+
+    def __init__(self, *, module: nn.Module, root_name: str, stages: dict[int, nn.Module], num_stages: int,
+                 schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
+                 device: torch.device, loss_context: Callable[[], Any] = nullcontext) -> None:
+        self.module = module
+        self.root_name = root_name
+        self.stages = stages  # stage index -> this rank's module for it
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.num_microbatches = num_microbatches
+        self.pp_group = pp_group
+        self.last_stage_rank = last_stage_rank  # global rank that holds the last stage in this pp group
+        self.device = device
+        self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
+        self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
+        self._loss_fns: dict[bool, _CurrentLoss] = {}
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def run(self, method: str, batch: Any, *args: Any, train: bool, loss_scale: float = 1.0,
+            **step_kwargs: Any) -> Tensor | None:
+        """Run ``module.<method>(batch, *args)`` as one pipelined step; returns the step's loss on every rank.
+        ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
+        microbatches = split_batch(batch, self.num_microbatches)
+        inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs) if self.has_first_stage else ((), {})
+        losses: list[Tensor] = []
+        logs: list[list[tuple]] = []
+
+        def loss_fn(output: Tensor, index: Tensor) -> Tensor:
+            i = int(index.reshape(-1)[0])
+            with self._root_returning(output), self._recording_logs() as recorded:
+                result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
+            loss = result["loss"] if isinstance(result, dict) else result
+            if not isinstance(loss, Tensor):
+                raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under pipeline"
+                                f" parallelism; got {type(result).__name__}")
+            losses.append(loss.detach())
+            logs.append(recorded)
+            return loss * loss_scale if train else loss
+
+        schedule = self._schedule(train, loss_fn)
+        targets = torch.arange(self.num_microbatches, device=self.device)
+        with self.loss_context():
+            if train:
+                schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
+            else:
+                schedule.eval(*inputs, target=targets, **kwargs)
+        # PyTorch calls the loss function once more, on placeholder outputs, the first time a schedule runs
+        # (to infer gradient shapes): only the last num_microbatches calls are this step's micro-batches.
+        return self._share_results(losses[-self.num_microbatches:], logs[-self.num_microbatches:])
+
+    # ------------------------------------------------------------------ the user's step, intercepted
+
+    def _capture_inputs(self, method: str, batch: Any, *args: Any, **step_kwargs: Any) -> tuple[tuple, dict]:
+        with _swapped(self.module, self.root_name, _CaptureInputs()), self._recording_logs():
+            try:
+                getattr(self.module, method)(batch, *args, **step_kwargs)
+            except _ModelInputs as captured:
+                inputs, kwargs = captured.args, captured.kwargs
+            else:
+                raise RuntimeError(
+                    f"{method} never called self.{self.root_name}(...): under pipeline parallelism the first"
+                    " stage takes the inputs of that call. Call the model once per step."
+                )
+        leaves = tree_flatten((inputs, kwargs))[0]
+        if not leaves or not all(isinstance(x, Tensor) for x in leaves):
+            raise TypeError(f"self.{self.root_name}(...) must be called with tensors under pipeline parallelism;"
+                            f" got {[type(x).__name__ for x in leaves]}")
+        return inputs, kwargs
+
+    @contextmanager
+    def _root_returning(self, output: Tensor) -> Iterator[None]:
+        with _swapped(self.module, self.root_name, _ReturnOutput(output)):
+            yield
+
+    @contextmanager
+    def _recording_logs(self) -> Iterator[list[tuple]]:
+        # LightningModule.log has no hook to defer a call; an instance attribute shadows it for the duration.
+        recorded: list[tuple] = []
+        self.module.log = lambda name, value, *args, **kwargs: recorded.append((name, value, args, kwargs))
+        try:
+            yield recorded
+        finally:
+            del self.module.log
+
+    # ------------------------------------------------------------------ results to every rank
+
+    def _share_results(self, losses: list[Tensor], logs: list[list[tuple]]) -> Tensor | None:
+        payload = [None]
+        if self.has_last_stage:
+            payload = [{"loss": float(torch.stack([x.float() for x in losses]).mean()) if losses else None,
+                        "logs": _average_logs(logs)}]
+        dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.pp_group)
+        for name, value, args, kwargs in payload[0]["logs"]:
+            self.module.log(name, value, *args, **kwargs)
+        loss = payload[0]["loss"]
+        return None if loss is None else torch.tensor(loss, device=self.device)
+
+    # ------------------------------------------------------------------ schedules
+
+    def _schedule(self, train: bool, loss_fn: Callable) -> Any:
+        key = train
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
+                for index, module in sorted(self.stages.items())
+            ]
+            cls = SCHEDULES[self.schedule_name]
+            first = stages if self.schedule_name in MULTI_STAGE else stages[0]
+            self._loss_fns[key] = _CurrentLoss()
+            self._schedules[key] = cls(first, self.num_microbatches, loss_fn=self._loss_fns[key])
+        self._loss_fns[key].current = loss_fn
+        return self._schedules[key]
+
+
+class _CurrentLoss:
+    """The schedule keeps one loss function for good; each step points it at that step's closure."""
+
+    def __init__(self) -> None:
+        self.current: Callable | None = None
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.current(output, target)
+
+
+class _ModelInputs(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("captured the pipeline root's inputs")
+        self.args, self.kwargs = args, kwargs
+
+
+class _CaptureInputs(nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _ModelInputs(args, kwargs)
+
+
+class _ReturnOutput(nn.Module):
+    def __init__(self, output: Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.output
+
+
+@contextmanager
+def _swapped(module: nn.Module, fqn: str, stand_in: nn.Module) -> Iterator[None]:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    real = getattr(parent, name)
+    setattr(parent, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(parent, name, real)
+
+
+def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
+    """The batch (any pytree) cut into ``num_microbatches`` along dim 0 of every tensor; sizes must divide."""
+    leaves, spec = tree_flatten(batch)
+    tensors = [x for x in leaves if isinstance(x, Tensor)]
+    sizes = {x.shape[0] for x in tensors if x.dim() > 0}
+    for size in sizes:
+        if size % num_microbatches:
+            raise ParallelConfigError(
+                f"The batch has {size} samples per data-parallel rank, which num_microbatches={num_microbatches}"
+                f" does not divide. Choose a batch size per dp rank that is a multiple of {num_microbatches}, or"
+                f" another num_microbatches among the divisors of {size}."
+            )
+    chunks = [torch.tensor_split(x, num_microbatches) if isinstance(x, Tensor) and x.dim() > 0
+              else [x] * num_microbatches for x in leaves]
+    return [tree_unflatten([chunk[i] for chunk in chunks], spec) for i in range(num_microbatches)]
+
+
+def _average_logs(per_microbatch: list[list[tuple]]) -> list[tuple]:
+    """One ``self.log`` call per name: its value averaged over micro-batches (the mean over the whole batch,
+    since micro-batches are the same size), the other arguments from the last call."""
+    merged: dict[str, tuple] = {}
+    values: dict[str, list[float]] = {}
+    for recorded in per_microbatch:
+        for name, value, args, kwargs in recorded:
+            merged[name] = (name, None, args, kwargs)
+            values.setdefault(name, []).append(float(value))
+    return [(name, statistics.fmean(values[name]), args, kwargs) for name, (_, _, args, kwargs) in merged.items()]

@@ -1,0 +1,125 @@
+"""Cut the model into pipeline stages along the policy's blocks, keeping every module's single-device name.
+
+Stage ``s`` of ``S = pp * virtual_pipeline_size`` runs on pp rank ``s % pp`` (the looped assignment of
+Megatron-LM's and PyTorch's interleaved schedules): with pp=2, v=2, rank 0 runs stages 0 and 2.
+
+On a rank, each stage is its own module (what ``PipelineStage`` calls): a copy of the pipeline root that
+keeps only that stage's blocks, plus the embeddings on stage 0 and the head on the last stage (the rest set
+to None / deleted). The LightningModule's pipeline root then holds the union of this rank's stages -- the
+very same submodule objects -- so ``named_parameters()`` gives this rank's parameters under their
+single-device FQNs (optimizer, checkpoints, parity all rely on that).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from torch import nn
+
+from lightning_3d.policies.base import Plan, PolicyError
+
+log = logging.getLogger(__name__)
+
+
+def stage_ids_of(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages a pp rank runs: ``pp_rank``, ``pp_rank + pp``, ... (looped assignment)."""
+    return [pp_rank + v * pp for v in range(virtual)]
+
+
+def assign_blocks(blocks: list[str], num_stages: int, explicit: list[list[str]] | None = None) -> list[list[str]]:
+    """The blocks of each stage: ``explicit`` if given (checked), else even by count -- when the count does
+    not divide, the first ``len(blocks) % num_stages`` stages get one block more (stated in the log)."""
+    if explicit is not None:
+        flat = [b for stage in explicit for b in stage]
+        if len(explicit) != num_stages or sorted(flat) != sorted(blocks) or len(set(flat)) != len(flat):
+            raise PolicyError(
+                f"pipeline_split lists {len(explicit)} stages covering {len(flat)} blocks, but the layout has"
+                f" {num_stages} stages and the model {len(blocks)} blocks ({blocks[0]} ... {blocks[-1]}): list"
+                " every block exactly once, in order, one list per stage."
+            )
+        return [list(stage) for stage in explicit]
+    if len(blocks) < num_stages:
+        raise PolicyError(
+            f"The model has {len(blocks)} blocks but the pipeline has pipeline_parallel_size x"
+            f" virtual_pipeline_size = {num_stages} stages; every stage needs at least one block. Lower"
+            " pipeline_parallel_size or virtual_pipeline_size."
+        )
+    base, extra = divmod(len(blocks), num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    if extra:
+        log.info("lightning_3d: %d blocks over %d stages do not divide evenly: blocks per stage %s",
+                 len(blocks), num_stages, sizes)
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [blocks[start:start + size] for start, size in zip(starts, sizes)]
+
+
+def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], stage_ids: list[int]) -> list[nn.Module]:
+    """Replace ``module``'s pipeline root by the union of the stages in ``stage_ids`` and return one module
+    per local stage (sharing submodules with that union). Works on meta or materialized modules."""
+    if plan.pipeline_root is None:
+        raise PolicyError(
+            f"The policy for {type(module).__name__} names no pipeline_root, so the model cannot be split into"
+            " pipeline stages. Use a policy that names it (Plan.pipeline_root, before, after)."
+        )
+    root_name = plan.pipeline_root
+    root = module.get_submodule(root_name)
+    num_stages = len(stage_blocks)
+    stages = []
+    for stage_id in stage_ids:
+        stage = copy.deepcopy(root)
+        keep = set(stage_blocks[stage_id])
+        keep |= set(plan.before) if stage_id == 0 else set()
+        keep |= set(plan.after) if stage_id == num_stages - 1 else set()
+        for fqn in [*plan.blocks, *plan.before, *plan.after]:
+            if fqn not in keep:
+                _remove(stage, _relative(fqn, root_name))
+        stages.append(stage)
+    # The union: the root, emptied, then given each local stage's modules (the same objects).
+    for fqn in [*plan.blocks, *plan.before, *plan.after]:
+        _remove(root, _relative(fqn, root_name))
+    for stage in stages:
+        for fqn in [*plan.blocks, *plan.before, *plan.after]:
+            relative = _relative(fqn, root_name)
+            kept = _get(stage, relative)
+            if kept is not None:
+                _put(root, relative, kept)
+    return stages
+
+
+def _relative(fqn: str, root_name: str) -> str:
+    if not fqn.startswith(root_name + "."):
+        raise PolicyError(f"{fqn!r} is not inside the pipeline root {root_name!r}")
+    return fqn[len(root_name) + 1:]
+
+
+def _parent(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    parent_name, _, name = fqn.rpartition(".")
+    return (module.get_submodule(parent_name) if parent_name else module), name
+
+
+def _get(module: nn.Module, fqn: str) -> nn.Module | None:
+    parent, name = _parent(module, fqn)
+    if isinstance(parent, nn.ModuleDict):
+        return parent[name] if name in parent else None
+    return getattr(parent, name, None)
+
+
+def _remove(module: nn.Module, fqn: str) -> None:
+    parent, name = _parent(module, fqn)
+    if isinstance(parent, nn.ModuleDict):
+        if name in parent:
+            del parent[name]
+    elif isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        raise PolicyError(f"{fqn!r} sits in a {type(parent).__name__}: a stage cannot drop it without renaming"
+                          " the blocks after it. Keep the blocks in an nn.ModuleDict keyed '0', '1', ...")
+    else:
+        setattr(parent, name, None)
+
+
+def _put(module: nn.Module, fqn: str, child: nn.Module) -> None:
+    parent, name = _parent(module, fqn)
+    if isinstance(parent, nn.ModuleDict):
+        parent[name] = child
+    else:
+        setattr(parent, name, child)
