@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-                        device: torch.device) -> nn.Module:
+                        device: torch.device, pipeline_stage: bool = False) -> nn.Module:
     """Replicate ``module`` over ``dp_mesh``; return the module Lightning should call.
 
     Plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned as a wrapper.
@@ -22,11 +22,13 @@ def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: Dev
     trains exactly like one there. The weights are already equal on every dp rank
     (``lightning_3d.parallel.init``), so DDP's start-up broadcast is skipped.
 
-    DTensor parameters (tensor parallel): DDP cannot reduce them; FSDP2's ``replicate`` can, on the 2D
-    (dp, tp) mesh. It is applied in place to each of ``blocks`` (submodules of ``module``) first, then to
+    DTensor parameters (tensor parallel), or a pipeline stage: DDP cannot reduce DTensors, and several DDP
+    instances on one rank (interleaved pipeline stages) break its bucket rebuilding across micro-batches;
+    FSDP2's ``replicate`` handles both (on the 2D (dp, tp) mesh for DTensors), and is what
+    ``torch.distributed.pipelining`` drives. It is applied in place to each of ``blocks`` (submodules of ``module``) first, then to
     the module, so each block's all-reduce starts as soon as its backward is done.
     """
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    if pipeline_stage or any(isinstance(p, DTensor) for p in module.parameters()):
         for block in blocks:
             replicate(block, mesh=dp_mesh)
         replicate(module, mesh=dp_mesh)

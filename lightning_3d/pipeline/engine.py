@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -103,9 +104,7 @@ class PipelineEngine:
                 schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
             else:
                 schedule.eval(*inputs, target=targets, **kwargs)
-        # PyTorch calls the loss function once more, on placeholder outputs, the first time a schedule runs
-        # (to infer gradient shapes): only the last num_microbatches calls are this step's micro-batches.
-        return self._share_results(losses[-self.num_microbatches:], logs[-self.num_microbatches:])
+        return self._share_results(losses, logs)
 
     # ------------------------------------------------------------------ the user's step, intercepted
 
@@ -165,19 +164,28 @@ class PipelineEngine:
             ]
             cls = SCHEDULES[self.schedule_name]
             first = stages if self.schedule_name in MULTI_STAGE else stages[0]
-            self._loss_fns[key] = _CurrentLoss()
+            # A training schedule calls its loss function once more the first time it runs, on placeholder
+            # outputs, to infer the shapes of the gradients it will send (backward of shape inference).
+            self._loss_fns[key] = _CurrentLoss(shape_inference_call=train)
             self._schedules[key] = cls(first, self.num_microbatches, loss_fn=self._loss_fns[key])
         self._loss_fns[key].current = loss_fn
         return self._schedules[key]
 
 
 class _CurrentLoss:
-    """The schedule keeps one loss function for good; each step points it at that step's closure."""
+    """The schedule keeps one loss function for good; each step points it at that step's closure. The
+    shape-inference call gets a placeholder loss instead of the user's step (its values are garbage, and
+    the user's step must not run -- or log -- on them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shape_inference_call: bool) -> None:
         self.current: Callable | None = None
+        self._shape_inference_pending = shape_inference_call
 
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        if self._shape_inference_pending:
+            self._shape_inference_pending = False
+            local = output.to_local() if isinstance(output, DTensor) else output
+            return local.float().sum() * 0.0  # reaches every input, as the real loss does
         return self.current(output, target)
 
 
