@@ -45,6 +45,7 @@ class Case:
     global_batch_size: int = 8
     steps: int = 6
     accumulate_grad_batches: int = 1
+    learning_rate: float = 1e-2
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
@@ -54,6 +55,8 @@ class Case:
 class Result:
     losses: list[float]
     params: dict[str, torch.Tensor]
+    logged: list[float] = field(default_factory=list)
+    """``train_loss`` as ``self.log`` recorded it on global rank 0 (what the logger sees), per step."""
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -93,13 +96,17 @@ class LossRecorder(L.Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.logged: list[float] = []
         self._pending: list[torch.Tensor] = []
+        self._pending_logged: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._pending.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean"))
+        self._pending_logged.append(float(trainer.callback_metrics["train_loss"]))
         if len(self._pending) == trainer.accumulate_grad_batches:
             self.losses.append(torch.stack(self._pending).mean().item())
-            self._pending = []
+            self.logged.append(sum(self._pending_logged) / len(self._pending_logged))
+            self._pending, self._pending_logged = [], []
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -127,7 +134,7 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
 def _module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModule):
     L.seed_everything(SEED, verbose=False)
     config = GPTConfig(**case.model)
-    module = MODULES[case.module](config=config, learning_rate=1e-2, warmup_steps=2)
+    module = MODULES[case.module](config=config, learning_rate=case.learning_rate, warmup_steps=2)
     data = data_cls(vocab_size=config.vocab_size, seq_len=config.block_size, batch_size=per_rank_batch, seed=SEED)
     return module, data
 
@@ -137,7 +144,7 @@ def run_reference(case: Case) -> Result:
     module, data = _module_and_data(case, case.global_batch_size, ReferenceDataModule)
     recorder = LossRecorder()
     _trainer(case, "auto", 1, recorder).fit(module, data)
-    return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()})
+    return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged)
 
 
 _REFERENCES: dict[tuple, Result] = {}
@@ -146,6 +153,7 @@ _REFERENCES: dict[tuple, Result] = {}
 def reference_for(case: Case) -> Result:
     """The one-process run that ``case`` must match: same module, global batch, accumulation, steps (cached)."""
     key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model),
+           case.learning_rate,
            case.gradient_clip_val, case.gradient_clip_algorithm)
     if key not in _REFERENCES:
         _REFERENCES[key] = run_reference(case)
@@ -162,7 +170,7 @@ def run_distributed(case: Case) -> Result | None:
     recorder = LossRecorder()
     _trainer(case, strategy, world, recorder).fit(module, data)
     params = gather_full_state(module)
-    return Result(recorder.losses, params) if dist.get_rank() == 0 else None
+    return Result(recorder.losses, params, recorder.logged) if dist.get_rank() == 0 else None
 
 
 def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -202,8 +210,9 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
         tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")[-4000:]
         raise AssertionError(f"launch of {nprocs} ranks did not finish within {timeout}s:\n{tail}") from err
     if proc.returncode != 0:
-        raise AssertionError(f"launch of {nprocs} ranks failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
+        raise AssertionError(f"launch of {nprocs} ranks failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                             + "\n".join(errors[-40:]) + "\n" + proc.stderr[-4000:])
     return {c.name: torch.load(out_dir / f"{c.name}.pt", weights_only=False) for c in cases}
 
 

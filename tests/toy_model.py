@@ -98,7 +98,9 @@ class ToyLightningModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
-        return F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)

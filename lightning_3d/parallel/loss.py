@@ -13,7 +13,8 @@ Outside a strategy step, :func:`vocab_parallel_cross_entropy` is the same comput
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,10 +33,33 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any)
     """
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits, targets, **kwargs)
-    with loss_parallel():
+    with vocab_parallel_ops():
         loss = F.cross_entropy(logits, targets, **kwargs)
     # The loss is replicated on every tp rank: its local value is the whole value.
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+_depth = 0  # how many vocab_parallel_ops() contexts are open (PyTorch's loss_parallel does not nest)
+
+
+@contextmanager
+def vocab_parallel_ops() -> Iterator[None]:
+    """PyTorch's ``loss_parallel()``, re-entrant: leaving an inner one must not switch off an outer one
+    (under pipeline parallelism the schedule's backward runs inside the context that also wraps the loss)."""
+    global _depth
+    if _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+    _depth = 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _depth = 0
 
 
 class VocabParallelLoss(TorchFunctionMode):

@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -51,7 +50,7 @@ from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.loss import VocabParallelLoss
+from lightning_3d.parallel.loss import VocabParallelLoss, vocab_parallel_ops
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
@@ -363,7 +362,7 @@ class ThreeDStrategy(ParallelStrategy):
     @contextmanager
     def _loss_context(self) -> Generator[None, None, None]:
         # Under pipeline parallelism forward and backward both happen inside the schedule.
-        with self._vocab_parallel_loss(), loss_parallel() if self._uses_vocab_parallel_loss else nullcontext():
+        with self._vocab_parallel_loss(), vocab_parallel_ops() if self._uses_vocab_parallel_loss else nullcontext():
             yield
 
     @override
@@ -398,7 +397,7 @@ class ThreeDStrategy(ParallelStrategy):
             self._pipeline_grads = []
             return closure_loss
         # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
-        with loss_parallel() if self._uses_vocab_parallel_loss else nullcontext():
+        with vocab_parallel_ops() if self._uses_vocab_parallel_loss else nullcontext():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self.parallel_dims.tp > 1 and self._gradient_sync:
             reduce_partial_grads(self.lightning_module)
