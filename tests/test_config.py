@@ -232,3 +232,17 @@ def test_build_mesh_names_dims_pp_dp_tp(one_process_group):
 def test_zero_stage_must_be_an_int_choice(value):
     with pytest.raises(ParallelConfigError, match="zero_stage"):
         ParallelConfig(zero_stage=value)
+
+
+def test_1f1b_needs_a_micro_batch_per_stage():
+    with pytest.raises(ParallelConfigError, match=r"num_microbatches=2 < pipeline_parallel_size=4"):
+        ParallelConfig(pipeline_parallel_size=4, num_microbatches=2)
+    ParallelConfig(pipeline_parallel_size=4, num_microbatches=2, pipeline_schedule="gpipe")  # fine
+
+
+def test_interleaved_schedules_need_whole_rounds_of_micro_batches():
+    with pytest.raises(ParallelConfigError, match=r"num_microbatches=9 is not a multiple of its 2 rounds"):
+        ParallelConfig(pipeline_parallel_size=4, num_microbatches=9, pipeline_schedule="interleaved_1f1b",
+                       virtual_pipeline_size=2)
+    ParallelConfig(pipeline_parallel_size=4, num_microbatches=8, pipeline_schedule="interleaved_1f1b",
+                   virtual_pipeline_size=2)

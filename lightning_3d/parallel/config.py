@@ -76,6 +76,21 @@ class ParallelConfig:
                 f" pipeline_schedule={self.pipeline_schedule!r}. Set pipeline_schedule='interleaved_1f1b' (or"
                 " 'zero_bubble'), or virtual_pipeline_size=1."
             )
+        pp, m = self.pipeline_parallel_size, self.num_microbatches
+        if pp > 1 and m is not None:
+            if self.pipeline_schedule == "1f1b" and m < pp:
+                raise ParallelConfigError(
+                    f"pipeline_schedule='1f1b' needs at least one micro-batch per stage, but num_microbatches={m}"
+                    f" < pipeline_parallel_size={pp}. Set num_microbatches >= {pp} (several times pp keeps the"
+                    " bubble small), or pipeline_schedule='gpipe'."
+                )
+            rounds = max(1, m // pp)
+            if self.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") and m % rounds:
+                raise ParallelConfigError(
+                    f"pipeline_schedule={self.pipeline_schedule!r} runs micro-batches in rounds of"
+                    f" pipeline_parallel_size={pp}; num_microbatches={m} is not a multiple of its {rounds} rounds."
+                    f" Use a multiple of {pp}, e.g. num_microbatches={max(pp, m - m % pp)}."
+                )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ParallelConfigError(
                 "sequence_parallel=True shards activations over the tensor-parallel ranks, but"
