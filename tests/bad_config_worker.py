@@ -42,7 +42,7 @@ CASES = {
     "unknown_policy": lambda: (ThreeDStrategy(policy="no_such_policy"), GPTLightningModule(config=TINY)),
     "no_model_at_all": lambda: (ThreeDStrategy(), NoModel()),
     "meta_init_of_an_eager_model": lambda: (ThreeDStrategy(model_init="meta"), EagerModel(config=TINY)),
-    "unavailable_feature": lambda: (ThreeDStrategy(pipeline_parallel_size=2), GPTLightningModule(config=TINY)),
+    "unavailable_feature": lambda: (ThreeDStrategy(zero_stage=1), GPTLightningModule(config=TINY)),
     "non_positive_size": lambda: (ThreeDStrategy(tensor_parallel_size=0), GPTLightningModule(config=TINY)),
 }
 

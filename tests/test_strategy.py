@@ -56,7 +56,7 @@ EXPECTED = {
     "unknown_policy": ("PolicyError", ["'no_such_policy'", "'gpt'", "register_policy"]),
     "no_model_at_all": ("TypeError", ["NoModel has no parameters", "configure_model()"]),
     "meta_init_of_an_eager_model": ("ParallelConfigError", ["model_init='meta'", "EagerModel", "model_init='auto'"]),
-    "unavailable_feature": ("ParallelConfigError", ["pipeline_parallel_size=2", "does not implement yet"]),
+    "unavailable_feature": ("ParallelConfigError", ["zero_stage=1", "does not implement yet"]),
     "non_positive_size": ("ParallelConfigError", ["tensor_parallel_size must be a positive integer, got 0"]),
 }
 

@@ -1,0 +1,97 @@
+"""Pipeline efficiency on CPU: pp ranks with m micro-batches vs the same model in one process.
+
+    python benchmarks/pipeline_efficiency.py [--pp 2] [--microbatches 8] [--steps 10]
+
+Each process gets one thread (OMP_NUM_THREADS=1), the single process too, so pp processes have pp times the
+compute. Ideal speedup with a pipeline bubble is p*m/(m+p-1) (1F1B and GPipe); the script prints, per
+schedule, the measured speedup over one process, its ratio to that ideal (target >= 0.85 for 1F1B) and the
+bubble fraction implied by the measurement, 1 - speedup/p, next to the theoretical (p-1)/(m+p-1) (for the
+interleaved schedules with v virtual stages: (p-1)/(v*m+p-1)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run")
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zero_bubble")
+    parser.add_argument("--worker", nargs=2, metavar=("SCHEDULE", "OUT"), help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One timed run (under torchrun): ``single`` in one process, or a schedule on ``pp`` processes."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_3d import ThreeDStrategy
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+    from timing import step_times
+
+    schedule, out = args.worker
+    L.seed_everything(0, verbose=False)
+    config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=args.seq_len, vocab_size=256)
+    batch = args.microbatch_size * args.microbatches
+    data = SyntheticDataModule(vocab_size=256, seq_len=args.seq_len, batch_size=batch,
+                               num_train_samples=batch * (args.steps + 10))
+    if schedule == "single":
+        strategy = ThreeDStrategy()
+    else:
+        virtual = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        strategy = ThreeDStrategy(pipeline_parallel_size=args.pp, pipeline_schedule=schedule,
+                                  virtual_pipeline_size=virtual, num_microbatches=args.microbatches)
+    times = step_times(strategy, GPTLightningModule(config=config), data, args.steps,
+                       1 if schedule == "single" else args.pp)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(statistics.median(times)))
+
+
+def launch(schedule: str, nprocs: int, args: argparse.Namespace, out: Path) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+           __file__, *sys.argv[1:], "--worker", schedule, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        sys.path.insert(0, str(Path(__file__).parent))
+        worker(args)
+        return
+    p, m = args.pp, args.microbatches
+    schedules = args.schedules.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        single = launch("single", 1, args, Path(tmp) / "single.json")
+        rows = [(s, launch(s, p, args, Path(tmp) / f"{s}.json")) for s in schedules]
+    print(f"\nGPT n_layer={args.n_layer} n_embd={args.n_embd} seq={args.seq_len}, {m} micro-batches of"
+          f" {args.microbatch_size}, pp={p}, one thread per process; one process: {single * 1e3:.1f} ms/step")
+    print(f"{'schedule':>17} {'ms/step':>8} {'speedup':>8} {'ideal':>6} {'ratio':>6} {'bubble':>7} {'theory':>7}")
+    for schedule, seconds in rows:
+        virtual = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+        ideal = p * virtual * m / (virtual * m + p - 1)
+        speedup = single / seconds
+        theory = (p - 1) / (virtual * m + p - 1)
+        print(f"{schedule:>17} {seconds * 1e3:8.1f} {speedup:8.2f} {ideal:6.2f} {speedup / ideal:6.2f}"
+              f" {1 - speedup / p:7.2f} {theory:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
