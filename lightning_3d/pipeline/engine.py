@@ -67,6 +67,7 @@ class PipelineEngine:
         self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
         self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
         self._loss_fns: dict[bool, _CurrentLoss] = {}
+        self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
 
     @property
     def has_first_stage(self) -> bool:
@@ -75,6 +76,31 @@ class PipelineEngine:
     @property
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stages
+
+    def training_step(self, batch: Any, *args: Any, accumulate_grad_batches: int,
+                      finish_grads: Callable[[nn.Module], None] | None = None, **step_kwargs: Any) -> Tensor:
+        """Lightning's training_step, pipelined. The schedule runs backward now, but Lightning zeroes the
+        gradients after training_step and before its backward: this step's gradients are kept aside until
+        :meth:`add_step_grads` (called from the strategy's backward), as if computed there."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss = self.run("training_step", batch, *args, train=True, loss_scale=1.0 / accumulate_grad_batches,
+                        **step_kwargs)
+        if finish_grads is not None:
+            finish_grads(self.module)
+        self._step_grads = [(p, p.grad) for p in params]
+        for p, grad in zip(params, previous):
+            p.grad = grad
+        return loss
+
+    def add_step_grads(self) -> None:
+        """Add the gradients of the last :meth:`training_step` to the parameters' (accumulated) ones."""
+        for param, grad in self._step_grads:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._step_grads = []
 
     def run(self, method: str, batch: Any, *args: Any, train: bool, loss_scale: float = 1.0,
             **step_kwargs: Any) -> Tensor | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -30,23 +30,17 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
+from lightning_3d.strategies.checkpoints import FullStateCheckpoints
+from lightning_3d.strategies.checks import check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
@@ -61,7 +55,7 @@ from lightning_3d.policies.base import Plan, PlanOptions
 log = logging.getLogger(__name__)
 
 
-class ThreeDStrategy(ParallelStrategy):
+class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
@@ -140,7 +134,6 @@ class ThreeDStrategy(ParallelStrategy):
         self._prepared_module: Optional[nn.Module] = None
         self._blocks: list[nn.Module] = []
         self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
-        self._pipeline_grads: list[tuple[nn.Parameter, Optional[Tensor]]] = []  # this step's, until backward()
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
@@ -219,9 +212,9 @@ class ThreeDStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
-        _reject_unavailable_features(self.parallel_config)
+        reject_unavailable_features(self.parallel_config)
         self._policy = resolve_policy(self.parallel_config.policy)
-        _check_model(self.lightning_module, self.parallel_config)
+        check_model(self.lightning_module, self.parallel_config)
 
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
@@ -331,20 +324,10 @@ class ThreeDStrategy(ParallelStrategy):
         if self._engine is not None:
             if method != "training_step":
                 return self._engine.run(method, *args, train=False, **kwargs)
-            # The schedule runs backward now, but Lightning zeroes gradients after training_step and before
-            # its backward: keep this step's gradients aside and add them in backward(), as if computed there.
-            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            previous = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            loss_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-            loss = self._engine.run(method, *args, train=True, loss_scale=loss_scale, **kwargs)
-            if self.parallel_dims.tp > 1:
-                reduce_partial_grads(self.lightning_module)
-            self._pipeline_grads = [(p, p.grad) for p in params]
-            for p, grad in zip(params, previous):
-                p.grad = grad
-            return loss
+            finish_grads = reduce_partial_grads if self.parallel_dims.tp > 1 else None
+            return self._engine.training_step(
+                *args, accumulate_grad_batches=self.lightning_module.trainer.accumulate_grad_batches,
+                finish_grads=finish_grads, **kwargs)
         # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
         # Lightning's forward redirection sends the call through that forward into `method`.
         with self._vocab_parallel_loss():
@@ -391,10 +374,7 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._engine is not None:  # the schedule ran backward inside training_step: add its gradients
-            for param, grad in self._pipeline_grads:
-                if grad is not None:
-                    param.grad = grad if param.grad is None else param.grad.add_(grad)
-            self._pipeline_grads = []
+            self._engine.add_step_grads()
             return closure_loss
         # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
         with vocab_parallel_ops() if self._uses_vocab_parallel_loss else nullcontext():
@@ -454,30 +434,6 @@ class ThreeDStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ------------------------------------------------------------------ checkpoints: full tensors, rank 0 writes
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Shards (DTensors) are gathered into the single-device tensors under their single-device names.
-        return get_model_state_dict(self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            set_optimizer_state_dict(self.lightning_module, optimizer, state,
-                                     options=StateDictOptions(full_state_dict=True))
-
     # ------------------------------------------------------------------ registration and teardown
 
     @classmethod
@@ -495,39 +451,3 @@ class ThreeDStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-# Features that ParallelConfig accepts (they are part of the public signature) but that this version does
-# not implement yet; each is rejected before any collective instead of being silently ignored.
-_UNAVAILABLE = {
-    "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
-    "activation_checkpointing": (lambda c: c.activation_checkpointing is not None, "activation checkpointing"),
-    "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),
-}
-
-
-def _reject_unavailable_features(config: ParallelConfig) -> None:
-    for name, (requested, feature) in _UNAVAILABLE.items():
-        if requested(config):
-            raise ParallelConfigError(
-                f"{name}={getattr(config, name)!r} asks for {feature}, which this version of lightning_3d does not"
-                f" implement yet. Leave {name} at its default for now."
-            )
-
-
-def _check_model(module: Optional[pl.LightningModule], config: ParallelConfig) -> None:
-    if module is None:
-        return
-    built_eagerly = any(not p.is_meta for p in module.parameters())
-    if not is_overridden("configure_model", module) and not any(True for _ in module.parameters()):
-        raise TypeError(
-            f"{type(module).__name__} has no parameters and does not override configure_model(). Build the model"
-            " in configure_model() (preferred: ThreeDStrategy then builds it on the meta device and materializes"
-            " only this rank's part) or in __init__."
-        )
-    if config.model_init == "meta" and built_eagerly:
-        raise ParallelConfigError(
-            f"model_init='meta' needs the model built in configure_model(), but {type(module).__name__} already"
-            " has parameters from __init__. Move their construction to configure_model(), or use"
-            " model_init='auto'."
-        )

@@ -1,0 +1,45 @@
+"""What a user can get wrong about the model and the features, checked on every rank before any collective."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
+
+# Features that ParallelConfig accepts (they are part of the public signature) but that this version does
+# not implement yet; each is rejected before any collective instead of being silently ignored.
+_UNAVAILABLE = {
+    "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
+    "activation_checkpointing": (lambda c: c.activation_checkpointing is not None, "activation checkpointing"),
+    "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),
+}
+
+
+def reject_unavailable_features(config: ParallelConfig) -> None:
+    for name, (requested, feature) in _UNAVAILABLE.items():
+        if requested(config):
+            raise ParallelConfigError(
+                f"{name}={getattr(config, name)!r} asks for {feature}, which this version of lightning_3d does not"
+                f" implement yet. Leave {name} at its default for now."
+            )
+
+
+def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) -> None:
+    if module is None:
+        return
+    built_eagerly = any(not p.is_meta for p in module.parameters())
+    if not is_overridden("configure_model", module) and not any(True for _ in module.parameters()):
+        raise TypeError(
+            f"{type(module).__name__} has no parameters and does not override configure_model(). Build the model"
+            " in configure_model() (preferred: ThreeDStrategy then builds it on the meta device and materializes"
+            " only this rank's part) or in __init__."
+        )
+    if config.model_init == "meta" and built_eagerly:
+        raise ParallelConfigError(
+            f"model_init='meta' needs the model built in configure_model(), but {type(module).__name__} already"
+            " has parameters from __init__. Move their construction to configure_model(), or use"
+            " model_init='auto'."
+        )
