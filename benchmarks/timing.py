@@ -21,8 +21,8 @@ def ensure_torchrun(nprocs: int) -> None:
     sys.exit(subprocess.call(cmd, env=env))
 
 
-def step_times(strategy, module, datamodule, steps: int, devices: int) -> list[float]:
-    """Seconds per optimizer step of one ``Trainer.fit``, after ``WARMUP_STEPS`` untimed steps."""
+def step_times(strategy, module, datamodule, steps: int, devices: int, accumulate_grad_batches: int = 1) -> list[float]:
+    """Seconds per training batch of one ``Trainer.fit``, after ``WARMUP_STEPS`` untimed batches."""
     import lightning as L
 
     class StepTimer(L.Callback):
@@ -34,6 +34,7 @@ def step_times(strategy, module, datamodule, steps: int, devices: int) -> list[f
 
     timer = StepTimer()
     L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps + WARMUP_STEPS, logger=False,
+              accumulate_grad_batches=accumulate_grad_batches,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer]).fit(module, datamodule)
     return [b - a for a, b in zip(timer.ends[WARMUP_STEPS - 1:], timer.ends[WARMUP_STEPS:])]
