@@ -4,6 +4,12 @@ Per-step losses (the value training_step returns on every rank and the one self.
 rank 0) and all parameters after 5 AdamW steps, gathered by their single-device names, at atol 1e-5.
 One torchrun launch per world size runs every case of that size."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness import Case, assert_parity, launch, reference_for
@@ -65,3 +71,22 @@ def test_matches_single_process(name, results):
     assert_parity(result, reference)
     # What the logger receives on rank 0 (the first stage, which computes no loss) is the true loss too.
     assert max(abs(a - b) for a, b in zip(result.logged, reference.logged)) <= 1e-5, (result.logged, reference.logged)
+
+
+def _eval_run(tmp_path, pp):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    worker = str(Path(__file__).parent / "eval_worker.py")
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}", worker]
+           if pp > 1 else [sys.executable, worker])
+    proc = subprocess.run([*cmd, str(tmp_path), str(pp)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(pp)]
+
+
+def test_validate_and_predict_through_the_pipeline_match_one_process(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "pp").mkdir()
+    [reference] = _eval_run(tmp_path / "one", 1)
+    for rank_result in _eval_run(tmp_path / "pp", 2):  # every stage returns the same values
+        assert abs(rank_result["val_loss"] - reference["val_loss"]) <= 1e-5
+        assert rank_result["next_token"] == reference["next_token"]

@@ -103,25 +103,30 @@ class PipelineEngine:
         self._step_grads = []
 
     def run(self, method: str, batch: Any, *args: Any, train: bool, loss_scale: float = 1.0,
-            **step_kwargs: Any) -> Tensor | None:
-        """Run ``module.<method>(batch, *args)`` as one pipelined step; returns the step's loss on every rank.
+            **step_kwargs: Any) -> Any:
+        """Run ``module.<method>(batch, *args)`` as one pipelined step, on every rank of the pipeline.
+
+        Returns, on every rank: for training, the step's loss (mean over micro-batches); for validation and
+        test, the mean of what the step returned if that is a loss (a scalar tensor or a dict with "loss"),
+        else None; for ``predict_step``, its outputs concatenated over the micro-batches.
         ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
         microbatches = split_batch(batch, self.num_microbatches)
         inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs) if self.has_first_stage else ((), {})
-        losses: list[Tensor] = []
+        results: list[Any] = []
         logs: list[list[tuple]] = []
 
         def loss_fn(output: Tensor, index: Tensor) -> Tensor:
             i = int(index.reshape(-1)[0])
             with self._root_returning(output), self._recording_logs() as recorded:
                 result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
-            loss = result["loss"] if isinstance(result, dict) else result
-            if not isinstance(loss, Tensor):
+            logs.append(recorded)
+            loss = _loss_of(result)
+            if train and loss is None:
                 raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under pipeline"
                                 f" parallelism; got {type(result).__name__}")
-            losses.append(loss.detach())
-            logs.append(recorded)
-            return loss * loss_scale if train else loss
+            results.append(result if method == "predict_step" else loss.detach() if loss is not None else None)
+            # Forward-only schedules keep what the loss function returns but never differentiate it.
+            return loss * loss_scale if train else torch.zeros(())
 
         schedule = self._schedule(train, loss_fn)
         targets = torch.arange(self.num_microbatches, device=self.device)
@@ -130,7 +135,7 @@ class PipelineEngine:
                 schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
             else:
                 schedule.eval(*inputs, target=targets, **kwargs)
-        return self._share_results(losses, logs)
+        return self._share_results(method, results, logs)
 
     # ------------------------------------------------------------------ the user's step, intercepted
 
@@ -168,16 +173,23 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ results to every rank
 
-    def _share_results(self, losses: list[Tensor], logs: list[list[tuple]]) -> Tensor | None:
+    def _share_results(self, method: str, results: list[Any], logs: list[list[tuple]]) -> Any:
         payload = [None]
         if self.has_last_stage:
-            payload = [{"loss": float(torch.stack([x.float() for x in losses]).mean()) if losses else None,
-                        "logs": _average_logs(logs)}]
+            if method == "predict_step":
+                value = _concatenate(results)
+            elif results and all(r is not None for r in results):
+                value = float(torch.stack([r.float() for r in results]).mean())
+            else:
+                value = None
+            payload = [{"value": value, "logs": _average_logs(logs)}]
         dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.pp_group)
         for name, value, args, kwargs in payload[0]["logs"]:
             self.module.log(name, value, *args, **kwargs)
-        loss = payload[0]["loss"]
-        return None if loss is None else torch.tensor(loss, device=self.device)
+        value = payload[0]["value"]
+        if method == "predict_step" or value is None:
+            return value
+        return torch.tensor(value, device=self.device)
 
     # ------------------------------------------------------------------ schedules
 
@@ -262,6 +274,22 @@ def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
     chunks = [torch.tensor_split(x, num_microbatches) if isinstance(x, Tensor) and x.dim() > 0
               else [x] * num_microbatches for x in leaves]
     return [tree_unflatten([chunk[i] for chunk in chunks], spec) for i in range(num_microbatches)]
+
+
+def _loss_of(result: Any) -> Tensor | None:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
+
+
+def _concatenate(outputs: list[Any]) -> Any:
+    """Per-micro-batch outputs as one batch: tensors (also inside lists, tuples, dicts) joined along dim 0."""
+    flat = [tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    if any(f[1] != spec for f in flat):
+        return outputs
+    joined = [torch.cat(leaves) if isinstance(leaves[0], Tensor) and leaves[0].dim() > 0 else list(leaves)
+              for leaves in zip(*(f[0] for f in flat))]
+    return tree_unflatten(joined, spec)
 
 
 def _average_logs(per_microbatch: list[list[tuple]]) -> list[tuple]:

@@ -365,9 +365,6 @@ class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is not None:
-            raise NotImplementedError("predict_step under pipeline parallelism is not supported yet; predict with"
-                                      " pipeline_parallel_size=1 (e.g. from a checkpoint).")
         with self.precision_plugin.predict_step_context():
             return self._step("predict_step", *args, **kwargs)
 
