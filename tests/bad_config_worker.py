@@ -30,6 +30,17 @@ class NoModel(L.LightningModule):
         return None
 
 
+class RaggedData(SyntheticDataModule):
+    """10 samples in batches of 4: the third batch has 2 (fine for 2 micro-batches, but a new shape)."""
+
+    def __init__(self):
+        super().__init__(seq_len=16, batch_size=4, num_train_samples=10)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+        return DataLoader(self.train_set, batch_size=4, drop_last=False)
+
+
 class EagerModel(GPTLightningModule):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -44,6 +55,14 @@ CASES = {
     "meta_init_of_an_eager_model": lambda: (ThreeDStrategy(model_init="meta"), EagerModel(config=TINY)),
     "unavailable_feature": lambda: (ThreeDStrategy(zero_stage=1), GPTLightningModule(config=TINY)),
     "non_positive_size": lambda: (ThreeDStrategy(tensor_parallel_size=0), GPTLightningModule(config=TINY)),
+    "too_few_microbatches_for_1f1b": lambda: (ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=1),
+                                              GPTLightningModule(config=TINY)),
+    "too_few_blocks_for_the_stages": lambda: (ThreeDStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b",
+                                                             virtual_pipeline_size=2), GPTLightningModule(config=TINY)),
+    "batch_not_divisible_into_microbatches": lambda: (ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=4),
+                                                      GPTLightningModule(config=TINY), SyntheticDataModule(seq_len=16, batch_size=6)),
+    "batch_shape_changes_between_steps": lambda: (ThreeDStrategy(pipeline_parallel_size=2),
+                                                  GPTLightningModule(config=TINY), RaggedData()),
 }
 
 
@@ -52,10 +71,10 @@ def main(out_dir: str, names: list[str]) -> None:
     for name in names:
         error = None
         try:
-            strategy, module = CASES[name]()
-            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+            strategy, module, *data = CASES[name]()
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-            trainer.fit(module, SyntheticDataModule(seq_len=16, batch_size=2))
+            trainer.fit(module, data[0] if data else SyntheticDataModule(seq_len=16, batch_size=2))
         except Exception as err:  # noqa: BLE001  (reporting whatever was raised is the point)
             error = {"type": type(err).__name__, "message": str(err)}
         results.append({"case": name, "error": error, "process_group": dist.is_initialized()})

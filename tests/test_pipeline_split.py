@@ -74,3 +74,13 @@ def test_a_batch_that_micro_batches_do_not_divide_is_named():
     assert [mb[0].shape[0] for mb in split_batch(batch, 3)] == [2, 2, 2]
     with pytest.raises(ParallelConfigError, match="6 samples per data-parallel rank, which num_microbatches=4"):
         split_batch(batch, 4)
+
+
+def test_a_split_by_parameters_gives_the_head_stage_fewer_blocks():
+    module = _meta_module(n_layer=6)
+    module.model.lm_head = torch.nn.Linear(32, 4096, bias=False, device="meta")  # a big head: 131k parameters
+    plan = GPTPolicy().plan(module, PlanOptions())
+    from lightning_3d.pipeline.split import split_options
+    stages = assign_blocks(plan.blocks, 2, **split_options(module, plan, "params"))
+    assert [len(s) for s in stages] == [5, 1] and [b for s in stages for b in s] == plan.blocks
+    assert [len(s) for s in assign_blocks(plan.blocks, 2, **split_options(module, plan, "blocks"))] == [3, 3]

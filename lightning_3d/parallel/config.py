@@ -40,6 +40,9 @@ class ParallelConfig:
     """Micro-batch schedule under pipeline parallelism: one of ``PIPELINE_SCHEDULES``."""
     num_microbatches: int | None = None
     """Micro-batches per step under pipeline parallelism; None takes pp (the fewest that fill the pipeline)."""
+    pipeline_split: Union[str, list[list[str]]] = "blocks"
+    """How blocks are cut into stages: "blocks" (even by count), "params" (even by parameter count, the first
+    stage's embeddings and the last stage's head included), or an explicit list of block FQNs per stage."""
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline rank; above 1 only with the interleaved and zero-bubble schedules."""
     sequence_parallel: bool = False
@@ -67,6 +70,8 @@ class ParallelConfig:
         if self.num_microbatches is not None:
             _require_positive_int("num_microbatches", self.num_microbatches)
         _require_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if isinstance(self.pipeline_split, str):
+            _require_choice("pipeline_split", self.pipeline_split, ("blocks", "params"))
         _require_choice("zero_stage", self.zero_stage, ZERO_STAGES)
         _require_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         _require_choice("model_init", self.model_init, MODEL_INIT)

@@ -68,6 +68,10 @@ class PipelineEngine:
         self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
         self._loss_fns: dict[bool, _CurrentLoss] = {}
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
+        self._batch_shapes: dict[bool, list[tuple]] = {}  # train / eval -> the first batch's tensor shapes
+        for index, stage in stages.items():
+            if index < num_stages - 1:
+                stage.register_forward_hook(_require_tensor_output(index))
 
     @property
     def has_first_stage(self) -> bool:
@@ -110,6 +114,7 @@ class PipelineEngine:
         test, the mean of what the step returned if that is a loss (a scalar tensor or a dict with "loss"),
         else None; for ``predict_step``, its outputs concatenated over the micro-batches.
         ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
+        self._check_fixed_shapes(batch, train)
         microbatches = split_batch(batch, self.num_microbatches)
         inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs) if self.has_first_stage else ((), {})
         results: list[Any] = []
@@ -136,6 +141,18 @@ class PipelineEngine:
             else:
                 schedule.eval(*inputs, target=targets, **kwargs)
         return self._share_results(method, results, logs)
+
+    def _check_fixed_shapes(self, batch: Any, train: bool) -> None:
+        """A schedule sizes its send/receive buffers at its first step: later batches must have the same
+        shapes. Every rank of the pipeline sees the same batch, so all of them raise here, before sending."""
+        shapes = [tuple(x.shape) for x in tree_flatten(batch)[0] if isinstance(x, Tensor)]
+        first = self._batch_shapes.setdefault(train, shapes)
+        if shapes != first:
+            raise ValueError(
+                f"Under pipeline parallelism every {'training' if train else 'evaluation'} batch must have the"
+                f" shapes of the first one, {first}, because the stages exchange fixed-size buffers; this batch"
+                f" has {shapes}. Use drop_last=True and a fixed sequence length (pad), or pipeline_parallel_size=1."
+            )
 
     # ------------------------------------------------------------------ the user's step, intercepted
 
@@ -208,6 +225,17 @@ class PipelineEngine:
             self._schedules[key] = cls(first, self.num_microbatches, loss_fn=self._loss_fns[key])
         self._loss_fns[key].current = loss_fn
         return self._schedules[key]
+
+
+def _require_tensor_output(index: int) -> Callable:
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        if not outputs or not all(isinstance(x, Tensor) for x in outputs):
+            raise TypeError(
+                f"Pipeline stage {index} returned {type(output).__name__}, but the next stage receives tensors"
+                " only: the model's forward must pass a tensor (or a tuple of tensors) from block to block."
+            )
+    return check
 
 
 class _CurrentLoss:

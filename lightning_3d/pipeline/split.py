@@ -22,14 +22,30 @@ from lightning_3d.policies.base import Plan, PolicyError
 log = logging.getLogger(__name__)
 
 
+def split_options(module: nn.Module, plan: Plan, split: str | list[list[str]]) -> dict:
+    """``assign_blocks`` keyword arguments for ``ParallelConfig.pipeline_split``."""
+    if not isinstance(split, str):
+        return {"explicit": split}
+    if split == "blocks":
+        return {}
+
+    def count(fqns: list[str]) -> int:
+        return sum(p.numel() for fqn in fqns for p in module.get_submodule(fqn).parameters())
+
+    return {"costs": ([count([b]) for b in plan.blocks], count(plan.before), count(plan.after))}
+
+
 def stage_ids_of(pp_rank: int, pp: int, virtual: int) -> list[int]:
     """The stages a pp rank runs: ``pp_rank``, ``pp_rank + pp``, ... (looped assignment)."""
     return [pp_rank + v * pp for v in range(virtual)]
 
 
-def assign_blocks(blocks: list[str], num_stages: int, explicit: list[list[str]] | None = None) -> list[list[str]]:
-    """The blocks of each stage: ``explicit`` if given (checked), else even by count -- when the count does
-    not divide, the first ``len(blocks) % num_stages`` stages get one block more (stated in the log)."""
+def assign_blocks(blocks: list[str], num_stages: int, explicit: list[list[str]] | None = None,
+                  costs: tuple[list[int], int, int] | None = None) -> list[list[str]]:
+    """The blocks of each stage: ``explicit`` if given (checked); else balanced by ``costs`` if given
+    (per-block parameter counts, plus what the first and the last stage carry besides blocks); else even by
+    count -- when the count does not divide, the first ``len(blocks) % num_stages`` stages get one block
+    more. Uneven splits are stated in the log."""
     if explicit is not None:
         flat = [b for stage in explicit for b in stage]
         if len(explicit) != num_stages or sorted(flat) != sorted(blocks) or len(set(flat)) != len(flat):
@@ -45,13 +61,37 @@ def assign_blocks(blocks: list[str], num_stages: int, explicit: list[list[str]] 
             f" virtual_pipeline_size = {num_stages} stages; every stage needs at least one block. Lower"
             " pipeline_parallel_size or virtual_pipeline_size."
         )
-    base, extra = divmod(len(blocks), num_stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    if extra:
-        log.info("lightning_3d: %d blocks over %d stages do not divide evenly: blocks per stage %s",
-                 len(blocks), num_stages, sizes)
+    if costs is not None:
+        sizes = _balanced_sizes(*costs, num_stages)
+    else:
+        base, extra = divmod(len(blocks), num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    if len(set(sizes)) > 1:
+        log.info("lightning_3d: %d blocks over %d stages: blocks per stage %s", len(blocks), num_stages, sizes)
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     return [blocks[start:start + size] for start, size in zip(starts, sizes)]
+
+
+def _balanced_sizes(block_costs: list[int], first_extra: int, last_extra: int, num_stages: int) -> list[int]:
+    """Blocks per stage, contiguous and at least one each, minimizing the largest stage's cost (dynamic
+    programming over split points; blocks and stages are few)."""
+    n = len(block_costs)
+    prefix = [0]
+    for cost in block_costs:
+        prefix.append(prefix[-1] + cost)
+
+    def stage_cost(stage: int, start: int, end: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[s][i]: (max cost, sizes) placing the first i blocks on the first s stages
+    best: dict[tuple[int, int], tuple[int, list[int]]] = {(0, 0): (0, [])}
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            options = [(max(best[(s - 1, j)][0], stage_cost(s - 1, j, i)), best[(s - 1, j)][1] + [i - j])
+                       for j in range(s - 1, i) if (s - 1, j) in best]
+            best[(s, i)] = min(options)
+    return best[(num_stages, n)][1]
 
 
 def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], stage_ids: list[int]) -> list[nn.Module]:

@@ -47,7 +47,7 @@ from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import VocabParallelLoss, vocab_parallel_ops
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.pipeline.engine import PipelineEngine
-from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
+from lightning_3d.pipeline.split import assign_blocks, split_options, stage_ids_of
 from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
@@ -86,6 +86,7 @@ class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
         policy: Any = "auto",
         pipeline_schedule: str = "1f1b",
         num_microbatches: Optional[int] = None,
+        pipeline_split: Union[str, list[list[str]]] = "blocks",
         virtual_pipeline_size: int = 1,
         sequence_parallel: bool = False,
         zero_stage: int = 0,
@@ -116,6 +117,7 @@ class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
             policy=policy,
             pipeline_schedule=pipeline_schedule,
             num_microbatches=num_microbatches,
+            pipeline_split=pipeline_split,
             virtual_pipeline_size=virtual_pipeline_size,
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
@@ -269,7 +271,8 @@ class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
                     "pipeline_parallel_size > 1 runs backward inside the pipeline schedule, which manual"
                     " optimization (self.manual_backward) cannot drive. Use automatic optimization, or pp=1."
                 )
-            stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size)
+            stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
+                                         **split_options(module, plan, config.pipeline_split))
             stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
         init, stages = prepare_model(module, plan, self.device_mesh, self.root_device, self._init_rng_state,
                                      stage_blocks, stage_ids)
