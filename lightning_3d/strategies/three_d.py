@@ -13,25 +13,15 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
-from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -40,6 +30,7 @@ from typing_extensions import override
 
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import FullStateCheckpoints
+from lightning_3d.strategies.processes import ProcessesAndCollectives
 from lightning_3d.strategies.checks import check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
@@ -55,7 +46,7 @@ from lightning_3d.policies.base import Plan, PlanOptions
 log = logging.getLogger(__name__)
 
 
-class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
+class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
@@ -194,18 +185,6 @@ class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
         return True
 
     # ------------------------------------------------------------------ processes
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def setup_environment(self) -> None:
@@ -406,33 +385,6 @@ class ThreeDStrategy(FullStateCheckpoints, ParallelStrategy):
                     yield
         finally:
             self._gradient_sync = True
-
-    # ------------------------------------------------------------------ collectives
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
-        return objects[0]
-
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # ------------------------------------------------------------------ registration and teardown
 
