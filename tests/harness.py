@@ -79,7 +79,28 @@ class SelfCallingGPTModule(GPTLightningModule):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-MODULES = {"gpt": GPTLightningModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
+class ExplicitPipelineGPTModule(GPTLightningModule):
+    """Uses the engine's explicit hook; its training_step calls the model twice (as no interception could
+    follow), which the explicit hook never runs under a pipeline."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        logits = self.model(tokens)
+        logits = logits + 0.0 * self.model(tokens)  # a second call, same value
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def pipeline_inputs(self, batch):
+        return (batch[0],)
+
+    def pipeline_loss(self, logits, batch):
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
            "toy": ToyLightningModule}
 
 

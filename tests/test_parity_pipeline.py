@@ -46,10 +46,11 @@ EXTRA = [
     sweep_case(2, 2, 1, gradient_clip_val=0.3),
     sweep_case(1, 2, 2, schedule="interleaved_1f1b"),
 ]
-EXTRA += [sweep_case(1, 2, 1), sweep_case(1, 2, 1)]
+EXTRA += [sweep_case(1, 2, 1), sweep_case(1, 2, 1), sweep_case(1, 2, 1, module="gpt_explicit_pipeline")]
 EXTRA[0].name, EXTRA[1].name, EXTRA[2].name = "dp1_pp2_accumulate2", "dp2_pp2_clip_norm", "dp1_pp2_tp2_sp_interleaved"
 EXTRA[2].strategy_kwargs["sequence_parallel"] = True
 EXTRA[3].name, EXTRA[3].strategy_kwargs["pipeline_split"] = "dp1_pp2_split_by_params", "params"
+EXTRA[5].name = "dp1_pp2_explicit_hook"
 EXTRA[4].name, EXTRA[4].strategy_kwargs["pipeline_split"] = "dp1_pp2_split_explicit", [
     [f"model.blocks.{i}" for i in range(3)], [f"model.blocks.{i}" for i in range(3, 8)]]
 CASES.update({c.name: c for c in EXTRA})

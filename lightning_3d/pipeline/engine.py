@@ -17,6 +17,15 @@ Per step, on the ranks of one pipeline (one pp group):
 
 The schedule has already run backward, so the strategy skips Lightning's. Evaluation steps use the same path
 with forward-only schedules.
+
+**The explicit hook**, for a module whose step cannot be intercepted this way (it calls the model more than
+once, or runs code before the call that must not run twice): define both
+
+    def pipeline_inputs(self, batch) -> tuple            # the positional inputs of the pipelined model
+    def pipeline_loss(self, output, batch) -> Tensor     # the loss of one micro-batch from the last stage
+
+and the engine calls those instead of ``training_step`` (``validation_step`` / ``test_step`` keep the
+interception; ``self.log`` inside ``pipeline_loss`` is handled as above).
 """
 
 from __future__ import annotations
@@ -116,14 +125,23 @@ class PipelineEngine:
         ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
         self._check_fixed_shapes(batch, train)
         microbatches = split_batch(batch, self.num_microbatches)
-        inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs) if self.has_first_stage else ((), {})
+        explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
+        if not self.has_first_stage:
+            inputs, kwargs = (), {}
+        elif explicit:
+            inputs, kwargs = tuple(self.module.pipeline_inputs(batch)), {}
+        else:
+            inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs)
         results: list[Any] = []
         logs: list[list[tuple]] = []
 
         def loss_fn(output: Tensor, index: Tensor) -> Tensor:
             i = int(index.reshape(-1)[0])
             with self._root_returning(output), self._recording_logs() as recorded:
-                result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
+                if explicit:
+                    result = self.module.pipeline_loss(output, microbatches[i])
+                else:
+                    result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
             logs.append(recorded)
             loss = _loss_of(result)
             if train and loss is None:
