@@ -346,5 +346,5 @@ def _average_logs(per_microbatch: list[list[tuple]]) -> list[tuple]:
     for recorded in per_microbatch:
         for name, value, args, kwargs in recorded:
             merged[name] = (name, None, args, kwargs)
-            values.setdefault(name, []).append(float(value))
+            values.setdefault(name, []).append(float(value.detach() if isinstance(value, Tensor) else value))
     return [(name, statistics.fmean(values[name]), args, kwargs) for name, (_, _, args, kwargs) in merged.items()]
