@@ -289,7 +289,7 @@ class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStra
             return module
         blocks = [m for m in module.modules() if m is not module and any(m is b for b in self._blocks)]
         return apply_data_parallel(module, blocks, self.device_mesh["dp"], self.root_device,
-                                   pipeline_stage=self._engine is not None or self.parallel_dims.pp > 1)
+                                   pipeline_stage=self.parallel_dims.pp > 1)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, self.parallel_dims)
