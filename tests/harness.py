@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_3d.callbacks import GradNormMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from toy_model import ToyLightningModule
 
@@ -58,6 +59,8 @@ class Result:
     params: dict[str, torch.Tensor]
     logged: list[float] = field(default_factory=list)
     """``train_loss`` as ``self.log`` recorded it on global rank 0 (what the logger sees), per step."""
+    grad_norms: list[float] = field(default_factory=list)
+    """``grad_norm/global`` as GradNormMonitor logged it, per step."""
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -119,6 +122,7 @@ class LossRecorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.logged: list[float] = []
+        self.grad_norms: list[float] = []
         self._pending: list[torch.Tensor] = []
         self._pending_logged: list[float] = []
 
@@ -126,6 +130,7 @@ class LossRecorder(L.Callback):
         self._pending.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean"))
         self._pending_logged.append(float(trainer.callback_metrics["train_loss"]))
         if len(self._pending) == trainer.accumulate_grad_batches:
+            self.grad_norms.append(float(trainer.callback_metrics["grad_norm/global"]))
             self.losses.append(torch.stack(self._pending).mean().item())
             self.logged.append(sum(self._pending_logged) / len(self._pending_logged))
             self._pending, self._pending_logged = [], []
@@ -149,7 +154,7 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[recorder],
+        callbacks=[GradNormMonitor(every_n_steps=1), recorder],
     )
 
 
@@ -166,7 +171,8 @@ def run_reference(case: Case) -> Result:
     module, data = _module_and_data(case, case.global_batch_size, ReferenceDataModule)
     recorder = LossRecorder()
     _trainer(case, "auto", 1, recorder).fit(module, data)
-    return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged)
+    return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged,
+                  recorder.grad_norms)
 
 
 _REFERENCES: dict[tuple, Result] = {}
@@ -192,7 +198,7 @@ def run_distributed(case: Case) -> Result | None:
     recorder = LossRecorder()
     _trainer(case, strategy, world, recorder).fit(module, data)
     params = gather_full_state(module)
-    return Result(recorder.losses, params, recorder.logged) if dist.get_rank() == 0 else None
+    return Result(recorder.losses, params, recorder.logged, recorder.grad_norms) if dist.get_rank() == 0 else None
 
 
 def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -245,8 +251,12 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
 
 
 def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5, param_atol: float = 1e-5) -> None:
-    """Same per-step losses and same full parameters (by FQN) as the reference."""
+    """Same per-step losses, global gradient norms (GradNormMonitor) and final parameters (by FQN) as the
+    reference."""
     assert len(result.losses) == len(reference.losses) > 0, (result.losses, reference.losses)
+    assert len(result.grad_norms) == len(reference.grad_norms) == len(result.losses)
+    for ours, theirs in zip(result.grad_norms, reference.grad_norms):
+        assert abs(ours - theirs) <= 1e-5 * max(1.0, theirs), (result.grad_norms, reference.grad_norms)
     loss_diff = max(abs(a - b) for a, b in zip(result.losses, reference.losses))
     assert loss_diff <= loss_atol, f"losses differ by {loss_diff:.3g}:\n{result.losses}\n{reference.losses}"
     assert result.params.keys() == reference.params.keys(), (

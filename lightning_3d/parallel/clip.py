@@ -22,7 +22,16 @@ from lightning_3d.parallel.dims import ParallelDims
 
 def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor:
     """The 2-norm of the gradients of the whole model (collective over the world; every rank gets it)."""
-    squares = []
+    total = grad_square_terms(parameters, dims)[0]
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple[Tensor, Tensor]:
+    """This rank's (share of the whole model's squared gradient norm, squared norm of its local gradients).
+    The shares of all ranks sum to the squared global norm; no communication."""
+    squares, local_squares = [], []
     for param in parameters:
         grad = param.grad
         if grad is None:
@@ -34,11 +43,11 @@ def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor
             local = grad.to_local()
             distinct_shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
         copies = dims.dp * dims.tp // distinct_shards  # ranks of this pipeline stage holding this very piece
-        squares.append(local.detach().float().pow(2).sum() / copies)
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return total.sqrt()
+        local_squares.append(local.detach().float().pow(2).sum())
+        squares.append(local_squares[-1] / copies)
+    if not squares:
+        return torch.zeros(()), torch.zeros(())
+    return torch.stack(squares).sum(), torch.stack(local_squares).sum()
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:

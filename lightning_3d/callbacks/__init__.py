@@ -1,0 +1,6 @@
+"""Lightning callbacks that watch a 3D run. Each runs its collectives on every rank or on none."""
+
+from lightning_3d.callbacks.grad_norm import GradNormMonitor
+from lightning_3d.callbacks.nan_guard import NaNGuard
+
+__all__ = ["GradNormMonitor", "NaNGuard"]

@@ -1,0 +1,75 @@
+"""GradNormMonitor: the true global gradient norm of a 3D run, per-stage and per-rank norms, and outliers."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_3d.callbacks.layout import dims_of
+from lightning_3d.parallel.clip import grad_square_terms
+
+log = logging.getLogger(__name__)
+
+
+class GradNormMonitor(L.Callback):
+    """Logs, before each optimizer step (before clipping):
+
+    * ``grad_norm/global`` -- the norm of the whole model's gradient, every tp shard, pp stage and dp replica
+      counted once: what one process would compute for the same model;
+    * ``grad_norm/stage_{s}`` -- the part of it on pipeline stage ``s``;
+    * ``grad_norm/rank_max`` and ``grad_norm/rank_median`` -- of each rank's local gradient norm;
+
+    and warns, naming the rank and its (dp, pp, tp) coordinates, when a rank's local norm exceeds
+    ``outlier_factor`` times the median of the ranks of its pipeline stage (which hold comparable pieces) --
+    the "one rank's shard has huge gradients" failure of large runs. One small all-gather over the world per
+    logged step; every rank takes part, so it cannot hang.
+
+    Example::
+
+        trainer = L.Trainer(strategy=ThreeDStrategy(tensor_parallel_size=2), callbacks=[GradNormMonitor()])
+    """
+
+    def __init__(self, every_n_steps: int | None = None, outlier_factor: float = 10.0) -> None:
+        self.every_n_steps = every_n_steps
+        self.outlier_factor = outlier_factor
+        self.outliers: list[dict] = []
+        """Every outlier seen: step, rank, coordinates, its norm and the stage median."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        every = self.every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every:
+            return
+        dims = dims_of(trainer)
+        share, local = grad_square_terms(pl_module.parameters(), dims)
+        terms = torch.stack([share, local]).to(pl_module.device)
+        if dist.is_initialized():
+            gathered = [torch.zeros_like(terms) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, terms)
+            per_rank = torch.stack(gathered).cpu()  # (world, 2)
+        else:
+            per_rank = terms.cpu().unsqueeze(0)
+        stages = torch.tensor([dims.coords(r).pp for r in range(len(per_rank))])
+        local_norms = per_rank[:, 1].sqrt()
+        metrics = {"grad_norm/global": per_rank[:, 0].sum().sqrt(),
+                   "grad_norm/rank_max": local_norms.max(), "grad_norm/rank_median": local_norms.median()}
+        for stage in range(dims.pp):
+            metrics[f"grad_norm/stage_{stage}"] = per_rank[stages == stage, 0].sum().sqrt()
+            self._flag_outliers(trainer.global_step, dims, local_norms, stages == stage)
+        pl_module.log_dict({k: v.item() for k, v in metrics.items()}, on_step=True, on_epoch=False)
+
+    def _flag_outliers(self, step: int, dims, local_norms: torch.Tensor, in_stage: torch.Tensor) -> None:
+        ranks = in_stage.nonzero().flatten().tolist()
+        if len(ranks) < 2:
+            return
+        median = local_norms[in_stage].median().item()
+        for rank in ranks:
+            norm = local_norms[rank].item()
+            if median > 0 and norm > self.outlier_factor * median:
+                outlier = {"step": step, "rank": rank, "coords": dims.coords(rank)._asdict(), "norm": norm,
+                           "stage_median": median}
+                self.outliers.append(outlier)
+                log.warning("lightning_3d: rank %d %s has a local gradient norm %.3g, %.1fx the median of its"
+                            " stage (%.3g) at step %d", rank, outlier["coords"], norm, norm / median, median, step)

@@ -1,0 +1,59 @@
+"""Callbacks that watch a 3D run. GradNormMonitor's global norm is checked in every parity case
+(tests/harness.py compares it with the single-process run); here: NaNGuard and the monitors' own logic."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_3d.callbacks import GradNormMonitor, NaNGuard
+
+
+def test_unknown_nan_guard_actions_are_rejected():
+    with pytest.raises(ValueError, match=r"NaNGuard\(action='ignore'\) is not one of \('raise', 'skip'\)"):
+        NaNGuard(action="ignore")
+    with pytest.raises(ValueError, match="rollback to the last good checkpoint is not available yet"):
+        NaNGuard(action="rollback")
+
+
+def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
+    import torch
+
+    from lightning_3d import ParallelDims
+
+    monitor = GradNormMonitor(outlier_factor=10.0)
+    dims = ParallelDims(dp=2, pp=2, tp=1)  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
+    norms = torch.tensor([1.0, 1.1, 0.9, 50.0])
+    stages = torch.tensor([dims.coords(r).pp for r in range(4)])
+    for stage in range(2):
+        monitor._flag_outliers(7, dims, norms, stages == stage)
+    assert [(o["step"], o["rank"], o["coords"]) for o in monitor.outliers] == [(7, 3, {"dp": 1, "pp": 1, "tp": 0})]
+
+
+def _nan_run(tmp_path, action):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), action]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.multiprocess
+def test_nan_guard_names_the_rank_of_origin_and_every_rank_raises(tmp_path):
+    for result in _nan_run(tmp_path, "raise"):
+        assert result["error"] is not None and result["steps"] == 2
+        assert "NaN/Inf gradient at step 2 on rank 1 (dp=1, pp=0, tp=0): first at model." in result["error"]
+        assert "rank 0" not in result["error"]  # its gradients only became NaN in the all-reduce
+
+
+@pytest.mark.multiprocess
+def test_nan_guard_skips_the_same_step_on_every_rank_and_training_goes_on(tmp_path):
+    results = _nan_run(tmp_path, "skip")
+    for result in results:
+        assert result["error"] is None and result["skipped"] == [2] and result["steps"] == 4
+        assert result["finite"]
+    assert results[0]["checksum"] == results[1]["checksum"]  # the replicas did not drift apart
