@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_3d.callbacks import GradNormMonitor
+from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from toy_model import ToyLightningModule
 
@@ -61,6 +61,8 @@ class Result:
     """``train_loss`` as ``self.log`` recorded it on global rank 0 (what the logger sees), per step."""
     grad_norms: list[float] = field(default_factory=list)
     """``grad_norm/global`` as GradNormMonitor logged it, per step."""
+    model_parameters: int = 0
+    """The whole model's parameter count as ThroughputMonitor saw it (for its MFU)."""
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -139,6 +141,10 @@ class LossRecorder(L.Callback):
 # ---------------------------------------------------------------------------------------------- runs
 
 
+def _model_parameters(trainer: L.Trainer) -> int:
+    return next(c.model_parameters for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
+
+
 def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
@@ -154,7 +160,7 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[GradNormMonitor(every_n_steps=1), recorder],
+        callbacks=[GradNormMonitor(every_n_steps=1), ThroughputMonitor(every_n_steps=2), recorder],
     )
 
 
@@ -170,9 +176,10 @@ def run_reference(case: Case) -> Result:
     """The case in this process on one device with plain Lightning (no lightning_3d strategy)."""
     module, data = _module_and_data(case, case.global_batch_size, ReferenceDataModule)
     recorder = LossRecorder()
-    _trainer(case, "auto", 1, recorder).fit(module, data)
+    trainer = _trainer(case, "auto", 1, recorder)
+    trainer.fit(module, data)
     return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged,
-                  recorder.grad_norms)
+                  recorder.grad_norms, _model_parameters(trainer))
 
 
 _REFERENCES: dict[tuple, Result] = {}
@@ -196,9 +203,11 @@ def run_distributed(case: Case) -> Result | None:
     module, data = _module_and_data(case, case.global_batch_size // case.dp)
     strategy = ThreeDStrategy(**case.strategy_kwargs) if case.strategy == "3d" else case.strategy
     recorder = LossRecorder()
-    _trainer(case, strategy, world, recorder).fit(module, data)
+    trainer = _trainer(case, strategy, world, recorder)
+    trainer.fit(module, data)
     params = gather_full_state(module)
-    return Result(recorder.losses, params, recorder.logged, recorder.grad_norms) if dist.get_rank() == 0 else None
+    result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, _model_parameters(trainer))
+    return result if dist.get_rank() == 0 else None
 
 
 def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -254,6 +263,7 @@ def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5,
     """Same per-step losses, global gradient norms (GradNormMonitor) and final parameters (by FQN) as the
     reference."""
     assert len(result.losses) == len(reference.losses) > 0, (result.losses, reference.losses)
+    assert result.model_parameters == reference.model_parameters > 0
     assert len(result.grad_norms) == len(reference.grad_norms) == len(result.losses)
     for ours, theirs in zip(result.grad_norms, reference.grad_norms):
         assert abs(ours - theirs) <= 1e-5 * max(1.0, theirs), (result.grad_norms, reference.grad_norms)

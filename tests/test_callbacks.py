@@ -57,3 +57,22 @@ def test_nan_guard_skips_the_same_step_on_every_rank_and_training_goes_on(tmp_pa
         assert result["error"] is None and result["skipped"] == [2] and result["steps"] == 4
         assert result["finite"]
     assert results[0]["checksum"] == results[1]["checksum"]  # the replicas did not drift apart
+
+
+def test_throughput_monitor_logs_rates_and_mfu_from_the_whole_model(tmp_path):
+    import lightning as L
+
+    from lightning_3d.callbacks import ThroughputMonitor
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    config = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
+    monitor = ThroughputMonitor(every_n_steps=2, peak_flops=1e12)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[monitor], default_root_dir=tmp_path)
+    trainer.fit(GPTLightningModule(config=config), SyntheticDataModule(seq_len=16, batch_size=4))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("throughput/")}
+    assert monitor.model_parameters == config.num_parameters()
+    assert metrics["throughput/tokens_per_sec"] == pytest.approx(16 * metrics["throughput/samples_per_sec"])
+    assert metrics["throughput/mfu"] == pytest.approx(6 * config.num_parameters() * metrics["throughput/tokens_per_sec"] / 1e12)
+    assert metrics["throughput/step_time_skew"] == 1.0

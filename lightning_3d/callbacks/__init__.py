@@ -2,5 +2,6 @@
 
 from lightning_3d.callbacks.grad_norm import GradNormMonitor
 from lightning_3d.callbacks.nan_guard import NaNGuard
+from lightning_3d.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["GradNormMonitor", "NaNGuard"]
+__all__ = ["GradNormMonitor", "NaNGuard", "ThroughputMonitor"]

@@ -33,21 +33,25 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
     The shares of all ranks sum to the squared global norm; no communication."""
     squares, local_squares = [], []
     for param in parameters:
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             continue
-        local, distinct_shards = grad, 1
-        if isinstance(grad, DTensor):
-            if any(p.is_partial() for p in grad.placements):
-                raise RuntimeError("global_grad_norm got a pending (Partial) gradient; reduce it first")
-            local = grad.to_local()
-            distinct_shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
-        copies = dims.dp * dims.tp // distinct_shards  # ranks of this pipeline stage holding this very piece
+        local, copies = local_piece(param.grad, dims)
         local_squares.append(local.detach().float().pow(2).sum())
         squares.append(local_squares[-1] / copies)
     if not squares:
         return torch.zeros(()), torch.zeros(())
     return torch.stack(squares).sum(), torch.stack(local_squares).sum()
+
+
+def local_piece(tensor: Tensor, dims: ParallelDims) -> tuple[Tensor, int]:
+    """This rank's piece of a (possibly sharded) tensor, and how many ranks of its pipeline stage hold that
+    very piece (replicas over dp and tp): dividing by it counts every piece of the model once."""
+    if not isinstance(tensor, DTensor):
+        return tensor, dims.dp * dims.tp
+    if any(p.is_partial() for p in tensor.placements):
+        raise RuntimeError("a pending (Partial) gradient has no local piece yet; reduce it first")
+    distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if p.is_shard())
+    return tensor.to_local(), dims.dp * dims.tp // distinct
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:
