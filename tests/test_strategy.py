@@ -12,7 +12,6 @@ import lightning as L
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_3d
 from lightning_3d import ParallelConfigError, ThreeDStrategy
 
 TESTS_DIR = Path(__file__).parent
