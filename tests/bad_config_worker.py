@@ -16,6 +16,7 @@ import lightning as L
 import torch.distributed as dist
 from torch import nn
 
+from harness import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 
@@ -79,6 +80,7 @@ def main(out_dir: str, names: list[str]) -> None:
             error = {"type": type(err).__name__, "message": str(err)}
         results.append({"case": name, "error": error, "process_group": dist.is_initialized()})
     (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from harness import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 
@@ -37,6 +38,7 @@ def main(out_dir: str, pp: int) -> None:
     tokens = torch.cat([p["next_token"] for p in predictions]).tolist()
     rank = int(os.environ.get("RANK", 0))
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"val_loss": val_loss, "next_token": tokens}))
+    end_process_group()
 
 
 if __name__ == "__main__":

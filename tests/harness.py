@@ -226,6 +226,14 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
+def end_process_group() -> None:
+    """End a worker's process group explicitly: left to interpreter exit, gloo has been seen to abort a rank
+    ("terminate called without an active exception") after all its work was done."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------- launch
 
 

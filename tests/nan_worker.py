@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from harness import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import NaNGuard
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
@@ -43,6 +44,7 @@ def main(out_dir: str, action: str) -> None:
               "finite": all(bool(torch.isfinite(p).all()) for p in params),
               "checksum": float(sum(p.double().sum() for p in params))}
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from harness import Case, run_distributed
+from harness import Case, end_process_group, run_distributed
 
 
 def main(cases_file: str, out_dir: str) -> None:
@@ -20,9 +19,7 @@ def main(cases_file: str, out_dir: str) -> None:
         if result is not None:
             torch.save(result, Path(out_dir) / f"{case.name}.pt")
             print(f"[parity] {case.name}: losses {['%.6f' % x for x in result.losses]}", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
