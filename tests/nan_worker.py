@@ -19,16 +19,21 @@ from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModu
 
 
 class NaNOnRank1(GPTLightningModule):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
+    """At step 2, on rank 1 only: the output of block 1 turns NaN (as an overflow would)."""
+
+    def configure_model(self):
+        super().configure_model()
+        self.model.blocks["1"].register_forward_hook(self._poison)
+
+    def _poison(self, module, args, output):
         if self.global_rank == 1 and self.trainer.global_step == 2:
-            loss = loss * float("nan")
-        return loss
+            return output * float("nan")
+        return output
 
 
 def main(out_dir: str, action: str) -> None:
     L.seed_everything(0, verbose=False)
-    guard = NaNGuard(action=action)
+    guard = NaNGuard(action=action, check_activations=True)
     module = NaNOnRank1(config=GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ThreeDStrategy(), max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
