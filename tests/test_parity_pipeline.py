@@ -51,6 +51,13 @@ EXTRA[0].name, EXTRA[1].name, EXTRA[2].name = "dp1_pp2_accumulate2", "dp2_pp2_cl
 EXTRA[2].strategy_kwargs["sequence_parallel"] = True
 EXTRA[3].name, EXTRA[3].strategy_kwargs["pipeline_split"] = "dp1_pp2_split_by_params", "params"
 EXTRA[5].name = "dp1_pp2_explicit_hook"
+# Activation checkpointing with each data-parallel engine and under the pipeline.
+for name, (dp, pp, tp), mode in [("dp2_full_ac", (2, 1, 1), "full"), ("dp1_pp1_tp2_full_ac", (1, 1, 2), "full"),
+                                  ("dp1_pp2_selective_ac", (1, 2, 1), "selective"),
+                                  ("dp2_pp1_tp2_full_ac", (2, 1, 2), "full")]:
+    EXTRA.append(sweep_case(dp, pp, tp))
+    EXTRA[-1].name = name
+    EXTRA[-1].strategy_kwargs["activation_checkpointing"] = mode
 EXTRA[4].name, EXTRA[4].strategy_kwargs["pipeline_split"] = "dp1_pp2_split_explicit", [
     [f"model.blocks.{i}" for i in range(3)], [f"model.blocks.{i}" for i in range(3, 8)]]
 CASES.update({c.name: c for c in EXTRA})

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
                   init_rng_state: Tensor | None, stage_blocks: list[list[str]] | None = None,
-                  stage_ids: list[int] = ()) -> tuple[str, list[nn.Module]]:
+                  stage_ids: list[int] = (), activation_checkpointing: str | None = None) -> tuple[str, list[nn.Module]]:
     """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
 
     Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
@@ -33,7 +34,8 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
     1. tensor parallel (``plan.tp_plan`` on the "tp" sub-mesh) -- on the meta device when the model is
        there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
        sharded regions;
-    2. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
+    2. activation checkpointing of the plan's blocks ("full" or "selective");
+    3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
        rank 0's eagerly built weights, broadcast before any sharding (exact).
 
     Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced (the
@@ -59,6 +61,9 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
         apply_tensor_parallel(module, plan, mesh["tp"])
         seed = rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank()
         apply_sharded_rng(module, plan.sharded_rng_regions, ShardedRNG(seed, device))
+
+    if activation_checkpointing:
+        apply_activation_checkpointing(module, plan, activation_checkpointing)
 
     if on_meta:
         module.to_empty(device=device)

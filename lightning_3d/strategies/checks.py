@@ -13,7 +13,6 @@ from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 # not implement yet; each is rejected before any collective instead of being silently ignored.
 _UNAVAILABLE = {
     "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
-    "activation_checkpointing": (lambda c: c.activation_checkpointing is not None, "activation checkpointing"),
     "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),
 }
 

@@ -254,7 +254,7 @@ class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStra
                                          **split_options(module, plan, config.pipeline_split))
             stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
         init, stages = prepare_model(module, plan, self.device_mesh, self.root_device, self._init_rng_state,
-                                     stage_blocks, stage_ids)
+                                     stage_blocks, stage_ids, config.activation_checkpointing)
         rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
         self.precision_plugin.convert_module(module)
         held = dict(module.named_modules())
