@@ -226,6 +226,16 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
+def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nprocs ARGS`` with one thread per rank; fails the test with the
+    ranks' stderr if it exits non-zero, and within ``timeout`` seconds if it hangs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def end_process_group() -> None:
     """End a worker's process group explicitly: left to interpreter exit, gloo has been seen to abort a rank
     ("terminate called without an active exception") after all its work was done."""

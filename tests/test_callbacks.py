@@ -2,13 +2,11 @@
 (tests/harness.py compares it with the single-process run); here: NaNGuard and the monitors' own logic."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness import torchrun
 from lightning_3d.callbacks import GradNormMonitor, NaNGuard
 
 
@@ -34,11 +32,7 @@ def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
 
 
 def _nan_run(tmp_path, action):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), action]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(2, str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), action)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

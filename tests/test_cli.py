@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness import torchrun
+
 ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "example_configs").glob("*.yaml"))
 
@@ -54,12 +56,9 @@ def test_strategy_can_be_given_by_its_registered_name():
 def test_torchrun_starts_the_cli(tmp_path):
     """`torchrun -m lightning_3d fit ...`: the processes come from torchrun (Lightning's torchelastic
     environment), not from Lightning's launcher."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lightning_3d",
-           "fit", "--config", str(ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"), "--trainer.max_steps=3",
-           "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-           "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    config = ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"
+    proc = torchrun(2, "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.max_steps=3",
+                    "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                    "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), cwd=tmp_path)
     assert "dp=2 x pp=1 x tp=1 = 2 ranks" in proc.stdout + proc.stderr
     assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stdout + proc.stderr

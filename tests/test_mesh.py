@@ -1,13 +1,11 @@
 """The DeviceMesh that ParallelDims builds on 8 real ranks has the documented layout."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from harness import torchrun
 from lightning_3d import ParallelDims, RankCoords
 
 LAYOUTS = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 4, 1), (4, 1, 2), (1, 2, 4)]  # (dp, pp, tp)
@@ -16,12 +14,8 @@ LAYOUTS = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 4, 1), (4, 1, 2), (1,
 @pytest.fixture(scope="module")
 def mesh_views(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
-           str(Path(__file__).parent / "mesh_worker.py"), str(out),
-           *(",".join(map(str, layout)) for layout in LAYOUTS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(8, str(Path(__file__).parent / "mesh_worker.py"), str(out),
+             *(",".join(map(str, layout)) for layout in LAYOUTS))
     views = [view for rank in range(8) for view in json.loads((out / f"rank{rank}.json").read_text())]
     assert len(views) == 8 * len(LAYOUTS)
     return views

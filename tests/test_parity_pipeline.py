@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Case, assert_parity, launch, reference_for
+from harness import Case, assert_parity, launch, reference_for, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -86,12 +86,14 @@ def test_matches_single_process(name, results):
 
 
 def _eval_run(tmp_path, pp):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     worker = str(Path(__file__).parent / "eval_worker.py")
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}", worker]
-           if pp > 1 else [sys.executable, worker])
-    proc = subprocess.run([*cmd, str(tmp_path), str(pp)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if pp > 1:
+        torchrun(pp, worker, str(tmp_path), str(pp))
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, worker, str(tmp_path), "1"], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(pp)]
 
 

@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
+from harness import torchrun
 from lightning_3d import ParallelConfigError, ThreeDStrategy
 
 TESTS_DIR = Path(__file__).parent
@@ -43,12 +44,6 @@ def test_layout_is_unknown_before_setup():
         ThreeDStrategy().parallel_dims
 
 
-def _torchrun(args, timeout):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 EXPECTED = {
     "dp_times_tp_pp_is_not_world": ("ParallelConfigError", ["data_parallel_size (3)", "= 3", "world size is 2"]),
     "tp_pp_does_not_divide_world": ("ParallelConfigError", ["pipeline_parallel_size (3)", "world size 2", "[1, 2]"]),
@@ -72,8 +67,7 @@ EXPECTED_AFTER_SETUP = {
 @pytest.mark.multiprocess
 def test_bad_configurations_fail_on_every_rank_before_any_collective(tmp_path):
     cases = {**EXPECTED, **EXPECTED_AFTER_SETUP}
-    proc = _torchrun([str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), *cases], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun(2, str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), *cases)
     results = [r for rank in range(2) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert len(results) == 2 * len(cases), proc.stdout[-4000:]
     for result in results:

@@ -1,15 +1,13 @@
 """Tensor parallel plans: checked before anything is sharded; communication and memory match theory."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from harness import torchrun
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.parallel.tensor_parallel import check_tp_plan, match_modules
 from lightning_3d.policies import PlanOptions, PolicyError
@@ -80,11 +78,7 @@ def test_an_mlp_width_that_does_not_split_fails_before_sharding():
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_worker")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(Path(__file__).parent / "tp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(4, str(Path(__file__).parent / "tp_worker.py"), str(out))
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 
