@@ -42,6 +42,12 @@ class RaggedData(SyntheticDataModule):
         return DataLoader(self.train_set, batch_size=4, drop_last=False)
 
 
+class ManualOptimization(GPTLightningModule):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+
 class EagerModel(GPTLightningModule):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -62,6 +68,8 @@ CASES = {
                                                              virtual_pipeline_size=2), GPTLightningModule(config=TINY)),
     "batch_not_divisible_into_microbatches": lambda: (ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=4),
                                                       GPTLightningModule(config=TINY), SyntheticDataModule(seq_len=16, batch_size=6)),
+    "manual_optimization_under_pipeline": lambda: (ThreeDStrategy(pipeline_parallel_size=2),
+                                                   ManualOptimization(config=TINY)),
     "batch_shape_changes_between_steps": lambda: (ThreeDStrategy(pipeline_parallel_size=2),
                                                   GPTLightningModule(config=TINY), RaggedData()),
 }

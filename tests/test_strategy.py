@@ -61,6 +61,7 @@ EXPECTED_AFTER_SETUP = {
     "batch_not_divisible_into_microbatches": ("ParallelConfigError", ["6 samples per data-parallel rank",
                                                                       "num_microbatches=4"]),
     "batch_shape_changes_between_steps": ("ValueError", ["shapes of the first one", "drop_last=True"]),
+    "manual_optimization_under_pipeline": ("ParallelConfigError", ["manual optimization", "pp=1"]),
 }
 
 
