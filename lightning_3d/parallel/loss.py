@@ -70,3 +70,11 @@ class VocabParallelLoss(TorchFunctionMode):
         if func is F.cross_entropy and args and isinstance(args[0], DTensor):
             return vocab_parallel_cross_entropy(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def vocab_parallel_loss() -> Iterator[None]:
+    """Both halves, for a strategy step: ``F.cross_entropy`` on sharded logits routed to the vocabulary-parallel
+    loss (forward), and PyTorch's loss-parallel ops switched on (its backward)."""
+    with VocabParallelLoss(), vocab_parallel_ops():
+        yield

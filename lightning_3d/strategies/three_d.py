@@ -35,7 +35,7 @@ from lightning_3d.strategies.checks import check_model, reject_unavailable_featu
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.loss import VocabParallelLoss, vocab_parallel_ops
+from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, split_options, stage_ids_of
@@ -312,23 +312,15 @@ class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStra
                 finish_grads=finish_grads, **kwargs)
         # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
         # Lightning's forward redirection sends the call through that forward into `method`.
-        with self._vocab_parallel_loss():
+        with self._loss_context():
             if self.model is not self.lightning_module or isinstance(self.model, FSDPModule):
                 return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
             return getattr(self.lightning_module, method)(*args, **kwargs)
 
-    @property
-    def _uses_vocab_parallel_loss(self) -> bool:
-        return self.parallel_dims.tp > 1 and self.parallel_config.vocab_parallel_loss
-
-    def _vocab_parallel_loss(self):
-        return VocabParallelLoss() if self._uses_vocab_parallel_loss else nullcontext()
-
-    @contextmanager
-    def _loss_context(self) -> Generator[None, None, None]:
-        # Under pipeline parallelism forward and backward both happen inside the schedule.
-        with self._vocab_parallel_loss(), vocab_parallel_ops() if self._uses_vocab_parallel_loss else nullcontext():
-            yield
+    def _loss_context(self):
+        # Around steps and backward (both happen inside the schedule under pipeline parallelism).
+        tp_loss = self.parallel_dims.tp > 1 and self.parallel_config.vocab_parallel_loss
+        return vocab_parallel_loss() if tp_loss else nullcontext()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -356,7 +348,7 @@ class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStra
             self._engine.add_step_grads()
             return closure_loss
         # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
-        with vocab_parallel_ops() if self._uses_vocab_parallel_loss else nullcontext():
+        with self._loss_context():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self.parallel_dims.tp > 1 and self._gradient_sync:
             reduce_partial_grads(self.lightning_module)
