@@ -126,7 +126,9 @@ def test_sharded_regions_draw_per_tp_rank_and_leave_the_default_stream_alone(mea
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sp", ["sp0", "sp1"])
 def test_replicated_parameters_stay_identical_across_tp_ranks_with_dropout(measured, sp):
-    """Different dropout masks on replicated activations would make the replicas drift apart."""
+    """Different dropout masks on replicated activations would make the replicas drift apart. (A guard on the
+    whole, not proof of the streams: equal shard sizes keep the default stream in step even without the
+    mechanism -- test_sharded_regions_draw_per_tp_rank_and_leave_the_default_stream_alone proves that.)"""
     for a, b in [(0, 1), (2, 3)]:
         assert measured[a]["dropout_replicated_params"][sp] == measured[b]["dropout_replicated_params"][sp]
 
