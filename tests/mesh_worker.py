@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from harness import end_process_group
 from lightning_3d import ParallelConfig, ParallelDims
 
 
@@ -31,7 +32,7 @@ def main(out_dir: str, layouts: list[str]) -> None:
         views.append({"layout": layout, "rank": rank, "groups": view, "local": local,
                       "names": list(mesh.mesh_dim_names)})
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(views))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
 
 
 def _nan_run(tmp_path, action):
-    torchrun(2, str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), action)
+    torchrun(2, str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), action, rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

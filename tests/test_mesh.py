@@ -15,7 +15,7 @@ LAYOUTS = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 4, 1), (4, 1, 2), (1,
 def mesh_views(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
     torchrun(8, str(Path(__file__).parent / "mesh_worker.py"), str(out),
-             *(",".join(map(str, layout)) for layout in LAYOUTS))
+             *(",".join(map(str, layout)) for layout in LAYOUTS), rank_files=out)
     views = [view for rank in range(8) for view in json.loads((out / f"rank{rank}.json").read_text())]
     assert len(views) == 8 * len(LAYOUTS)
     return views

@@ -88,7 +88,7 @@ def test_matches_single_process(name, results):
 def _eval_run(tmp_path, pp):
     worker = str(Path(__file__).parent / "eval_worker.py")
     if pp > 1:
-        torchrun(pp, worker, str(tmp_path), str(pp))
+        torchrun(pp, worker, str(tmp_path), str(pp), rank_files=tmp_path)
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, worker, str(tmp_path), "1"], env=env, capture_output=True, text=True,

@@ -68,7 +68,7 @@ EXPECTED_AFTER_SETUP = {
 @pytest.mark.multiprocess
 def test_bad_configurations_fail_on_every_rank_before_any_collective(tmp_path):
     cases = {**EXPECTED, **EXPECTED_AFTER_SETUP}
-    proc = torchrun(2, str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), *cases)
+    proc = torchrun(2, str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), *cases, rank_files=tmp_path)
     results = [r for rank in range(2) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert len(results) == 2 * len(cases), proc.stdout[-4000:]
     for result in results:

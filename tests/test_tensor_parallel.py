@@ -78,7 +78,7 @@ def test_an_mlp_width_that_does_not_split_fails_before_sharding():
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_worker")
-    torchrun(4, str(Path(__file__).parent / "tp_worker.py"), str(out))
+    torchrun(4, str(Path(__file__).parent / "tp_worker.py"), str(out), rank_files=out)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+from harness import end_process_group
 from lightning_3d import ParallelConfig, ParallelDims
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.parallel.loss import vocab_parallel_cross_entropy
@@ -115,7 +116,7 @@ def main(out_dir: str) -> None:
             results["rng"] = random_streams(mesh)
             results["dropout_replicated_params"] = {sp: dropout_training(mesh, sp) for sp in ("sp0", "sp1")}
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":
