@@ -2,6 +2,7 @@
 
     lightning-3d fit --config example_configs/gpt_tiny_dp_cpu.yaml
     lightning-3d fit --config my.yaml --trainer.max_steps 20 --print_config
+    lightning-3d convert checkpoints/last.ckpt model.safetensors --strip-prefix model.
 
 ``trainer.strategy`` may be ``3d`` or ``class_path: lightning_3d.ThreeDStrategy`` with ``init_args``; the
 model and data are any LightningModule / LightningDataModule by ``class_path`` (the reference ones by short
@@ -10,6 +11,8 @@ name: ``GPTLightningModule``, ``SyntheticDataModule``). Configs may interpolate 
 
 from __future__ import annotations
 
+import sys
+
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_3d  # noqa: F401  (registers strategy="3d")
@@ -17,6 +20,11 @@ from lightning_3d.models import GPTLightningModule, SyntheticDataModule  # noqa:
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["convert"]:  # not a Trainer subcommand: a checkpoint export (lightning_3d.checkpoint.convert)
+        from lightning_3d.checkpoint.convert import main as convert
+
+        return convert(argv[1:])
     LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,14 +21,23 @@ from lightning_3d.policies.base import Plan
 log = logging.getLogger(__name__)
 
 
+class Prepared(NamedTuple):
+    init: str
+    """"meta" or "exact" (``lightning_3d.parallel.init``)."""
+    stages: list[nn.Module]
+    """This rank's pipeline stages (empty without pipeline parallelism)."""
+    sharded_rng: ShardedRNG | None
+    """This tp rank's random stream (None without tensor parallelism); checkpoints save its state."""
+
+
 def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
                   init_rng_state: Tensor | None, stage_blocks: list[list[str]] | None = None,
-                  stage_ids: list[int] = (), activation_checkpointing: str | None = None) -> tuple[str, list[nn.Module]]:
+                  stage_ids: list[int] = (), activation_checkpointing: str | None = None) -> Prepared:
     """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
 
     Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
-    ``lightning_3d.parallel.init``), and this rank's pipeline stage modules (none without pipeline
-    parallelism). The order:
+    ``lightning_3d.parallel.init``), this rank's pipeline stage modules (none without pipeline
+    parallelism) and its tp-rank random stream (None without tensor parallelism). The order:
 
     0. pipeline split (``stage_blocks``: the blocks of every stage; ``stage_ids``: this rank's stages) --
        ``module`` keeps this rank's part under the single-device names;
@@ -57,10 +67,11 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
     if plan.tp_plan:
         check_tp_plan(module, plan.tp_plan, mesh["tp"].size())  # on the whole model, before any split
     stages = split_stages(module, plan, stage_blocks, list(stage_ids)) if stage_blocks else []
+    sharded_rng = None
     if plan.tp_plan:
         apply_tensor_parallel(module, plan, mesh["tp"])
-        seed = rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank()
-        apply_sharded_rng(module, plan.sharded_rng_regions, ShardedRNG(seed, device))
+        sharded_rng = ShardedRNG(rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank(), device)
+        apply_sharded_rng(module, plan.sharded_rng_regions, sharded_rng)
 
     if activation_checkpointing:
         apply_activation_checkpointing(module, plan, activation_checkpointing)
@@ -69,7 +80,8 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
         module.to_empty(device=device)
         replay_init(skeleton, module, rank0["init"])
     module.to(device)
-    return ("meta" if on_meta else "exact"), stages
+    return Prepared("meta" if on_meta else "exact", stages, sharded_rng)
+
 
 
 def _from_rank0(obj: dict) -> dict:

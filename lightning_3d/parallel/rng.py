@@ -59,6 +59,12 @@ class ShardedRNG:
             self._state = self._get()
             self._set(self._default)
 
+    def state_dict(self) -> dict:
+        return {"state": self._state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._state = tuple(state["state"])
+
     @contextmanager
     def region(self) -> Iterator[None]:
         self.enter()

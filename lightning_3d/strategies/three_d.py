@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
-from lightning_3d.strategies.checkpoints import FullStateCheckpoints
+from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.processes import ProcessesAndCollectives
 from lightning_3d.strategies.checks import check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
@@ -37,6 +37,7 @@ from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
+from lightning_3d.parallel.rng import ShardedRNG
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, split_options, stage_ids_of
 from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
@@ -46,7 +47,7 @@ from lightning_3d.policies.base import Plan, PlanOptions
 log = logging.getLogger(__name__)
 
 
-class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStrategy):
+class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
@@ -127,6 +128,8 @@ class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStra
         self._prepared_module: Optional[nn.Module] = None
         self._blocks: list[nn.Module] = []
         self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
+        self._sharded_rng: Optional[ShardedRNG] = None  # tensor parallel only; checkpoints save its state
+        self._rank_state_to_load: Optional[dict] = None  # random generators from a checkpoint of this layout
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
@@ -253,8 +256,9 @@ class ThreeDStrategy(ProcessesAndCollectives, FullStateCheckpoints, ParallelStra
             stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
                                          **split_options(module, plan, config.pipeline_split))
             stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
-        init, stages = prepare_model(module, plan, self.device_mesh, self.root_device, self._init_rng_state,
-                                     stage_blocks, stage_ids, config.activation_checkpointing)
+        init, stages, self._sharded_rng = prepare_model(module, plan, self.device_mesh, self.root_device,
+                                                        self._init_rng_state, stage_blocks, stage_ids,
+                                                        config.activation_checkpointing)
         rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
         self.precision_plugin.convert_module(module)
         held = dict(module.named_modules())

@@ -1,0 +1,77 @@
+"""Consolidate a sharded checkpoint into one state-dict file for the single-device model.
+
+    lightning-3d convert CKPT_DIR OUT.safetensors [--strip-prefix model.]
+    lightning-3d convert CKPT_DIR OUT.pt
+
+Runs in one process with no process group: DCP reads each tensor's shards straight from the files. The
+safetensors output is streamed -- the header is written from the checkpoint's metadata, then one tensor at
+a time is read whole and written, so peak memory is about the largest tensor. ``torch.save`` needs the whole
+dict at once, so the ``.pt`` output holds the model in memory once.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_3d.checkpoint.safetensors_io import SafetensorsWriter
+from lightning_3d.checkpoint.sharded import check_complete
+
+MODEL_PREFIX = "model."  # DCP name of the model state in our checkpoints: "model.<fqn>"
+
+
+def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "") -> dict[str, tuple]:
+    """Write the model state of ``checkpoint`` to ``out`` (``.safetensors``, else ``torch.save``), keys
+    being the LightningModule's state-dict names with ``strip_prefix`` removed (e.g. ``"model."`` to load
+    into the inner ``nn.Module``). Returns the written layout: name -> (shape, dtype).
+
+    Example::
+
+        consolidate("checkpoints/last.ckpt", "gpt.safetensors", strip_prefix="model.")
+        GPT(config).load_state_dict(safetensors.torch.load_file("gpt.safetensors"), strict=True)
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    check_complete(checkpoint)
+    entries = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    layout: dict[str, tuple] = {}
+    sources: dict[str, str] = {}
+    for key, entry in entries.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata):
+            name = key[len(MODEL_PREFIX):]
+            if not name.startswith(strip_prefix):
+                raise ValueError(f"{name} does not start with strip_prefix={strip_prefix!r}; leave it out or pass"
+                                 " the prefix every model key has.")
+            name = name[len(strip_prefix):]
+            layout[name] = (tuple(entry.size), entry.properties.dtype)
+            sources[name] = key
+    if not layout:
+        raise ValueError(f"{checkpoint} holds no model tensors (was it saved by lightning_3d?).")
+    if out.suffix == ".safetensors":
+        with SafetensorsWriter(out, layout) as writer:
+            for name, (shape, dtype) in layout.items():
+                writer.write(name, _read(checkpoint, sources[name], shape, dtype))
+    else:
+        torch.save({name: _read(checkpoint, sources[name], *layout[name]) for name in layout}, out)
+    return layout
+
+
+def _read(checkpoint: Path, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype)
+    dcp.load({key: tensor}, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+    return tensor
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-3d convert", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint directory written by lightning_3d")
+    parser.add_argument("out", help="output file: .safetensors (streamed) or anything else (torch.save)")
+    parser.add_argument("--strip-prefix", default="", help='remove this from every key, e.g. "model."')
+    args = parser.parse_args(argv)
+    layout = consolidate(args.checkpoint, args.out, args.strip_prefix)
+    total = sum(torch.empty((), dtype=d).element_size() * torch.Size(s).numel() for s, d in layout.values())
+    print(f"wrote {len(layout)} tensors, {total / 2**20:.1f} MiB, to {args.out}")

@@ -1,0 +1,133 @@
+"""Sharded checkpoints: one directory written by every rank with PyTorch's Distributed Checkpoint (DCP).
+
+Layout of a checkpoint directory::
+
+    NAME.ckpt/
+      .metadata, __*_*.distcp    DCP: every tensor under its single-device name, each rank writing the shards
+                                 it holds; a tensor replicated over dp ranks is written once (DCP's dedup)
+      lightning_3d.meta.pt       rank 0: Lightning's loops, schedulers, callbacks, hyper-parameters, and the
+                                 layout the checkpoint was written with
+      rng/rank{N}.pt             each rank's random generators (restored only on the same layout)
+
+The DCP state is ``{"model": model state, "optimizer_0": flattened optimizer state, ...}``: because names
+are the single-device FQNs (DESIGN.md) and DCP stores global shapes with shard offsets, any layout reads
+exactly the slices it holds -- resharding is a load at another layout. Writing goes through
+``lightning_3d.checkpoint.atomic``: a directory is complete or absent.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_3d.checkpoint import atomic
+
+FORMAT = "lightning_3d.dcp/1"
+META_FILE = "lightning_3d.meta.pt"
+RNG_DIR = "rng"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, or does not fit the model it is loaded into."""
+
+
+def save(path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
+    """Write ``state`` (tensors, sharded or not) with DCP, ``meta`` from rank 0 and ``rank_state`` from every
+    rank, atomically, to ``path``. Collective: every rank of the default process group calls it."""
+    rank = dist.get_rank()
+    partial = atomic.partial_path(path)
+    if rank == 0:
+        atomic.start(path)
+        (partial / RNG_DIR).mkdir()
+    dist.barrier()
+    dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True))
+    atomic.write_synced(_dumps(rank_state), partial / RNG_DIR / f"rank{rank}.pt")
+    if rank == 0:
+        atomic.write_synced(_dumps({**meta, "format": FORMAT}), partial / META_FILE)
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        atomic.commit(path)
+    dist.barrier()
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).exists()
+
+
+def check_complete(path: Path) -> None:
+    if not path.exists():
+        unfinished = atomic.partial_path(path)
+        hint = f" (an unfinished save is at {unfinished}: it was never completed and is never loaded)" \
+            if unfinished.exists() else ""
+        raise FileNotFoundError(f"No checkpoint at {path}{hint}.")
+    missing = [name for name in (".metadata", META_FILE) if not (path / name).exists()]
+    if missing:
+        raise CheckpointError(f"{path} is not a complete lightning_3d checkpoint: {', '.join(missing)} missing."
+                              " Load a checkpoint directory that lightning_3d wrote, or a single-file checkpoint.")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    check_complete(path)
+    return torch.load(path / META_FILE, weights_only=False)
+
+
+def read_rank_state(path: Path, rank: int) -> dict[str, Any]:
+    return torch.load(path / RNG_DIR / f"rank{rank}.pt", weights_only=False)
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
+    """Every entry of the checkpoint by flattened name: the global shape of a tensor, None for other values."""
+    entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None for k, v in entries.items()}
+
+
+def check_matches(path: Path, state: dict[str, Any], model_keys_everywhere: set[str] | None, strict: bool,
+                  written_by: str) -> None:
+    """Raise, naming the first offending key, if ``state`` (this rank's template) asks for an entry the
+    checkpoint lacks or has with another shape; with ``strict``, also if the checkpoint has model entries
+    that no rank's model has (``model_keys_everywhere``: the model's keys gathered over all ranks)."""
+    stored = stored_shapes(path)
+    for key, value in flatten(state).items():
+        if key not in stored:
+            raise CheckpointError(f"{key} is not in the checkpoint {path} (written by {written_by}). Is it a"
+                                  " checkpoint of another model or config?")
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        if shape != stored[key] and not (shape is None and stored[key] is None):
+            raise CheckpointError(f"{key} has shape {stored[key]} in the checkpoint {path} but {shape} in the"
+                                  f" model (checkpoint written by {written_by}): a checkpoint of another model"
+                                  " or config.")
+    if strict and model_keys_everywhere is not None:
+        unexpected = sorted(k for k in stored if k.startswith("model.") and k not in model_keys_everywhere)
+        if unexpected:
+            raise CheckpointError(f"The checkpoint {path} has {len(unexpected)} model entries the model does not"
+                                  f" have, first {unexpected[0]} (shape {stored[unexpected[0]]}). Load into the"
+                                  " model it was written from, or set strict_loading=False on the module.")
+
+
+def load(path: Path, state: dict[str, Any]) -> None:
+    """Fill ``state`` (this rank's tensors, in their current layout) in place from the checkpoint. Collective."""
+    dcp.load(state, storage_reader=FileSystemReader(path))
+
+
+def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to DCP's flattened names ("model.blocks.0.attn.weight")."""
+    flat: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
