@@ -50,6 +50,8 @@ class Case:
     learning_rate: float = 1e-2
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
+    precision: str = "32-true"
+    """Lightning's ``Trainer(precision=...)``, for the run and its reference."""
     model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
 
 
@@ -154,6 +156,7 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
         accumulate_grad_batches=case.accumulate_grad_batches,
         gradient_clip_val=case.gradient_clip_val,
         gradient_clip_algorithm=case.gradient_clip_algorithm,
+        precision=case.precision,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -189,7 +192,7 @@ def reference_for(case: Case) -> Result:
     """The one-process run that ``case`` must match: same module, global batch, accumulation, steps (cached)."""
     key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model),
            case.learning_rate,
-           case.gradient_clip_val, case.gradient_clip_algorithm)
+           case.gradient_clip_val, case.gradient_clip_algorithm, case.precision)
     if key not in _REFERENCES:
         _REFERENCES[key] = run_reference(case)
     return _REFERENCES[key]

@@ -50,7 +50,9 @@ def local_piece(tensor: Tensor, dims: ParallelDims) -> tuple[Tensor, int]:
         return tensor, dims.dp * dims.tp
     if any(p.is_partial() for p in tensor.placements):
         raise RuntimeError("a pending (Partial) gradient has no local piece yet; reduce it first")
-    distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if p.is_shard())
+    # Every mesh dimension that is not Replicate splits the tensor; FSDP2 on a (dp, tp) mesh uses
+    # _StridedShard for dp, which is not a Shard (is_shard() is False).
+    distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
     return tensor.to_local(), dims.dp * dims.tp // distinct
 
 

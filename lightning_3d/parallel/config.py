@@ -48,7 +48,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence over "tp" (saves activation memory; needs tp > 1)."""
     zero_stage: int = 0
-    """0 replicates over "dp"; 1, 2, 3 shard optimizer state, then gradients, then parameters (FSDP2)."""
+    """0 replicates over "dp"; 1, 2, 3 shard optimizer state, then gradients, then parameters (FSDP2; stage 1
+    runs as stage 2, see ``lightning_3d.parallel.data_parallel.apply_zero``)."""
+    offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's CPU offload; CUDA
+    only, a no-op with a warning on CPU). Needs zero_stage > 0."""
     activation_checkpointing: str | None = None
     """Recompute activations in backward: None, "full" (every block) or "selective"."""
     init_from: str | None = None
@@ -96,6 +100,13 @@ class ParallelConfig:
                     f" pipeline_parallel_size={pp}; num_microbatches={m} is not a multiple of its {rounds} rounds."
                     f" Use a multiple of {pp}, e.g. num_microbatches={max(pp, m - m % pp)}."
                 )
+        if not isinstance(self.offload, bool):
+            raise ParallelConfigError(f"offload must be True or False, got {self.offload!r}.")
+        if self.offload and self.zero_stage == 0:
+            raise ParallelConfigError(
+                "offload=True moves the shards of FSDP2 (ZeRO) to host memory, but zero_stage=0 keeps replicas."
+                " Set zero_stage=1, 2 or 3 (3 frees the most device memory), or offload=False."
+            )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ParallelConfigError(
                 "sequence_parallel=True shards activations over the tensor-parallel ranks, but"

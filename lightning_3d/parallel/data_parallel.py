@@ -1,4 +1,4 @@
-"""Data parallel over the "dp" mesh dimension, for replicated weights (zero_stage=0)."""
+"""Data parallel over the "dp" mesh dimension: replicated weights (zero_stage=0) or ZeRO shards (1, 2, 3)."""
 
 from __future__ import annotations
 
@@ -6,28 +6,36 @@ import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
-
 def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
-                        device: torch.device, pipeline_stage: bool = False) -> nn.Module:
-    """Replicate ``module`` over ``dp_mesh``; return the module Lightning should call.
+                        device: torch.device, pipeline_stage: bool = False, zero_stage: int = 0,
+                        mp_policy: MixedPrecisionPolicy | None = None,
+                        offload_policy: OffloadPolicy | None = None) -> nn.Module:
+    """Replicate (``zero_stage=0``) or shard (1, 2, 3) ``module`` over ``dp_mesh``; return the module
+    Lightning should call. ``mp_policy`` and ``offload_policy`` apply to sharded modules only.
 
-    Plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned as a wrapper.
-    Its bucketed gradient all-reduce, overlapped with backward, is the fastest replicated data parallel
-    PyTorch has (FSDP2's ``replicate`` steps the optimizer on DTensors: measured ~3x slower optimizer steps
-    for the reference GPT on CPU), and it is what Lightning's ``DDPStrategy`` runs, so a data-parallel run
-    trains exactly like one there. The weights are already equal on every dp rank
+    Replicated, plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned
+    as a wrapper. Its bucketed gradient all-reduce, overlapped with backward, is the fastest replicated data
+    parallel PyTorch has (FSDP2's ``replicate`` steps the optimizer on DTensors: measured ~3x slower
+    optimizer steps for the reference GPT on CPU), and it is what Lightning's ``DDPStrategy`` runs, so a
+    data-parallel run trains exactly like one there. The weights are already equal on every dp rank
     (``lightning_3d.parallel.init``), so DDP's start-up broadcast is skipped.
 
-    DTensor parameters (tensor parallel), or a pipeline stage: DDP cannot reduce DTensors, and several DDP
-    instances on one rank (interleaved pipeline stages) break its bucket rebuilding across micro-batches;
-    FSDP2's ``replicate`` handles both (on the 2D (dp, tp) mesh for DTensors), and is what
-    ``torch.distributed.pipelining`` drives. It is applied in place to each of ``blocks`` (submodules of ``module``) first, then to
-    the module, so each block's all-reduce starts as soon as its backward is done.
+    Replicated, DTensor parameters (tensor parallel), or a pipeline stage: DDP cannot reduce DTensors, and
+    several DDP instances on one rank (interleaved pipeline stages) break its bucket rebuilding across
+    micro-batches; FSDP2's ``replicate`` handles both (on the 2D (dp, tp) mesh for DTensors), and is what
+    ``torch.distributed.pipelining`` drives.
+
+    Sharded: see :func:`apply_zero`. FSDP2 modules (``replicate`` and ``fully_shard``) are applied in place
+    to each of ``blocks`` (submodules of ``module``) first, then to the module, so each block's gradient
+    reduction starts as soon as its backward is done.
     """
+    if zero_stage > 0:
+        return apply_zero(module, blocks, dp_mesh, zero_stage, pipeline_stage, mp_policy, offload_policy)
     if pipeline_stage or any(isinstance(p, DTensor) for p in module.parameters()):
         for block in blocks:
             replicate(block, mesh=dp_mesh)
@@ -39,3 +47,37 @@ def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: Dev
         process_group=dp_mesh.get_group(),
         init_sync=False,
     )
+
+
+def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int,
+               pipeline_stage: bool = False, mp_policy: MixedPrecisionPolicy | None = None,
+               offload_policy: OffloadPolicy | None = None) -> nn.Module:
+    """ZeRO over ``dp_mesh`` with FSDP2's ``fully_shard``, per block and then on ``module``, in place.
+
+    Every stage keeps the parameters, their gradients and the optimizer state sharded over dp at rest
+    (between steps): the optimizer steps on this rank's shards (DTensors), gradients are reduce-scattered,
+    parameters all-gathered before use. Tensor-parallel parameters (DTensors on "tp") get shards on the 2D
+    (dp, tp) mesh. The stages differ in how long gathered parameters live within a step:
+
+    * **3** -- each block's parameters are freed after its forward and gathered again for its backward
+      (``reshard_after_forward=True``): at most one block is gathered at a time, one more all-gather per
+      block and step.
+    * **2** -- gathered from a block's forward until its backward (``reshard_after_forward=False``).
+    * **1** -- served by stage 2's mechanics. FSDP2 has no optimizer-only sharding; stage 2 also shards the
+      gradients, so it never holds more memory than ZeRO-1 would, and its reduce-scatter plus all-gather
+      move the same bytes as ZeRO-1's all-reduce. A separate ZeRO-1 (replicated gradients, sharded
+      optimizer) would only cost memory.
+
+    Under pipeline parallelism (``pipeline_stage``) every stage takes ``reshard_after_forward=False``, as
+    torchtitan does: a stage runs forward for several micro-batches before their backwards, and resharding
+    after each would all-gather the stage's parameters once per micro-batch instead of once per step. The
+    schedule (``PipelineStage``) also keeps them gathered through the backwards and reduce-scatters the
+    gradients once, after the last micro-batch; stage 3 then differs from 2 only outside the step.
+    """
+    reshard = zero_stage == 3 and not pipeline_stage
+    options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                   offload_policy=offload_policy or OffloadPolicy())
+    for block in blocks:
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+    return module

@@ -12,7 +12,6 @@ from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 # Features that ParallelConfig accepts (they are part of the public signature) but that this version does
 # not implement yet; each is rejected before any collective instead of being silently ignored.
 _UNAVAILABLE = {
-    "zero_stage": (lambda c: c.zero_stage > 0, "ZeRO sharding over dp"),
     "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),
 }
 

@@ -34,6 +34,7 @@ from lightning_3d.strategies.processes import ProcessesAndCollectives
 from lightning_3d.strategies.checks import check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
+from lightning_3d.parallel.fsdp_policies import check_offload, check_precision, mixed_precision_policy, offload_policy
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
@@ -83,6 +84,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         sequence_parallel: bool = False,
         zero_stage: int = 0,
         activation_checkpointing: Optional[str] = None,
+        offload: bool = False,
         init_from: Optional[str] = None,
         model_init: str = "auto",
         vocab_parallel_loss: bool = True,
@@ -114,6 +116,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
             activation_checkpointing=activation_checkpointing,
+            offload=offload,
             init_from=init_from,
             model_init=model_init,
             vocab_parallel_loss=vocab_parallel_loss,
@@ -197,6 +200,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         reject_unavailable_features(self.parallel_config)
+        check_precision(self.precision_plugin, self.root_device, self._parallel_dims, self.parallel_config)
+        check_offload(self.parallel_config, self.root_device)
         self._policy = resolve_policy(self.parallel_config.policy)
         check_model(self.lightning_module, self.parallel_config)
 
@@ -289,11 +294,14 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
 
     def _data_parallel(self, module: nn.Module) -> nn.Module:
         """DP over the module Lightning calls, or over one pipeline stage."""
-        if self.parallel_dims.dp == 1 or isinstance(module, FSDPModule):  # FSDPModule: replicated in place before
+        if self.parallel_dims.dp == 1 or isinstance(module, FSDPModule):  # replicated or sharded in place before
             return module
         blocks = [m for m in module.modules() if m is not module and any(m is b for b in self._blocks)]
+        config = self.parallel_config
         return apply_data_parallel(module, blocks, self.device_mesh["dp"], self.root_device,
-                                   pipeline_stage=self.parallel_dims.pp > 1)
+                                   pipeline_stage=self.parallel_dims.pp > 1, zero_stage=config.zero_stage,
+                                   mp_policy=mixed_precision_policy(self.precision_plugin),
+                                   offload_policy=offload_policy(config, self.root_device))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, self.parallel_dims)
