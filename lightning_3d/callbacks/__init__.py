@@ -1,7 +1,8 @@
 """Lightning callbacks that watch a 3D run. Each runs its collectives on every rank or on none."""
 
+from lightning_3d.callbacks.comm_timer import CommTimer
 from lightning_3d.callbacks.grad_norm import GradNormMonitor
 from lightning_3d.callbacks.nan_guard import NaNGuard
 from lightning_3d.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["GradNormMonitor", "NaNGuard", "ThroughputMonitor"]
+__all__ = ["CommTimer", "GradNormMonitor", "NaNGuard", "ThroughputMonitor"]
