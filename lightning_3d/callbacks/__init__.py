@@ -3,6 +3,7 @@
 from lightning_3d.callbacks.comm_timer import CommTimer
 from lightning_3d.callbacks.grad_norm import GradNormMonitor
 from lightning_3d.callbacks.nan_guard import NaNGuard
+from lightning_3d.callbacks.pipeline_monitor import PipelineMonitor
 from lightning_3d.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["CommTimer", "GradNormMonitor", "NaNGuard", "ThroughputMonitor"]
+__all__ = ["CommTimer", "GradNormMonitor", "NaNGuard", "PipelineMonitor", "ThroughputMonitor"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import statistics
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -48,6 +49,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_3d.parallel.config import ParallelConfigError
+from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -78,6 +80,8 @@ class PipelineEngine:
         self._loss_fns: dict[bool, _CurrentLoss] = {}
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
         self._batch_shapes: dict[bool, list[tuple]] = {}  # train / eval -> the first batch's tensor shapes
+        self.timeline: PipelineTimeline | None = None
+        """Set (by ``PipelineMonitor``) before the first step to build timed stages (``pipeline/timeline.py``)."""
         for index, stage in stages.items():
             if index < num_stages - 1:
                 stage.register_forward_hook(_require_tensor_output(index))
@@ -231,8 +235,9 @@ class PipelineEngine:
     def _schedule(self, train: bool, loss_fn: Callable) -> Any:
         key = train
         if key not in self._schedules:
+            make_stage = PipelineStage if self.timeline is None else partial(TimedPipelineStage, timeline=self.timeline)
             stages = [
-                PipelineStage(module, index, self.num_stages, self.device, group=self.pp_group)
+                make_stage(module, index, self.num_stages, self.device, group=self.pp_group)
                 for index, module in sorted(self.stages.items())
             ]
             cls = SCHEDULES[self.schedule_name]

@@ -1,0 +1,113 @@
+"""PipelineMonitor: the measured pipeline bubble next to the schedule's theoretical one, and a picture of a step."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_3d.callbacks.layout import dims_of, pipeline_engine
+from lightning_3d.callbacks.timeline_image import draw_timeline
+from lightning_3d.pipeline.timeline import Action, PipelineTimeline
+
+
+def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of a pipeline step when every stage takes the same time and communication is free.
+
+    * ``gpipe``, ``1f1b``: ``(pp - 1) / (m + pp - 1)`` -- ``pp - 1`` micro-batch slots of fill and drain;
+    * ``interleaved_1f1b``: ``(pp - 1) / (v * m + pp - 1)`` with ``v`` stages per rank (each ``1/v`` as long);
+    * ``zero_bubble``: ``(pp - 1) / (3 * v * m + pp - 1)`` -- ZB-H1's bubble (Qi et al., 2023), a third of
+      1F1B's when forward, input gradient and weight gradient take equal time; a lower bound, not a forecast.
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) / (microbatches + pp - 1)
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (virtual * microbatches + pp - 1)
+    if schedule == "zero_bubble":
+        return (pp - 1) / (3 * virtual * microbatches + pp - 1)
+    raise ValueError(f"no theoretical bubble known for pipeline_schedule={schedule!r}")
+
+
+def measured_bubble(rows: list[list[Action]]) -> float:
+    """``1 - busy / (ranks * span)`` over one pipeline (a row per rank): the share of the step's rank-time that
+    no forward or backward ran, from the first action of any rank to the last. Waiting for activations,
+    sending them and the engine's own work between actions count as bubble, as they do in a real step."""
+    actions = [a for row in rows for a in row]
+    span = max(a.end for a in actions) - min(a.start for a in actions)
+    busy = sum(a.end - a.start for a in actions)
+    return 1.0 - busy / (len(rows) * span) if span > 0 else 0.0
+
+
+class PipelineMonitor(L.Callback):
+    """Every ``every_n_steps`` training batches (default: the Trainer's ``log_every_n_steps``; never the first
+    batch, which carries the schedule's one-time set-up) records when each forward and backward of each
+    micro-batch ran on every rank, then logs
+
+    * ``pipeline/bubble_measured`` -- the idle share of the step (``measured_bubble``), averaged over the
+      run's pipelines (one per (dp, tp) coordinate);
+    * ``pipeline/bubble_theory`` -- the schedule's ideal (``theoretical_bubble``), for comparison;
+    * ``pipeline/timeline`` -- to a TensorBoard logger, an image of global rank 0's pipeline in that step:
+      a row per stage (stage 0 on top), time left to right, forward blue, backward green, weight gradient
+      orange (zero-bubble schedules), micro-batches in alternating shades, the bubble white.
+
+    The engine builds timed pipeline stages only when this callback is present; the timelines reach rank 0
+    through one all-gather in which every rank takes part. On CUDA each timed action synchronizes the device
+    before and after (recorded steps only), so the picture shows device time. Without pipeline parallelism
+    there is nothing to watch: it says so once and does nothing.
+
+    Example::
+
+        strategy = ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=8, pipeline_schedule="1f1b")
+        trainer = L.Trainer(strategy=strategy, devices=2, callbacks=[PipelineMonitor()])
+        # TensorBoard: pipeline/bubble_measured vs pipeline/bubble_theory (0.11), IMAGES tab: pipeline/timeline
+    """
+
+    def __init__(self, every_n_steps: int | None = None, image_width: int = 800) -> None:
+        self.every_n_steps = every_n_steps
+        self.image_width = image_width
+        self.last_rows: list[list[Action]] = []
+        """Rank 0's pipeline in the last recorded batch: the actions of each stage's rank."""
+        self.last_image: torch.Tensor | None = None
+        """The picture of ``last_rows`` ((H, W, 3) uint8), on global rank 0."""
+        self.bubble_theory: float | None = None
+        self._timeline: PipelineTimeline | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = pipeline_engine(trainer)
+        if engine is None:
+            rank_zero_warn("PipelineMonitor has nothing to watch: the run has no pipeline (it needs ThreeDStrategy"
+                           " with pipeline_parallel_size > 1). It logs nothing.")
+            return
+        dims = dims_of(trainer)
+        self.bubble_theory = theoretical_bubble(engine.schedule_name, dims.pp, engine.num_microbatches,
+                                                engine.num_stages // dims.pp)
+        if engine.timeline is None:
+            engine.timeline = PipelineTimeline(pl_module.device)
+        self._timeline = engine.timeline
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if self._timeline is not None and batch_idx > 0 and not batch_idx % (self.every_n_steps or trainer.log_every_n_steps):
+            self._timeline.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if self._timeline is None or not self._timeline.recording:
+            return
+        mine = [tuple(a) for a in self._timeline.stop()]
+        every = [mine]
+        if dist.is_initialized():  # every rank recorded the same batch, so every rank is here
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        dims = dims_of(trainer)
+        pipelines = {tuple(dims.group_ranks("pp", rank)) for rank in range(dims.world_size)}
+        bubbles = [measured_bubble([[Action(*a) for a in every[r]] for r in ranks]) for ranks in pipelines]
+        self.last_rows = [[Action(*a) for a in every[r]] for r in dims.group_ranks("pp", 0)]
+        pl_module.log_dict({"pipeline/bubble_measured": sum(bubbles) / len(bubbles),
+                            "pipeline/bubble_theory": self.bubble_theory}, on_step=True, on_epoch=False)
+        if trainer.is_global_zero:
+            self.last_image = draw_timeline(self.last_rows, self.image_width)
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_image("pipeline/timeline", self.last_image, trainer.global_step,
+                                                dataformats="HWC")

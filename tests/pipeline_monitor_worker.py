@@ -1,0 +1,47 @@
+"""Run under torchrun (2 ranks): a GPT under a pp=2 1F1B pipeline with PipelineMonitor and a TensorBoard
+logger; each rank writes what the monitor measured.
+
+    python -m torch.distributed.run --nproc-per-node 2 pipeline_monitor_worker.py OUT_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from harness import end_process_group
+from lightning_3d import ThreeDStrategy
+from lightning_3d.callbacks import PipelineMonitor
+from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+MICROBATCHES = 4
+
+
+def main(out_dir: str) -> None:
+    L.seed_everything(0, verbose=False)
+    monitor = PipelineMonitor(every_n_steps=2)
+    strategy = ThreeDStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b", num_microbatches=MICROBATCHES)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, enable_checkpointing=False,
+                        logger=TensorBoardLogger(out_dir, name="tb"), log_every_n_steps=1,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[monitor])
+    # Micro-batches large enough that compute, not gloo's latency, fills the step.
+    config = GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=64, vocab_size=64)
+    trainer.fit(GPTLightningModule(config=config), SyntheticDataModule(seq_len=64, batch_size=8 * MICROBATCHES))
+    result = {
+        "rows": [[list(a) for a in row] for row in monitor.last_rows],
+        "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pipeline/")},
+        "image_shape": list(monitor.last_image.shape) if monitor.last_image is not None else None,
+        "image_colors": sorted({tuple(p) for p in monitor.last_image.reshape(-1, 3).tolist()})
+        if monitor.last_image is not None else [],
+        "log_dir": trainer.logger.log_dir if dist.get_rank() == 0 else None,
+    }
+    (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
