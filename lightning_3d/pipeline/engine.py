@@ -49,6 +49,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_3d.parallel.config import ParallelConfigError
+from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
 from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
 
 SCHEDULES = {
@@ -65,7 +66,8 @@ class PipelineEngine:
 
     def __init__(self, *, module: nn.Module, root_name: str, stages: dict[int, nn.Module], num_stages: int,
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
-                 device: torch.device, loss_context: Callable[[], Any] = nullcontext) -> None:
+                 device: torch.device, loss_context: Callable[[], Any] = nullcontext,
+                 random_state: Callable[[], Any] = nullcontext) -> None:
         self.module = module
         self.root_name = root_name
         self.stages = stages  # stage index -> this rank's module for it
@@ -76,6 +78,7 @@ class PipelineEngine:
         self.last_stage_rank = last_stage_rank  # global rank that holds the last stage in this pp group
         self.device = device
         self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
+        self.random_state = random_state  # restores the random streams after metadata inference
         self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
         self._loss_fns: dict[bool, _CurrentLoss] = {}
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
@@ -240,6 +243,8 @@ class PipelineEngine:
                 make_stage(module, index, self.num_stages, self.device, group=self.pp_group)
                 for index, module in sorted(self.stages.items())
             ]
+            for stage in stages:
+                isolate_metadata_inference(stage, self.random_state)
             cls = SCHEDULES[self.schedule_name]
             first = stages if self.schedule_name in MULTI_STAGE else stages[0]
             # A training schedule calls its loss function once more the first time it runs, on placeholder

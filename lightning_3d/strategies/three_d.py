@@ -6,6 +6,7 @@ import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -38,7 +39,7 @@ from lightning_3d.parallel.fsdp_policies import check_offload, check_precision, 
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
-from lightning_3d.parallel.rng import ShardedRNG
+from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, split_options, stage_ids_of
 from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
@@ -279,6 +280,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
                 pp_group=self.device_mesh["pp"].get_group(), device=self.root_device,
                 last_stage_rank=dims.rank(self.coords._replace(pp=dims.pp - 1)),
                 loss_context=self._loss_context,
+                random_state=partial(preserved_random_state, self._sharded_rng, self.root_device),
             )
         self._prepared_module = module
 
