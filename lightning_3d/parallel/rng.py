@@ -81,3 +81,16 @@ def apply_sharded_rng(root: nn.Module, patterns: list[str], rng: ShardedRNG) -> 
             module = root.get_submodule(fqn)
             module.register_forward_pre_hook(lambda *_: rng.enter())
             module.register_forward_hook(lambda *_: rng.exit())
+
+
+@contextmanager
+def preserved_random_state(sharded: ShardedRNG | None, device: torch.device) -> Iterator[None]:
+    """Whatever runs inside leaves every random stream of this rank as it found it: the host's, the
+    device's, and the tp-rank stream (``sharded``). For work that must not count as drawing (the pipeline's
+    metadata inference), so a run resumed from a checkpoint draws exactly what the uninterrupted one did."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    saved = sharded.state_dict() if sharded is not None else None
+    with torch.random.fork_rng(devices=devices):
+        yield
+    if sharded is not None:
+        sharded.load_state_dict(saved)
