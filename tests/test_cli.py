@@ -33,7 +33,8 @@ def test_example_config_prints_a_complete_resolved_config(config):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, layout", [("gpt_tiny_dp_cpu.yaml", "dp=2 x pp=1 x tp=1 = 2 ranks"),
                                           ("gpt_tiny_tp_cpu.yaml", "dp=2 x pp=1 x tp=2 = 4 ranks"),
-                                          ("gpt_tiny_3d_cpu.yaml", "dp=2 x pp=2 x tp=2 = 8 ranks")])
+                                          ("gpt_tiny_3d_cpu.yaml", "dp=2 x pp=2 x tp=2 = 8 ranks"),
+                                          ("gpt_tiny_zero_cpu.yaml", "dp=2 x pp=1 x tp=2 = 4 ranks")])
 def test_cpu_config_trains_a_few_steps_with_the_3d_strategy(tmp_path, name, layout):
     config = ROOT / "example_configs" / name
     proc = _cli("fit", "--config", str(config), "--trainer.max_steps=4", "--trainer.val_check_interval=2",
