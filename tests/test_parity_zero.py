@@ -2,7 +2,8 @@
 
 Per-step losses, global gradient norms and all parameters after 5 AdamW steps, gathered by their
 single-device names, at atol 1e-5 -- for each stage at (dp, pp, tp) = (2,1,1) (2,1,2) (2,2,1) (2,2,2), under
-1F1B, GPipe and interleaved 1F1B, with gradient clipping by the global norm and with accumulation.
+1F1B, GPipe and interleaved 1F1B, with gradient clipping by the global norm, with accumulation, with
+sequence parallelism and with activation checkpointing.
 One torchrun launch per world size runs every case of that size."""
 
 import pytest
@@ -36,6 +37,13 @@ CASES += [
     zero_case(3, 2, 1, 1, accumulate_grad_batches=2),  # gradients accumulate unsharded, reduced once
     zero_case(2, 2, 2, 1, accumulate_grad_batches=2),
 ]
+# Composed with sequence parallelism and activation checkpointing.
+for zero, (dp, pp, tp), extra in [(3, (2, 1, 2), dict(sequence_parallel=True)),
+                                  (3, (2, 1, 2), dict(activation_checkpointing="full")),
+                                  (2, (2, 2, 1), dict(activation_checkpointing="selective"))]:
+    CASES.append(zero_case(zero, dp, pp, tp))
+    CASES[-1].strategy_kwargs.update(extra)
+    CASES[-1].name += "_" + "_".join(str(v) for v in extra.values()).replace("True", "sp")
 BY_NAME = {c.name: c for c in CASES}
 
 

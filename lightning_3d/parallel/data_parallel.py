@@ -72,7 +72,8 @@ def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, 
     torchtitan does: a stage runs forward for several micro-batches before their backwards, and resharding
     after each would all-gather the stage's parameters once per micro-batch instead of once per step. The
     schedule (``PipelineStage``) also keeps them gathered through the backwards and reduce-scatters the
-    gradients once, after the last micro-batch; stage 3 then differs from 2 only outside the step.
+    gradients once, after the last micro-batch, then frees them: under the pipeline the three stages run
+    alike.
     """
     reshard = zero_stage == 3 and not pipeline_stage
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
