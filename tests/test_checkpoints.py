@@ -135,3 +135,18 @@ def test_convert_writes_one_file_that_loads_strictly_into_the_single_device_mode
     cli = subprocess.run([sys.executable, "-m", "lightning_3d", "convert", checkpoint, str(tmp_path / "cli.safetensors")],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and f"wrote {len(layout) } tensors" in cli.stdout, cli.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_whole_and_last_resumes_from_it(tmp_path):
+    directory = tmp_path / "checkpoints"
+    job = dict(layout=dict(data_parallel_size=2), model=MODEL, steps=6, save_every=2, ckpt_dir=str(directory))
+    # Saves: 1 = step=2, 2 = last (step 2), 3 = step=4, 4 = last (step 4): rank 1 dies in the 4th, shards written.
+    _launch(2, [dict(job, name="killed", kill_rank_during_save=1, kill_at_save=4)], tmp_path / "killed",
+            expect_failure=True)
+    assert (directory / ".last.ckpt.partial").is_dir()  # the unfinished save, never loaded
+    assert torch.load(directory / "last.ckpt" / "lightning_3d.meta.pt", weights_only=False)["global_step"] == 2
+    resumed = _launch(2, [dict(job, name="resumed", resume="last")], tmp_path / "resumed")["resumed"]
+    reference = reference_for(Case(name="reference", model=MODEL, steps=6))
+    assert resumed["global_step"] == 6 and len(resumed["losses"]) == 4  # steps 3..6, from the step-2 checkpoint
+    assert max(abs(a - b) for a, b in zip(reference.losses[2:], resumed["losses"])) <= 1e-5
