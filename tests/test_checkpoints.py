@@ -44,7 +44,8 @@ def _step3(directory: Path) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch of 8 ranks at (dp, pp, tp) = (2, 2, 2) and the layouts it reshards to; then 2 ranks; then 1."""
+    """One launch of 8 ranks at (dp, pp, tp) = (2, 2, 2) and the layouts it reshards to; then 2 ranks; then 1.
+    The checkpoint is written with zero_stage=0; (4, 1, 2) reads it with ZeRO-2, (2, 1, 1) with ZeRO-3."""
     root = tmp_path_factory.mktemp("ckpt")
     dropout, plain = root / "dropout", root / "plain"
     big = dict(MODEL, dropout=0.1)
@@ -52,13 +53,14 @@ def runs(tmp_path_factory):
         dict(name="dropout_through", layout=L222, model=big, steps=6, save_every=3, ckpt_dir=str(dropout)),
         dict(name="dropout_resumed", layout=L222, model=big, steps=6, resume=_step3(dropout)),
         dict(name="plain_through", layout=L222, model=MODEL, steps=6, save_every=3, ckpt_dir=str(plain)),
-        dict(name="to_4_1_2", layout=dict(data_parallel_size=4, tensor_parallel_size=2), model=MODEL, steps=6,
-             resume=_step3(plain)),
+        dict(name="to_4_1_2", layout=dict(data_parallel_size=4, tensor_parallel_size=2, zero_stage=2), model=MODEL,
+             steps=6, resume=_step3(plain)),
         dict(name="to_1_2_4", layout=dict(pipeline_parallel_size=2, tensor_parallel_size=4,
                                           pipeline_schedule="gpipe"), model=MODEL, steps=6, resume=_step3(plain)),
     ], root / "eight")
     results.update(_launch(2, [
-        dict(name="to_2_1_1", layout=dict(data_parallel_size=2), model=MODEL, steps=6, resume=_step3(plain)),
+        dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
+             resume=_step3(plain)),
         dict(name="other_model", layout=dict(data_parallel_size=2), model=dict(MODEL, n_embd=48), steps=6,
              resume=_step3(plain), expect_error=True),
         dict(name="missing", layout=dict(data_parallel_size=2), model=MODEL, steps=6,
