@@ -7,7 +7,8 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.dims import ParallelDims
-from lightning_3d.parallel.fsdp_policies import check_offload, check_precision, mixed_precision_policy, offload_policy
+from lightning_3d.parallel.fsdp_policies import (
+    check_offload, check_precision, mixed_precision_policy, offload_backend, offload_policy)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 DP2 = ParallelDims(dp=2, pp=1, tp=1)
@@ -51,6 +52,13 @@ def test_offload_is_a_no_op_on_cpu_and_says_so():
         check_offload(config, CPU)
     assert type(offload_policy(config, CPU)).__name__ == "OffloadPolicy"
     assert type(offload_policy(config, CUDA)).__name__ == "CPUOffloadPolicy"
+
+
+def test_offload_on_cuda_adds_gloo_for_the_tensors_left_on_the_host():
+    offloaded = ParallelConfig(zero_stage=2, offload=True)
+    assert offload_backend(offloaded, CUDA, "nccl") == "cuda:nccl,cpu:gloo"
+    assert offload_backend(ParallelConfig(zero_stage=2), CUDA, "nccl") == "nccl"
+    assert offload_backend(offloaded, CPU, "gloo") == "gloo"
 
 
 @pytest.mark.parametrize("stage", [-1, 4, "3", 2.0, True])

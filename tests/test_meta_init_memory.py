@@ -25,7 +25,8 @@ def test_each_rank_holds_and_allocates_only_its_share(tmp_path):
     full = CONFIG.num_parameters() * 4  # fp32 bytes, without building the model
     for rank, measured in enumerate(ranks):
         print(f"rank {rank}: parameters {measured['parameter_bytes'] / 2**20:.1f} MiB,"
-              f" peak RSS growth {measured['peak_rss_growth_bytes'] / 2**20:.1f} MiB (full model {full / 2**20:.1f} MiB)")
+              f" peak RSS growth {measured['peak_rss_growth_bytes'] / 2**20:.1f} MiB"
+              f" (full model {full / 2**20:.1f} MiB)")
         assert measured["model_init"] != "exact"
         assert measured["parameter_bytes"] == pytest.approx(full / RANKS, rel=0.05)
         assert measured["peak_rss_growth_bytes"] < measured["parameter_bytes"] + 48 * 2**20  # ~18 MiB measured

@@ -47,8 +47,8 @@ def main(out_dir: str) -> None:
         measure = Measure()
         trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
                             strategy=ThreeDStrategy(zero_stage=zero), max_steps=2, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0,
                             callbacks=[measure])
         module = GPTLightningModule(config=CONFIG)
         trainer.fit(module, SyntheticDataModule(vocab_size=CONFIG.vocab_size, seq_len=CONFIG.block_size,

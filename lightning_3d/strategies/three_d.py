@@ -35,7 +35,8 @@ from lightning_3d.strategies.processes import ProcessesAndCollectives
 from lightning_3d.strategies.checks import check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
-from lightning_3d.parallel.fsdp_policies import check_offload, check_precision, mixed_precision_policy, offload_policy
+from lightning_3d.parallel.fsdp_policies import (
+    check_offload, check_precision, mixed_precision_policy, offload_backend, offload_policy)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
@@ -206,9 +207,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         self._policy = resolve_policy(self.parallel_config.policy)
         check_model(self.lightning_module, self.parallel_config)
 
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
