@@ -8,7 +8,7 @@ from lightning_3d import ThreeDStrategy
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.fsdp_policies import (
-    check_offload, check_precision, mixed_precision_policy, offload_backend, offload_policy)
+    check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 DP2 = ParallelDims(dp=2, pp=1, tp=1)
@@ -49,9 +49,14 @@ def test_offload_needs_sharding():
 def test_offload_is_a_no_op_on_cpu_and_says_so():
     config = ParallelConfig(zero_stage=3, offload=True)
     with pytest.warns(UserWarning, match="offload=True does nothing on 'cpu'"):
-        check_offload(config, CPU)
+        warn_about_no_ops(config, DP2, CPU)
     assert type(offload_policy(config, CPU)).__name__ == "OffloadPolicy"
     assert type(offload_policy(config, CUDA)).__name__ == "CPUOffloadPolicy"
+
+
+def test_zero_without_data_parallel_says_it_shards_nothing():
+    with pytest.warns(UserWarning, match="zero_stage=2 shards over the data-parallel ranks, but dp=1"):
+        warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), CPU)
 
 
 def test_offload_on_cuda_adds_gloo_for_the_tensors_left_on_the_host():

@@ -60,12 +60,18 @@ def mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def check_offload(config: ParallelConfig, device: torch.device) -> None:
-    """Say once (rank 0) that ``offload=True`` is a no-op off CUDA."""
+def warn_about_no_ops(config: ParallelConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Say once (rank 0) when a memory switch has nothing to act on in this run."""
     if config.offload and device.type != "cuda":
         rank_zero_warn(
             f"offload=True does nothing on {device.type!r}: parameters and optimizer state already live in host"
             " memory. On CUDA it keeps the sharded parameters, gradients and optimizer state in host memory."
+        )
+    if config.zero_stage > 0 and dims.dp == 1:
+        rank_zero_warn(
+            f"zero_stage={config.zero_stage} shards over the data-parallel ranks, but dp=1 (tp={dims.tp},"
+            f" pp={dims.pp}): nothing is sharded. Launch a multiple of tp * pp = {dims.tp * dims.pp} processes above"
+            " it to get dp > 1."
         )
 
 

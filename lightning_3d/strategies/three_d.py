@@ -36,7 +36,7 @@ from lightning_3d.strategies.checks import check_model, reject_unavailable_featu
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.fsdp_policies import (
-    check_offload, check_precision, mixed_precision_policy, offload_backend, offload_policy)
+    check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
@@ -203,7 +203,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         reject_unavailable_features(self.parallel_config)
         check_precision(self.precision_plugin, self.root_device, self._parallel_dims, self.parallel_config)
-        check_offload(self.parallel_config, self.root_device)
+        warn_about_no_ops(self.parallel_config, self._parallel_dims, self.root_device)
         self._policy = resolve_policy(self.parallel_config.policy)
         check_model(self.lightning_module, self.parallel_config)
 
