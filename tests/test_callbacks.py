@@ -11,10 +11,10 @@ from lightning_3d.callbacks import GradNormMonitor, NaNGuard
 
 
 def test_unknown_nan_guard_actions_are_rejected():
-    with pytest.raises(ValueError, match=r"NaNGuard\(action='ignore'\) is not one of \('raise', 'skip'\)"):
+    with pytest.raises(ValueError, match=r"NaNGuard\(action='ignore'\) is not one of \('raise', 'skip', 'rollback'\)"):
         NaNGuard(action="ignore")
-    with pytest.raises(ValueError, match="rollback to the last good checkpoint is not available yet"):
-        NaNGuard(action="rollback")
+    with pytest.raises(ValueError, match=r"rollback_lr_factor=2\) must be in \(0, 1\]"):
+        NaNGuard(action="rollback", rollback_lr_factor=2)
 
 
 def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
@@ -49,9 +49,40 @@ def test_nan_guard_names_the_rank_of_origin_and_every_rank_raises(tmp_path):
 def test_nan_guard_skips_the_same_step_on_every_rank_and_training_goes_on(tmp_path):
     results = _nan_run(tmp_path, "skip")
     for result in results:
-        assert result["error"] is None and result["skipped"] == [2] and result["steps"] == 4
+        assert result["error"] is None and result["skipped"] == [2] and result["steps"] == 5
         assert result["finite"]
     assert results[0]["checksum"] == results[1]["checksum"]  # the replicas did not drift apart
+
+
+@pytest.mark.multiprocess
+def test_nan_guard_rolls_back_to_the_newest_checkpoint_with_a_lower_learning_rate(tmp_path):
+    import torch
+
+    from lightning_3d.checkpoint import consolidate
+
+    results = _nan_run(tmp_path, "rollback")
+    checkpoint = str(tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
+    consolidate(checkpoint, tmp_path / "step2.pt")
+    at_step_2 = float(sum(t.double().sum() for t in torch.load(tmp_path / "step2.pt").values()))
+    for result in results:
+        assert result["error"] is None and result["skipped"] == [] and result["steps"] == 5
+        assert result["rollbacks"] == [[3, checkpoint]]
+        assert result["after_checksum"] == pytest.approx(at_step_2, abs=1e-9)  # the weights of step 2 again
+        assert result["after_lr"] == pytest.approx(0.5 * result["base_lr"])
+        assert result["finite"]
+    assert results[0]["checksum"] == results[1]["checksum"]
+
+
+def test_rollback_without_a_model_checkpoint_is_refused_at_the_start(tmp_path):
+    import lightning as L
+
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[NaNGuard(action="rollback")])
+    with pytest.raises(ValueError, match="has no ModelCheckpoint callback. Add one"):
+        trainer.fit(GPTLightningModule(config=GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8)),
+                    SyntheticDataModule(seq_len=8, batch_size=2))
 
 
 def test_throughput_monitor_logs_rates_and_mfu_from_the_whole_model(tmp_path):

@@ -137,6 +137,10 @@ class ShardedCheckpoints:
             self._load_rank_state(self._rank_state_to_load)
             self._rank_state_to_load = None
 
+    @override
+    def on_train_end(self) -> None:
+        self._rank_state_to_load = None  # from a load during training (NaNGuard's rollback): not a resume
+
     def _layout(self) -> dict[str, int]:
         dims, config = self.parallel_dims, self.parallel_config
         return {"dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "virtual_pipeline_size": config.virtual_pipeline_size,
