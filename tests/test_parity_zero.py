@@ -38,12 +38,12 @@ CASES += [
     zero_case(2, 2, 2, 1, accumulate_grad_batches=2),
 ]
 # Composed with sequence parallelism and activation checkpointing.
-for zero, (dp, pp, tp), extra in [(3, (2, 1, 2), dict(sequence_parallel=True)),
-                                  (3, (2, 1, 2), dict(activation_checkpointing="full")),
-                                  (2, (2, 2, 1), dict(activation_checkpointing="selective"))]:
+for zero, (dp, pp, tp), suffix, extra in [(3, (2, 1, 2), "sp", dict(sequence_parallel=True)),
+                                          (3, (2, 1, 2), "full_ac", dict(activation_checkpointing="full")),
+                                          (2, (2, 2, 1), "selective_ac", dict(activation_checkpointing="selective"))]:
     CASES.append(zero_case(zero, dp, pp, tp))
     CASES[-1].strategy_kwargs.update(extra)
-    CASES[-1].name += "_" + "_".join(str(v) for v in extra.values()).replace("True", "sp")
+    CASES[-1].name += f"_{suffix}"
 BY_NAME = {c.name: c for c in CASES}
 
 
