@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
+from lightning_3d.strategies.faults import FaultHandling
 from lightning_3d.strategies.processes import ProcessesAndCollectives
 from lightning_3d.strategies.checks import check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
@@ -50,7 +51,7 @@ from lightning_3d.policies.base import Plan, PlanOptions
 log = logging.getLogger(__name__)
 
 
-class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrategy):
+class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling, ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
@@ -68,7 +69,10 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
 
     Arguments are those of :class:`~lightning_3d.parallel.config.ParallelConfig` (each documented there),
     plus Lightning's plumbing (accelerator, devices, cluster environment, checkpoint IO, precision plugin),
-    ``process_group_backend`` ("gloo" on CPU, "nccl" on CUDA by default) and the collective ``timeout``.
+    ``process_group_backend`` ("gloo" on CPU, "nccl" on CUDA by default) and the collective ``timeout``,
+    and the fault watch (``lightning_3d.faults``): ``hang_timeout`` seconds without a step boundary end the
+    job with every rank's report of what it waits in (None: never), and when a rank raises, every other
+    rank is stopped within ``exit_timeout`` seconds.
     """
 
     strategy_name = "3d"
@@ -97,6 +101,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        hang_timeout: Optional[float] = 900.0,
+        exit_timeout: float = 10.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -125,6 +131,10 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        if hang_timeout is not None and hang_timeout <= 0 or exit_timeout <= 0:
+            raise ValueError(f"hang_timeout ({hang_timeout}) and exit_timeout ({exit_timeout}) are seconds and must"
+                             " be positive (hang_timeout=None turns the hang watchdog off).")
+        self._hang_timeout, self._exit_timeout = hang_timeout, exit_timeout
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh = None
@@ -213,6 +223,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        self._start_fault_watch(self._hang_timeout, self._exit_timeout)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
         self.lightning_module._device_mesh = self._device_mesh
@@ -317,6 +328,12 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
         self.model.to(self.root_device)
 
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._progress(f"{method} started")  # the hang watchdog's clock (lightning_3d.faults)
+        output = self._run_step(method, *args, **kwargs)
+        self._progress(f"{method} done")
+        return output
+
+    def _run_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._engine is not None:
             if method != "training_step":
                 return self._engine.run(method, *args, train=False, **kwargs)
@@ -403,6 +420,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, ParallelStrate
 
     @override
     def teardown(self) -> None:
+        self._stop_fault_watch()
         self.model = self.lightning_module  # unwrap DDP: the next fit()/validate() sets up afresh
         assert self.cluster_environment is not None
         assert self.accelerator is not None

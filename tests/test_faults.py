@@ -1,0 +1,68 @@
+"""Never hang, never fail silently (lightning_3d.faults): a rank that raises takes every rank down within
+the exit timeout with its name, coordinates and exception; a hang ends with every rank's report of what it
+waits in. Each case is one launch that is meant to fail."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_3d.faults.watch import EXIT_CODE
+
+WORKER = str(Path(__file__).parent / "faults_worker.py")
+
+
+def _launch_failing(tmp_path: Path, where: str, rank: int, layout: tuple[int, int, int]) -> tuple[str, float]:
+    """Run the job; returns torchrun's stderr and the seconds from the injected fault to the job's end."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    nprocs = layout[0] * layout[1] * layout[2]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", WORKER,
+           str(tmp_path), where, str(rank), ",".join(map(str, layout))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    assert proc.returncode != 0, "the job was meant to fail"
+    fault_time = float((tmp_path / "fault_time").read_text())
+    return proc.stderr, ended - fault_time
+
+
+def _coords(rank: int, layout: tuple[int, int, int]) -> str:
+    dp, pp, tp = layout
+    return f"rank {rank} (dp={rank // tp % dp}, pp={rank // (tp * dp)}, tp={rank % tp})"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where, rank, layout", [
+    ("forward", 5, (2, 2, 2)),
+    ("backward", 1, (1, 2, 1)),
+    ("optimizer", 1, (2, 1, 1)),
+    ("callback", 0, (1, 1, 2)),
+    ("dataloader", 1, (2, 1, 1)),
+])
+def test_one_failing_rank_takes_the_job_down_naming_itself(tmp_path, where, rank, layout):
+    stderr, seconds = _launch_failing(tmp_path, where, rank, layout)
+    failed = f"{_coords(rank, layout)} failed: ValueError: injected failure in {where}"
+    assert f"lightning_3d: {failed}" in stderr, stderr[-3000:]
+    for other in set(range(layout[0] * layout[1] * layout[2])) - {rank}:
+        assert f"lightning_3d: {_coords(other, layout)} stops: {failed}" in stderr, (other, stderr[-3000:])
+    assert re.search(rf"Root Cause.*?\n.*?rank\s+: {rank} ", stderr, re.S) or f"exitcode  : {EXIT_CODE}" in stderr
+    assert seconds < 5 + 10, f"the job took {seconds:.1f} s to end after the failure (exit_timeout=5)"
+    print(f"[faults] {where}: job ended {seconds:.1f} s after the failure")
+
+
+@pytest.mark.multiprocess
+def test_a_hang_ends_the_job_with_what_every_rank_waits_in(tmp_path):
+    layout = (1, 2, 2)  # rank 1 (stage 0, tp 1) sleeps in training_step; its tp peer and stage 1 wait for it
+    stderr, seconds = _launch_failing(tmp_path, "hang", 1, layout)
+    reports = {rank: stderr.split(f"lightning_3d: {_coords(rank, layout)} made no progress for")[1][:1500]
+               for rank in range(4) if f"lightning_3d: {_coords(rank, layout)} made no progress for" in stderr}
+    assert sorted(reports) == [0, 1, 2, 3], stderr[-4000:]
+    assert "time.sleep" in reports[1] or "faults_worker.py" in reports[1]  # the sleeping rank's own stack
+    assert "waiting in: wait_tensor" in reports[0] and "stage 0 forward of micro-batch 0" in reports[0]
+    for rank in (2, 3):  # the next stage waits for activations
+        assert "waiting in: _wait_batch_p2p" in reports[rank], reports[rank]
+    assert seconds < 5 + 5 + 10, f"the hang took {seconds:.1f} s to end the job (hang_timeout=5)"
+    print(f"[faults] hang: job ended {seconds:.1f} s after the rank stopped")
