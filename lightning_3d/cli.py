@@ -14,9 +14,11 @@ from __future__ import annotations
 import sys
 
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_3d  # noqa: F401  (registers strategy="3d")
 from lightning_3d.models import GPTLightningModule, SyntheticDataModule  # noqa: F401  (short class names)
+from lightning_3d.parallel.config import ParallelConfigError
 
 
 def main(args: list[str] | None = None) -> None:
@@ -25,13 +27,20 @@ def main(args: list[str] | None = None) -> None:
         from lightning_3d.checkpoint.convert import main as convert
 
         return convert(argv[1:])
-    LightningCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf"},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    try:
+        LightningCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            parser_kwargs={"parser_mode": "omegaconf", "prog": "lightning-3d"},
+            save_config_kwargs={"overwrite": True},
+            args=args,
+        )
+    except ParallelConfigError as err:
+        # A layout or setting that cannot work (e.g. dp * pp * tp != the processes torchrun or srun started).
+        # Every rank finds it before any collective; its message names the numbers and the fix, so each rank
+        # says it in one line, as jsonargparse does for config errors, not in a traceback through Lightning.
+        # rank_zero_only.rank: the global rank once the strategy has set it, else the launcher's guess.
+        sys.exit(f"lightning-3d: error on rank {getattr(rank_zero_only, 'rank', 0)}: {err}")
 
 
 if __name__ == "__main__":

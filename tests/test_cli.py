@@ -63,3 +63,60 @@ def test_torchrun_starts_the_cli(tmp_path):
                     "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), cwd=tmp_path)
     assert "dp=2 x pp=1 x tp=1 = 2 ranks" in proc.stdout + proc.stderr
     assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _config_with(tmp_path, old: str, new: str) -> Path:
+    text = (ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml").read_text()
+    assert old in text
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ("n_layer: 4", "n_layr: 4", ["Option 'n_layr' is not accepted"]),
+    ("max_steps: 300", "max_steps: lots", ['Parser key "trainer.max_steps"', "Expected a <class 'int'>", "lots"]),
+], ids=["unknown_key", "wrong_type"])
+def test_bad_yaml_gets_the_parsers_error_not_a_traceback(tmp_path, capsys, old, new, expected):
+    from lightning_3d.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # jsonargparse's parser.error: usage, message, exit 2
+        main(["fit", "--config", str(_config_with(tmp_path, old, new)), "--print_config"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert all(text in err for text in expected), err[-3000:]
+    assert "lightning-3d fit --help" in err
+
+
+def test_missing_config_file_is_named(tmp_path, capsys):
+    from lightning_3d.cli import main
+
+    missing = tmp_path / "no_such.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(missing)])
+    assert exit_info.value.code == 2
+    assert f"File does not exist: '{missing}'" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_torchrun_world_that_disagrees_with_the_config_fails_on_every_rank_before_any_collective(tmp_path):
+    """4 processes for a config that asks for dp=2 x pp=2 x tp=2 = 8: each rank says so in one line and
+    exits, without a traceback and before the process group exists (so no rank can wait for another)."""
+    config = ROOT / "example_configs" / "gpt_tiny_3d_cpu.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # torchrun stops the other ranks once it sees one fail; checking every 5 s instead of 0.1 s lets each
+    # rank reach the check and report on its own, as each would on a cluster.
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           "--monitor-interval=5", "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.devices=4",
+                           "--trainer.strategy.init_args.data_parallel_size=2"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    for rank in range(4):
+        assert (f"lightning-3d: error on rank {rank}: data_parallel_size (2) * pipeline_parallel_size (2) *"
+                f" tensor_parallel_size (2) = 8, but the world size is 4") in proc.stderr, proc.stderr[-3000:]
+    assert "Set data_parallel_size='auto' (-> 1)" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # Lightning's line as the group starts
+    assert "ParallelConfigError" not in proc.stderr  # the name a traceback of the error would end with

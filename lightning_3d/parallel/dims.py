@@ -23,6 +23,9 @@ from typing import NamedTuple
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+# Where the world size comes from, for error messages: Lightning's launcher starts num_nodes * devices
+# processes, but under torchrun or srun the launcher's count wins and Lightning's devices is not checked.
+_WORLD = "the processes started: num_nodes * devices, or the tasks torchrun / srun started"
 
 
 class RankCoords(NamedTuple):
@@ -66,7 +69,7 @@ class ParallelDims:
             if world_size % model_parallel != 0:
                 raise ParallelConfigError(
                     f"pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp}) = {model_parallel} does not divide"
-                    f" the world size {world_size} (num_nodes * devices), so no data-parallel size fits."
+                    f" the world size {world_size} ({_WORLD}), so no data-parallel size fits."
                     f" Choose tp * pp among the divisors of {world_size}: {_divisors(world_size)}."
                 )
             return cls(dp=world_size // model_parallel, pp=pp, tp=tp)
@@ -79,7 +82,7 @@ class ParallelDims:
             )
             raise ParallelConfigError(
                 f"data_parallel_size ({dp}) * pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp})"
-                f" = {dp * model_parallel}, but the world size is {world_size} (num_nodes * devices).{fix}"
+                f" = {dp * model_parallel}, but the world size is {world_size} ({_WORLD}).{fix}"
                 f" or launch {dp * model_parallel} processes."
             )
         return cls(dp=dp, pp=pp, tp=tp)

@@ -1,0 +1,139 @@
+"""`srun ... lightning-3d fit` on a real Slurm: a two-node cluster emulated on this host by
+scripts/slurm/local_cluster.sh (it installs Debian's Slurm and munge when they are missing).
+
+The run must take its ranks from Lightning's SLURMEnvironment, sit where the rank layout says, and train
+exactly as the same config started by torchrun."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_probe import read_ranks
+from harness import torchrun
+from lightning_3d.parallel.dims import ParallelDims
+
+ROOT = Path(__file__).parent.parent
+SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
+TOOLS = ("slurmctld", "slurmd", "srun", "munged", "mungekey")
+
+# The README's 3D config, shrunk to 4 ranks as tp=2 inside a node and pp=2 across the two nodes (dp=1): the
+# multi-node GPU layout in miniature. Both launches get these; only devices / num_nodes differ.
+CONFIG = ROOT / "example_configs" / "gpt_tiny_3d_cpu.yaml"
+STEPS = 4
+
+
+def _overrides(out_dir: Path) -> list[str]:
+    probe = f'[{{"class_path": "cli_probe.RankProbe", "init_args": {{"out_dir": "{out_dir}"}}}}]'
+    return ["fit", "--config", str(CONFIG), f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", "--trainer.logger=false", f"--trainer.callbacks={probe}"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cannot_install_slurm() -> str | None:
+    if all(shutil.which(tool) for tool in TOOLS):
+        return None
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        return None
+    return "Slurm is not installed and this machine cannot install it (local_cluster.sh needs root and apt-get)"
+
+
+@pytest.fixture(scope="module")
+def slurm_conf():
+    """A running two-node local Slurm (its slurm.conf path); stopped, jobs first, when the module is done."""
+    reason = _cannot_install_slurm()
+    if reason:
+        if os.environ.get("CI"):  # CI machines are root with apt: a skip there would hide a broken setup
+            pytest.fail(reason)
+        pytest.skip(reason)
+    # A short path: munged's unix socket lives under it (108 bytes at most).
+    cluster_dir = Path(tempfile.mkdtemp(prefix="l3d-slurm-"))
+    try:
+        started = time.monotonic()
+        proc = subprocess.run(["bash", str(SCRIPT), "start", str(cluster_dir), "2", "4"], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"local_cluster.sh start failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        print(f"local Slurm up in {time.monotonic() - started:.1f} s")
+        yield cluster_dir / "slurm.conf"
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "stop", str(cluster_dir)], capture_output=True, timeout=120)
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatch):
+    # Both launches import the probe callback by class path (cli_probe.RankProbe) from this folder.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    env = {
+        **os.environ,
+        "SLURM_CONF": str(slurm_conf),
+        # Lightning's SLURMEnvironment would take the first node name (node1) as the rendezvous address; the
+        # emulated nodes' names do not resolve, their address is this host's.
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    srun_dir = tmp_path / "srun"
+    cmd = ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "--time=10",
+           sys.executable, "-m", "lightning_3d", *_overrides(srun_dir), "--trainer.devices=2",
+           "--trainer.num_nodes=2"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    print(f"srun run: {time.monotonic() - started:.1f} s")
+    assert proc.returncode == 0, f"srun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    by_slurm = read_ranks(srun_dir, 4)
+
+    dims = ParallelDims(dp=1, pp=2, tp=2)
+    for rank, record in enumerate(by_slurm):
+        assert record["cluster_environment"] == "SLURMEnvironment"
+        assert (record["global_rank"], record["world_size"], record["layout"]) == (rank, 4, str(dims))
+        assert record["env"]["SLURM_PROCID"] == str(rank)
+        assert record["coords"] == dims.coords(rank)._asdict()
+        # --ntasks-per-node=2 puts ranks 0-1 on node1 and 2-3 on node2: each tp group stays inside a node,
+        # the pipeline goes across.
+        assert record["env"]["SLURMD_NODENAME"] == f"node{rank // 2 + 1}"
+        assert len(record["losses"]) == STEPS
+
+    torchrun_dir = tmp_path / "torchrun"
+    started = time.monotonic()
+    torchrun(4, "-m", "lightning_3d", *_overrides(torchrun_dir), "--trainer.devices=4", cwd=tmp_path,
+             timeout=300, rank_files=torchrun_dir)
+    print(f"torchrun run: {time.monotonic() - started:.1f} s")
+    by_torchrun = read_ranks(torchrun_dir, 4)
+    assert {r["cluster_environment"] for r in by_torchrun} == {"TorchElasticEnvironment"}
+    assert [r["coords"] for r in by_torchrun] == [r["coords"] for r in by_slurm]
+    slurm_losses, torchrun_losses = by_slurm[0]["losses"], by_torchrun[0]["losses"]
+    worst = max(abs(a - b) for a, b in zip(slurm_losses, torchrun_losses))
+    print(f"losses {slurm_losses}, largest difference to torchrun {worst:.3g}")
+    assert worst <= 1e-5, f"srun and torchrun losses differ by {worst:.3g}:\n{slurm_losses}\n{torchrun_losses}"
+
+
+@pytest.mark.multiprocess
+def test_srun_task_count_that_disagrees_with_the_config_fails_on_every_rank(slurm_conf, tmp_path):
+    """4 Slurm tasks for a config that asks for dp=2 x pp=2 x tp=2 = 8: one line from each task, no process
+    group started (Lightning logs "Initializing distributed" as it starts one), no hang."""
+    env = {**os.environ, "SLURM_CONF": str(slurm_conf), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--time=5", sys.executable, "-m", "lightning_3d",
+           "fit", "--config", str(CONFIG), "--trainer.devices=2", "--trainer.num_nodes=2",
+           "--trainer.strategy.init_args.data_parallel_size=2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode != 0
+    for rank in range(4):
+        assert (f"lightning-3d: error on rank {rank}: data_parallel_size (2) * pipeline_parallel_size (2) *"
+                f" tensor_parallel_size (2) = 8, but the world size is 4") in proc.stderr, proc.stderr[-3000:]
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    assert "ParallelConfigError" not in proc.stderr  # the name a traceback of the error would end with
