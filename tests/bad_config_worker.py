@@ -73,7 +73,42 @@ CASES = {
                                                    ManualOptimization(config=TINY)),
     "batch_shape_changes_between_steps": lambda: (ThreeDStrategy(pipeline_parallel_size=2),
                                                   GPTLightningModule(config=TINY), RaggedData()),
+    "virtual_stages_without_interleaved_schedule": lambda: (
+        ThreeDStrategy(pipeline_parallel_size=2, virtual_pipeline_size=2), GPTLightningModule(config=TINY)),
+    "unknown_schedule": lambda: (ThreeDStrategy(pipeline_schedule="pipedream"), GPTLightningModule(config=TINY)),
+    "zero_stage_out_of_range": lambda: (ThreeDStrategy(zero_stage=4), GPTLightningModule(config=TINY)),
+    "unknown_activation_checkpointing": lambda: (ThreeDStrategy(activation_checkpointing="some"),
+                                                 GPTLightningModule(config=TINY)),
+    "data_parallel_size_not_a_number": lambda: (ThreeDStrategy(data_parallel_size="two"), GPTLightningModule(config=TINY)),
+    "zero_microbatches": lambda: (ThreeDStrategy(num_microbatches=0), GPTLightningModule(config=TINY)),
+    "sequence_parallel_without_tp": lambda: (ThreeDStrategy(sequence_parallel=True), GPTLightningModule(config=TINY)),
+    "unknown_pipeline_split": lambda: (ThreeDStrategy(pipeline_split="layers"), GPTLightningModule(config=TINY)),
+    "unknown_model_init": lambda: (ThreeDStrategy(model_init="lazy"), GPTLightningModule(config=TINY)),
+    "non_positive_hang_timeout": lambda: (ThreeDStrategy(hang_timeout=-1), GPTLightningModule(config=TINY)),
+    "nccl_on_cpu": lambda: (ThreeDStrategy(process_group_backend="nccl"), GPTLightningModule(config=TINY)),
+    "unsupported_precision": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None,
+                                      {"precision": "64-true"}),
+    "heads_not_divisible_by_tp": lambda: (ThreeDStrategy(tensor_parallel_size=2),
+                                          GPTLightningModule(config=GPTConfig(n_layer=2, n_embd=48, n_head=3))),
+    "vocab_not_divisible_by_tp": lambda: (ThreeDStrategy(tensor_parallel_size=2),
+                                          GPTLightningModule(config=GPTConfig(n_layer=2, n_embd=32, n_head=4,
+                                                                              vocab_size=63))),
+    "explicit_split_names_a_missing_block": lambda: (
+        ThreeDStrategy(pipeline_parallel_size=2, pipeline_split=[["model.blocks.0"], ["model.blocks.7"]]),
+        GPTLightningModule(config=TINY)),
+    "resume_from_a_missing_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
+                                                 {"ckpt_path": "no/such/last.ckpt"}),
+    "resume_from_an_incomplete_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
+                                                     {"ckpt_path": _incomplete_checkpoint()}),
 }
+
+
+def _incomplete_checkpoint() -> str:
+    """A checkpoint directory whose DCP metadata never got written (what a crash inside DCP would leave)."""
+    path = Path(sys.argv[1]) / "incomplete.ckpt"
+    path.mkdir(exist_ok=True)
+    (path / "lightning_3d.meta.pt").write_bytes(b"")
+    return str(path)
 
 
 def main(out_dir: str, names: list[str]) -> None:
@@ -81,10 +116,12 @@ def main(out_dir: str, names: list[str]) -> None:
     for name in names:
         error = None
         try:
-            strategy, module, *data = CASES[name]()
+            strategy, module, *rest = CASES[name]()
+            data, trainer_kwargs, fit_kwargs = [*rest, *[None, {}, {}][len(rest):]]
             trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-            trainer.fit(module, data[0] if data else SyntheticDataModule(seq_len=16, batch_size=2))
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                **trainer_kwargs)
+            trainer.fit(module, data or SyntheticDataModule(seq_len=16, batch_size=2), **fit_kwargs)
         except Exception as err:  # noqa: BLE001  (reporting whatever was raised is the point)
             error = {"type": type(err).__name__, "message": str(err)}
         results.append({"case": name, "error": error, "process_group": dist.is_initialized()})

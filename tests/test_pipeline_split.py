@@ -31,7 +31,7 @@ def test_too_few_blocks_for_the_stages_is_an_error():
 
 def test_an_explicit_split_must_cover_every_block_once():
     assert assign_blocks(BLOCKS, 2, [BLOCKS[:2], BLOCKS[2:]]) == [BLOCKS[:2], BLOCKS[2:]]
-    with pytest.raises(PolicyError, match="list every block exactly once"):
+    with pytest.raises(PolicyError, match="List every block exactly once"):
         assign_blocks(BLOCKS, 2, [BLOCKS[:2], BLOCKS[3:]])
 
 

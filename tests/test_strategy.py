@@ -54,6 +54,19 @@ EXPECTED = {
     "offload_without_sharding": ("ParallelConfigError", ["offload=True", "zero_stage=0", "Set zero_stage=1, 2 or 3"]),
     "non_positive_size": ("ParallelConfigError", ["tensor_parallel_size must be a positive integer, got 0"]),
     "too_few_microbatches_for_1f1b": ("ParallelConfigError", ["num_microbatches=1 < pipeline_parallel_size=2"]),
+    "virtual_stages_without_interleaved_schedule": ("ParallelConfigError", ["virtual_pipeline_size=2",
+                                                                            "pipeline_schedule='1f1b'"]),
+    "unknown_schedule": ("ParallelConfigError", ["pipeline_schedule='pipedream'", "'interleaved_1f1b'"]),
+    "zero_stage_out_of_range": ("ParallelConfigError", ["zero_stage=4", "(0, 1, 2, 3)"]),
+    "unknown_activation_checkpointing": ("ParallelConfigError", ["activation_checkpointing='some'", "'selective'"]),
+    "data_parallel_size_not_a_number": ("ParallelConfigError", ["data_parallel_size", "got 'two'"]),
+    "zero_microbatches": ("ParallelConfigError", ["num_microbatches must be a positive integer, got 0"]),
+    "sequence_parallel_without_tp": ("ParallelConfigError", ["sequence_parallel=True", "tensor_parallel_size=1"]),
+    "unknown_pipeline_split": ("ParallelConfigError", ["pipeline_split='layers'", "'params'"]),
+    "unknown_model_init": ("ParallelConfigError", ["model_init='lazy'", "'meta'"]),
+    "non_positive_hang_timeout": ("ValueError", ["hang_timeout (-1)", "None turns the hang watchdog off"]),
+    "nccl_on_cpu": ("ParallelConfigError", ["process_group_backend='nccl' needs CUDA", "'gloo'"]),
+    "unsupported_precision": ("ParallelConfigError", ["got '64-true'", "precision='bf16-mixed'"]),
 }
 # Errors that need the model or the data, so they come after the process group exists -- but on every rank
 # alike, before any rank sends anything to another, so none can hang.
@@ -63,7 +76,18 @@ EXPECTED_AFTER_SETUP = {
                                                                       "num_microbatches=4"]),
     "batch_shape_changes_between_steps": ("ValueError", ["shapes of the first one", "drop_last=True"]),
     "manual_optimization_under_pipeline": ("ParallelConfigError", ["manual optimization", "pp=1"]),
+    "heads_not_divisible_by_tp": ("PolicyError", ["n_head (3) is not divisible by tensor_parallel_size (2)"]),
+    "vocab_not_divisible_by_tp": ("PolicyError", ["vocab_size (63)", "set vocab_size=64"]),
+    "explicit_split_names_a_missing_block": ("PolicyError", ["not blocks of the model: ['model.blocks.7']",
+                                                             "missing: ['model.blocks.1']"]),
+    "resume_from_a_missing_checkpoint": ("FileNotFoundError", ["No checkpoint at no/such/last.ckpt"]),
+    "resume_from_an_incomplete_checkpoint": ("CheckpointError", ["not a complete lightning_3d checkpoint",
+                                                                 ".metadata missing"]),
 }
+
+
+def test_the_catalogue_has_at_least_25_bad_configurations():
+    assert len(EXPECTED) + len(EXPECTED_AFTER_SETUP) >= 25
 
 
 @pytest.mark.multiprocess

@@ -49,10 +49,15 @@ def assign_blocks(blocks: list[str], num_stages: int, explicit: list[list[str]] 
     if explicit is not None:
         flat = [b for stage in explicit for b in stage]
         if len(explicit) != num_stages or sorted(flat) != sorted(blocks) or len(set(flat)) != len(flat):
+            unknown, missing = sorted(set(flat) - set(blocks)), sorted(set(blocks) - set(flat))
+            repeated = sorted({b for b in flat if flat.count(b) > 1})
+            found = "; ".join(f"{what}: {names}" for what, names in
+                              [("not blocks of the model", unknown), ("missing", missing), ("repeated", repeated)]
+                              if names)
             raise PolicyError(
                 f"pipeline_split lists {len(explicit)} stages covering {len(flat)} blocks, but the layout has"
-                f" {num_stages} stages and the model {len(blocks)} blocks ({blocks[0]} ... {blocks[-1]}): list"
-                " every block exactly once, in order, one list per stage."
+                f" {num_stages} stages and the model {len(blocks)} blocks ({blocks[0]} ... {blocks[-1]})"
+                f"{'; ' + found if found else ''}. List every block exactly once, in order, one list per stage."
             )
         return [list(stage) for stage in explicit]
     if len(blocks) < num_stages:

@@ -41,3 +41,11 @@ def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) ->
             " has parameters from __init__. Move their construction to configure_model(), or use"
             " model_init='auto'."
         )
+
+
+def check_backend(backend: str, device: "torch.device") -> None:
+    if backend == "nccl" and device.type != "cuda":
+        raise ParallelConfigError(
+            f"process_group_backend='nccl' needs CUDA devices, but this run is on {device.type!r}. Use 'gloo'"
+            " (the default on CPU), or accelerator='gpu'."
+        )

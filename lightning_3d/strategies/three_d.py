@@ -33,7 +33,7 @@ from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import FaultHandling
 from lightning_3d.strategies.processes import ProcessesAndCollectives
-from lightning_3d.strategies.checks import check_model, reject_unavailable_features
+from lightning_3d.strategies.checks import check_backend, check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.fsdp_policies import (
@@ -218,6 +218,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         check_model(self.lightning_module, self.parallel_config)
 
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        check_backend(backend, self.root_device)
         self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
