@@ -20,18 +20,26 @@ from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModu
 MICROBATCHES = 4
 
 
-def main(out_dir: str) -> None:
+def fit(out_dir: str, max_steps: int, **strategy_kwargs) -> tuple[L.Trainer, PipelineMonitor]:
     L.seed_everything(0, verbose=False)
     monitor = PipelineMonitor(every_n_steps=2)
-    strategy = ThreeDStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b", num_microbatches=MICROBATCHES)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, enable_checkpointing=False,
-                        logger=TensorBoardLogger(out_dir, name="tb"), log_every_n_steps=1,
+    strategy = ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES, **strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
+                        enable_checkpointing=False, logger=TensorBoardLogger(out_dir, name="tb"), log_every_n_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[monitor])
     # Micro-batches large enough that compute, not gloo's latency, fills the step.
     config = GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=64, vocab_size=64)
     trainer.fit(GPTLightningModule(config=config), SyntheticDataModule(seq_len=64, batch_size=8 * MICROBATCHES))
+    return trainer, monitor
+
+
+def main(out_dir: str) -> None:
+    # Zero-bubble first (its TensorBoard run is version_0), to check the weight-gradient actions are seen too.
+    _, zero_bubble = fit(out_dir, 3, pipeline_schedule="zero_bubble", virtual_pipeline_size=2)
+    trainer, monitor = fit(out_dir, 5, pipeline_schedule="1f1b")
     result = {
+        "zero_bubble_rows": [[list(a) for a in row] for row in zero_bubble.last_rows],
         "rows": [[list(a) for a in row] for row in monitor.last_rows],
         "logged": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("pipeline/")},
         "image_shape": list(monitor.last_image.shape) if monitor.last_image is not None else None,

@@ -59,6 +59,15 @@ def test_the_recorded_actions_are_the_1f1b_order_of_each_stage(pipeline_run):
 
 
 @pytest.mark.multiprocess
+def test_zero_bubble_records_weight_gradients_on_two_virtual_stages_per_rank(pipeline_run):
+    rows = pipeline_run[0]["zero_bubble_rows"]
+    assert [sorted({stage for stage, *_ in row}) for row in rows] == [[0, 2], [1, 3]]  # the looped placement
+    for row in rows:
+        kinds = [kind for _, kind, *_ in row]
+        assert kinds.count("F") == kinds.count("B") == kinds.count("W") == 2 * 4  # 2 stages x 4 micro-batches
+
+
+@pytest.mark.multiprocess
 def test_measured_bubble_of_1f1b_is_near_its_theory(pipeline_run):
     logged = pipeline_run[0]["logged"]
     assert logged == pipeline_run[1]["logged"]  # every rank logs the same values
@@ -79,7 +88,8 @@ def test_the_timeline_image_reaches_tensorboard(pipeline_run):
     events = EventAccumulator(result["log_dir"], size_guidance={"images": 0})
     events.Reload()
     assert "pipeline/timeline" in events.Tags()["images"]
-    assert [e.step for e in events.Images("pipeline/timeline")] == [3, 5]  # after the optimizer steps of batches 2 and 4
+    # batches 2 and 4, logged after their optimizer steps
+    assert [e.step for e in events.Images("pipeline/timeline")] == [3, 5]
 
 
 def test_without_a_pipeline_it_says_so_and_logs_nothing(tmp_path):

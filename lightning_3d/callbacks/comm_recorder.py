@@ -134,7 +134,8 @@ def _when_done(work: dist.Work, record: Collective, clock: Clock) -> None:
         record.end = clock.now()
 
     try:
-        work.get_future().add_done_callback(done)
+        # ``then`` (not add_done_callback): on CUDA its callback runs on streams that wait for the work.
+        work.get_future().then(done)
     except RuntimeError:  # a backend without futures for this operation: the call's return is all we know
         record.end = clock.now()
 

@@ -44,7 +44,8 @@ class CommTimer(L.Callback):
       behind earlier NCCL work. Reading the events synchronizes the device once per logged batch.
 
     Cost: the dispatch mode runs a Python check on every operator of the logged batch (on the reference GPT on
-    CPU roughly doubling that batch's host time); other batches pay nothing. Any strategy works: without
+    CPU that batch takes up to ~1.7x as long); other batches pay nothing. Not yet run on a GPU: the CUDA path
+    is written to the documented stream semantics of ``Future.then``, untested. Any strategy works: without
     ``ThreeDStrategy`` all ranks form one data-parallel group (DDP), and in a single process every value is 0.
 
     Example::

@@ -88,7 +88,8 @@ class PipelineMonitor(L.Callback):
         self._timeline = engine.timeline
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        if self._timeline is not None and batch_idx > 0 and not batch_idx % (self.every_n_steps or trainer.log_every_n_steps):
+        every = self.every_n_steps or trainer.log_every_n_steps
+        if self._timeline is not None and batch_idx > 0 and not batch_idx % every:
             self._timeline.start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
