@@ -91,7 +91,8 @@ class CommTimer(L.Callback):
                 continue
             dim = self._dim_of_ranks.get(op.group_ranks, "other")
             values[f"{dim}_bytes"] += op.bytes
-            intervals[dim].append((clock.seconds(op.start, self._step_start), clock.seconds(op.end, self._step_start)))
+            end = step_end if op.end is None else op.end  # still in flight when the batch ended
+            intervals[dim].append((clock.seconds(op.start, self._step_start), clock.seconds(end, self._step_start)))
             self.last_ops.append((dim, op.op, op.bytes))
         for d in DIMS:
             values[f"{d}_time_s"] = union_seconds(intervals[d])

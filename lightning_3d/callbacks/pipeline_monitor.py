@@ -35,6 +35,8 @@ def measured_bubble(rows: list[list[Action]]) -> float:
     no forward or backward ran, from the first action of any rank to the last. Waiting for activations,
     sending them and the engine's own work between actions count as bubble, as they do in a real step."""
     actions = [a for row in rows for a in row]
+    if not actions:
+        return 0.0
     span = max(a.end for a in actions) - min(a.start for a in actions)
     busy = sum(a.end - a.start for a in actions)
     return 1.0 - busy / (len(rows) * span) if span > 0 else 0.0
