@@ -21,6 +21,23 @@ from lightning_3d.models import GPTLightningModule, SyntheticDataModule  # noqa:
 from lightning_3d.parallel.config import ParallelConfigError
 
 
+def build_cli(args: list[str] | None = None, *, run: bool = True) -> LightningCLI:
+    """The LightningCLI behind ``lightning-3d``. With ``run=False`` it only builds the trainer, model and data
+    (``args`` then name no subcommand), e.g. to check a GPU config's objects on a machine without one::
+
+        cli = build_cli(["--config", "example_configs/gpt_1b_8gpu.yaml", "--trainer.accelerator=cpu"], run=False)
+        cli.trainer.strategy.parallel_config.tensor_parallel_size  # 2
+    """
+    return LightningCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_kwargs={"parser_mode": "omegaconf", "prog": "lightning-3d"},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["convert"]:  # not a Trainer subcommand: a checkpoint export (lightning_3d.checkpoint.convert)
@@ -28,13 +45,7 @@ def main(args: list[str] | None = None) -> None:
 
         return convert(argv[1:])
     try:
-        LightningCLI(
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            parser_kwargs={"parser_mode": "omegaconf", "prog": "lightning-3d"},
-            save_config_kwargs={"overwrite": True},
-            args=args,
-        )
+        build_cli(args)
     except ParallelConfigError as err:
         # A layout or setting that cannot work (e.g. dp * pp * tp != the processes torchrun or srun started).
         # Every rank finds it before any collective; its message names the numbers and the fix, so each rank

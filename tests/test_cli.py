@@ -46,6 +46,32 @@ def test_cpu_config_trains_a_few_steps_with_the_3d_strategy(tmp_path, name, layo
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*")), "no TensorBoard event file written"
 
 
+GPU_CONFIGS = [c for c in CONFIGS if "gpu" in c.name]
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.name for c in GPU_CONFIGS])
+def test_gpu_config_builds_a_consistent_layout_and_its_monitors_without_a_gpu(config, tmp_path, monkeypatch):
+    """What can be checked of a GPU config on a CPU machine: its objects build (accelerator switched to cpu),
+    its layout fits its world, and the model's sizes divide as tp, pp and the micro-batches need."""
+    from lightning_3d.cli import build_cli
+    from lightning_3d.parallel.dims import ParallelDims
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", str(config), "--trainer.accelerator=cpu", "--trainer.logger=false"], run=False)
+    trainer, strategy, gpt = cli.trainer, cli.trainer.strategy, cli.model.config
+    assert trainer.precision == "bf16-mixed"
+    monitors = {type(c).__name__ for c in trainer.callbacks}
+    assert {"GradNormMonitor", "NaNGuard", "ThroughputMonitor", "CommTimer", "PipelineMonitor",
+            "ModelCheckpoint"} <= monitors
+    parallel = strategy.parallel_config
+    dims = ParallelDims.from_config(parallel, len(strategy.parallel_devices) * trainer.num_nodes)
+    assert len(strategy.parallel_devices) % dims.tp == 0, "a tp group must stay inside one node"
+    assert gpt.n_head % dims.tp == 0 and gpt.vocab_size % dims.tp == 0 and gpt.block_size % dims.tp == 0
+    assert gpt.n_layer % (dims.pp * parallel.virtual_pipeline_size) == 0
+    assert cli.datamodule.hparams.batch_size % parallel.num_microbatches == 0
+    assert parallel.activation_checkpointing and (parallel.zero_stage > 0 or dims.dp == 1)
+
+
 def test_strategy_can_be_given_by_its_registered_name():
     config = ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"
     proc = _cli("fit", "--config", str(config), "--trainer.strategy=3d", "--print_config")

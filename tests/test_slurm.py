@@ -137,3 +137,21 @@ def test_srun_task_count_that_disagrees_with_the_config_fails_on_every_rank(slur
                 f" tensor_parallel_size (2) = 8, but the world size is 4") in proc.stderr, proc.stderr[-3000:]
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert "ParallelConfigError" not in proc.stderr  # the name a traceback of the error would end with
+
+
+@pytest.mark.multiprocess
+def test_sbatch_template_trains_on_the_allocation_it_gets(slurm_conf, tmp_path):
+    """scripts/slurm/train.sbatch as a user submits it; `--gpus-per-node=0` drops its GPU request on this CPU
+    cluster. devices and num_nodes come from the allocation (2 x 2), not from the config (8 x 1)."""
+    env = {**os.environ, "SLURM_CONF": str(slurm_conf), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    cmd = ["sbatch", "--wait", "--gpus-per-node=0", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
+           "--time=10", f"--output={tmp_path / 'job.out'}", str(ROOT / "scripts" / "slurm" / "train.sbatch"),
+           str(CONFIG), f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
+           "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert proc.returncode == 0, f"sbatch --wait failed ({proc.returncode}):\n{proc.stderr}\n{log[-4000:]}"
+    assert "lightning-3d: 2 nodes x 2 tasks, rendezvous 127.0.0.1:" in log
+    assert "dp=1 x pp=2 x tp=2 = 4 ranks" in log
+    assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached" in log
