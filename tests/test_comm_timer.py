@@ -1,5 +1,5 @@
 """CommTimer: bytes per parallel dimension equal the analytic count for the reference GPT, in every layout of
-one 4-rank launch (tests/comm_worker.py); a single process logs zeros."""
+one 4-rank launch (tests/comm_worker.py), also under Lightning's own DDPStrategy; a single process logs zeros."""
 
 import json
 from pathlib import Path
@@ -55,6 +55,7 @@ LAYOUTS = {  # comm_worker.py's layouts: (dp, pp, tp, micro-batches, sequence pa
     "dp2_pp2_tp1": (2, 2, 1, 2, False),
     "dp4_pp1_tp1": (4, 1, 1, 1, False),
     "dp2_pp1_tp2_sp": (2, 1, 2, 1, True),
+    "lightning_ddp": (4, 1, 1, 1, False),  # Lightning's DDPStrategy: counted as dp over the world
 }
 
 
