@@ -33,7 +33,9 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual: int =
 def measured_bubble(rows: list[list[Action]]) -> float:
     """``1 - busy / (ranks * span)`` over one pipeline (a row per rank): the share of the step's rank-time that
     no forward or backward ran, from the first action of any rank to the last. Waiting for activations,
-    sending them and the engine's own work between actions count as bubble, as they do in a real step."""
+    sending them and the engine's own work between actions count as bubble, as they do in a real step -- so
+    does the last stage's loss (the user's step on the stage output), which the schedule runs between its
+    forward and backward calls."""
     actions = [a for row in rows for a in row]
     if not actions:
         return 0.0
