@@ -6,7 +6,12 @@
 
 ``trainer.strategy`` may be ``3d`` or ``class_path: lightning_3d.ThreeDStrategy`` with ``init_args``; the
 model and data are any LightningModule / LightningDataModule by ``class_path`` (the reference ones by short
-name: ``GPTLightningModule``, ``SyntheticDataModule``). Configs may interpolate (``${model.init_args...}``).
+name: ``GPTLightningModule``, ``SyntheticDataModule``). Configs may interpolate (``${model.init_args...}``);
+interpolations are resolved as each file is read, so a command-line override of a model size does not
+reach the data's copy of it: override both (``--model.init_args.config.block_size 64 --data.init_args.seq_len 64``).
+
+Under ``torchrun`` or ``srun`` the launcher starts the processes and Lightning's torchelastic / SLURM
+environment gives the ranks (see scripts/slurm/train.sbatch); the world size is then the launcher's.
 """
 
 from __future__ import annotations

@@ -41,18 +41,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cannot_install_slurm() -> str | None:
-    if all(shutil.which(tool) for tool in TOOLS):
-        return None
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        return None
-    return "Slurm is not installed and this machine cannot install it (local_cluster.sh needs root and apt-get)"
+def _cannot_run_local_slurm() -> str | None:
+    if os.geteuid() != 0:
+        return "local_cluster.sh runs slurmctld, slurmd and munged as root (and installs them with apt-get)"
+    if not all(shutil.which(tool) for tool in TOOLS) and not shutil.which("apt-get"):
+        return f"Slurm is not installed ({', '.join(TOOLS)}) and there is no apt-get to install it"
+    return None
 
 
 @pytest.fixture(scope="module")
 def slurm_conf():
     """A running two-node local Slurm (its slurm.conf path); stopped, jobs first, when the module is done."""
-    reason = _cannot_install_slurm()
+    reason = _cannot_run_local_slurm()
     if reason:
         if os.environ.get("CI"):  # CI machines are root with apt: a skip there would hide a broken setup
             pytest.fail(reason)

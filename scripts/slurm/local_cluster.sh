@@ -48,17 +48,17 @@ install_if_missing() {
     if [[ ! -e $policy ]]; then printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod 755 "$policy"; ours=1; fi
     local packages=(slurmctld slurmd slurm-client munge) ok=0
     # --no-install-recommends: 8 small packages instead of 40+ (slurm-wlm pulls docs, plugins, X libs).
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >&2 && ok=1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=120 --no-install-recommends "${packages[@]}" >&2 && ok=1
     if [[ $ok -eq 0 ]]; then  # a fresh machine may have no package lists yet
-        apt-get update -qq >&2 &&
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >&2 && ok=1
+        apt-get update -qq -o DPkg::Lock::Timeout=120 >&2 &&
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=120 --no-install-recommends "${packages[@]}" >&2 && ok=1
     fi
     [[ $ours -eq 1 ]] && rm -f "$policy"
     [[ $ok -eq 1 ]] || { log "apt-get install ${packages[*]} failed"; exit 3; }
 }
 
 free_ports() {  # N TCP ports nobody listens on right now
-    python3 - "$1" <<'EOF'
+    "$(command -v python3 || command -v python)" - "$1" <<'EOF'
 import socket, sys
 socks = [socket.socket() for _ in range(int(sys.argv[1]))]
 for s in socks:
