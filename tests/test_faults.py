@@ -2,6 +2,7 @@
 the exit timeout with its name, coordinates and exception; a hang ends with every rank's report of what it
 waits in. Each case is one launch that is meant to fail."""
 
+import json
 import os
 import re
 import subprocess
@@ -66,3 +67,25 @@ def test_a_hang_ends_the_job_with_what_every_rank_waits_in(tmp_path):
         assert "waiting in: _wait_batch_p2p" in reports[rank], reports[rank]
     assert seconds < 5 + 5 + 10, f"the hang took {seconds:.1f} s to end the job (hang_timeout=5)"
     print(f"[faults] hang: job ended {seconds:.1f} s after the rank stopped")
+
+
+@pytest.mark.multiprocess
+def test_a_job_restarted_by_torchrun_resumes_from_its_newest_checkpoint_with_the_same_losses(tmp_path):
+    from harness import Case, reference_for
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2",
+           str(Path(__file__).parent / "restart_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "losses_rank0.jsonl").read_text().splitlines()]
+    first = [r for r in records if r["attempt"] == 0]
+    second = [r for r in records if r["attempt"] == 1]
+    # Killed at the start of step 5; the newest checkpoint is step 3: the restart redoes steps 4 and 5 (the
+    # steps since that checkpoint), and no step is skipped.
+    assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in second] == [4, 5, 6, 7, 8]
+    assert second[0]["loss"] == first[3]["loss"]  # step 4 again, bit for bit
+    reference = reference_for(Case(name="reference", model=dict(n_layer=2, n_embd=32, n_head=4, block_size=16),
+                                   steps=8))
+    losses = [r["loss"] for r in first[:3] + second]
+    assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, (losses, reference.losses)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
@@ -56,3 +59,17 @@ class ProcessesAndCollectives:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def restart_store(timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun, after a restart: the agent's store, seen under a prefix of this attempt; else None.
+
+    torchrun (PyTorch 2.13, ``--standalone``) keeps its key-value store across the restarts of a job, and the
+    process group of a restarted attempt would read the addresses the dead attempt's ranks published there:
+    gloo then fails with "connectFullMesh failed ... Connection refused". Each attempt gets keys of its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"lightning_3d/attempt_{attempt}", store)

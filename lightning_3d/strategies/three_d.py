@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import FaultHandling
-from lightning_3d.strategies.processes import ProcessesAndCollectives
+from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
 from lightning_3d.strategies.checks import check_backend, check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
@@ -221,9 +221,9 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         check_backend(backend, self.root_device)
         self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        store = restart_store(self._timeout)
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id, **({"store": store} if store is not None else {}))
         self._start_fault_watch(self._hang_timeout, self._exit_timeout)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
