@@ -42,6 +42,22 @@ class RaggedData(SyntheticDataModule):
         return DataLoader(self.train_set, batch_size=4, drop_last=False)
 
 
+class FloatTokens(SyntheticDataModule):
+    """Token ids as floats (a data pipeline that normalized them, say): the embedding refuses them."""
+
+    def __init__(self):
+        super().__init__(seq_len=16, batch_size=2)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, default_collate
+
+        def as_floats(samples):
+            tokens, targets = default_collate(samples)
+            return tokens.float(), targets
+
+        return DataLoader(self.train_set, batch_size=2, collate_fn=as_floats)
+
+
 class ManualOptimization(GPTLightningModule):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -96,6 +112,7 @@ CASES = {
     "explicit_split_names_a_missing_block": lambda: (
         ThreeDStrategy(pipeline_parallel_size=2, pipeline_split=[["model.blocks.0"], ["model.blocks.7"]]),
         GPTLightningModule(config=TINY)),
+    "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
     "resume_from_a_missing_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
                                                  {"ckpt_path": "no/such/last.ckpt"}),
     "resume_from_an_incomplete_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},

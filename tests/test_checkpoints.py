@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
         dict(name="dropout_through", layout=L222, model=big, steps=6, save_every=3, ckpt_dir=str(dropout)),
         dict(name="dropout_resumed", layout=L222, model=big, steps=6, resume=_step3(dropout)),
         dict(name="plain_through", layout=L222, model=MODEL, steps=6, save_every=3, ckpt_dir=str(plain)),
+        dict(name="plain_again", layout=L222, model=MODEL, steps=6),
         dict(name="to_4_1_2", layout=dict(data_parallel_size=4, tensor_parallel_size=2, zero_stage=2), model=MODEL,
              steps=6, resume=_step3(plain)),
         dict(name="to_1_2_4", layout=dict(pipeline_parallel_size=2, tensor_parallel_size=4,
@@ -80,6 +81,12 @@ def test_resume_on_the_same_layout_continues_exactly_as_if_never_stopped(runs):
     assert max(abs(a - b) for a, b in zip(through[3:], resumed)) <= 1e-6, (through, resumed)
     for name, tensor in results["dropout_through"]["params"].items():
         assert torch.allclose(tensor, results["dropout_resumed"]["params"][name], atol=1e-6, rtol=0), name
+
+
+@pytest.mark.multiprocess
+def test_the_same_seed_and_layout_give_bit_identical_losses(runs):
+    _, results = runs
+    assert results["plain_again"]["losses"] == results["plain_through"]["losses"]  # exactly, at (2, 2, 2)
 
 
 @pytest.mark.multiprocess

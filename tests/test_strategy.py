@@ -80,6 +80,7 @@ EXPECTED_AFTER_SETUP = {
     "vocab_not_divisible_by_tp": ("PolicyError", ["vocab_size (63)", "set vocab_size=64"]),
     "explicit_split_names_a_missing_block": ("PolicyError", ["not blocks of the model: ['model.blocks.7']",
                                                              "missing: ['model.blocks.1']"]),
+    "float_token_ids": ("RuntimeError", ["Expected tensor for argument #1 'indices'", "Long, Int"]),
     "resume_from_a_missing_checkpoint": ("FileNotFoundError", ["No checkpoint at no/such/last.ckpt"]),
     "resume_from_an_incomplete_checkpoint": ("CheckpointError", ["not a complete lightning_3d checkpoint",
                                                                  ".metadata missing"]),

@@ -119,6 +119,11 @@ class NaNGuard(L.Callback):
         self._first_bad = self._first_bad_activation = None
         found = [mine]
         if dist.is_initialized():  # every rank learns what every rank saw: they all act alike
+            # One small all-reduce per step says whether any rank saw one; only then the reports are gathered.
+            flag = torch.tensor([mine is not None], dtype=torch.int32, device=_device_of(pl_module))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                return
             found = [None] * dist.get_world_size()
             dist.all_gather_object(found, mine)
         bad = {rank: seen for rank, seen in enumerate(found) if seen}
@@ -144,6 +149,11 @@ class NaNGuard(L.Callback):
         self.rollbacks.append((trainer.global_step, checkpoint))
         pl_module.print(f"NaNGuard rolled back to {checkpoint} at step {trainer.global_step} (learning rates x"
                         f" {self.rollback_lr_factor}): NaN/Inf gradient on {report}")
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    # NCCL reduces device tensors only; gloo takes host ones.
+    return next(module.parameters()).device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _checkpoint_callbacks(trainer: L.Trainer) -> list[ModelCheckpoint]:
