@@ -17,6 +17,5 @@ def dims_of(trainer: L.Trainer) -> ParallelDims:
 
 def pipeline_engine(trainer: L.Trainer) -> PipelineEngine | None:
     """ThreeDStrategy's pipeline engine, or None without pipeline parallelism (or with another strategy)."""
-    # The strategy exposes no accessor for its engine yet; this is the one place that reads it.
-    engine = getattr(trainer.strategy, "_engine", None)
+    engine = getattr(trainer.strategy, "pipeline_engine", None)
     return engine if isinstance(engine, PipelineEngine) else None

@@ -171,6 +171,11 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         return self.parallel_dims.coords(self.global_rank)
 
     @property
+    def pipeline_engine(self) -> Optional[PipelineEngine]:
+        """The micro-batch engine once set up under pipeline parallelism (callbacks read what it records)."""
+        return self._engine
+
+    @property
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
