@@ -11,12 +11,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from cli_probe import read_ranks
-from harness import torchrun
+from harness import GLOO_EXIT_ABORT, torchrun
 from lightning_3d.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).parent.parent
@@ -33,6 +34,16 @@ def _overrides(out_dir: Path) -> list[str]:
     probe = f'[{{"class_path": "cli_probe.RankProbe", "init_args": {{"out_dir": "{out_dir}"}}}}]'
     return ["fit", "--config", str(CONFIG), f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
             "--trainer.enable_progress_bar=false", "--trainer.logger=false", f"--trainer.callbacks={probe}"]
+
+
+def _assert_finished(proc: subprocess.CompletedProcess, what: str, output: str, done: bool) -> None:
+    """A zero exit; or, as harness.torchrun allows, gloo's abort of a rank on its way out after every rank's
+    work was done (``done``), which is a warning with the output, not a failure."""
+    if proc.returncode != 0 and done and GLOO_EXIT_ABORT in output:
+        warnings.warn(f"{what} exited with {proc.returncode} after all its work was done: {output[-1500:]}")
+        return
+    errors = "\n".join(line for line in output.splitlines() if "rror" in line)
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{errors[-6000:]}\n{output[-3000:]}"
 
 
 def _free_port() -> int:
@@ -87,13 +98,16 @@ def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatc
         "PYTHONWARNINGS": "ignore",
     }
     srun_dir = tmp_path / "srun"
-    cmd = ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "--time=10",
+    # No --kill-on-bad-exit here (train.sbatch has it): a rank that gloo aborts at exit must not take the
+    # others down before they write their records; a rank that fails in training stops the rest through
+    # the strategy's fault watch.
+    cmd = ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--time=10",
            sys.executable, "-m", "lightning_3d", *_overrides(srun_dir), "--trainer.devices=2",
            "--trainer.num_nodes=2"]
     started = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     print(f"srun run: {time.monotonic() - started:.1f} s")
-    assert proc.returncode == 0, f"srun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    _assert_finished(proc, "srun", proc.stderr, done=all((srun_dir / f"rank{r}.json").exists() for r in range(4)))
     by_slurm = read_ranks(srun_dir, 4)
 
     dims = ParallelDims(dp=1, pp=2, tp=2)
@@ -151,7 +165,7 @@ def test_sbatch_template_trains_on_the_allocation_it_gets(slurm_conf, tmp_path):
            "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert proc.returncode == 0, f"sbatch --wait failed ({proc.returncode}):\n{proc.stderr}\n{log[-4000:]}"
+    _assert_finished(proc, "sbatch --wait", proc.stderr + log, done=f"max_steps={STEPS}` reached" in log)
     assert "lightning-3d: 2 nodes x 2 tasks, rendezvous 127.0.0.1:" in log
     assert "dp=1 x pp=2 x tp=2 = 4 ranks" in log
     assert f"`Trainer.fit` stopped: `max_steps={STEPS}` reached" in log
