@@ -46,6 +46,23 @@ def _assert_finished(proc: subprocess.CompletedProcess, what: str, output: str, 
     assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{errors[-6000:]}\n{output[-3000:]}"
 
 
+def _job_env(slurm_conf: Path, **extra: str) -> dict[str, str]:
+    """The environment srun / sbatch pass on to the job's tasks (Slurm exports the submitter's by default)."""
+    # Launcher variables an earlier in-process Trainer may have left in this process's environment.
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    return {
+        **inherited,
+        "SLURM_CONF": str(slurm_conf),  # the local cluster's, not a system one
+        # Lightning's SLURMEnvironment would take the first node name (node1) as the rendezvous address; the
+        # emulated nodes' names do not resolve, their address is this host's.
+        "MASTER_ADDR": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        **extra,
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,16 +104,7 @@ def slurm_conf():
 def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatch):
     # Both launches import the probe callback by class path (cli_probe.RankProbe) from this folder.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    env = {
-        **os.environ,
-        "SLURM_CONF": str(slurm_conf),
-        # Lightning's SLURMEnvironment would take the first node name (node1) as the rendezvous address; the
-        # emulated nodes' names do not resolve, their address is this host's.
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = _job_env(slurm_conf, MASTER_PORT=str(_free_port()))
     srun_dir = tmp_path / "srun"
     # No --kill-on-bad-exit here (train.sbatch has it): a rank that gloo aborts at exit must not take the
     # others down before they write their records; a rank that fails in training stops the rest through
@@ -139,8 +147,7 @@ def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatc
 def test_srun_task_count_that_disagrees_with_the_config_fails_on_every_rank(slurm_conf, tmp_path):
     """4 Slurm tasks for a config that asks for dp=2 x pp=2 x tp=2 = 8: one line from each task, no process
     group started (Lightning logs "Initializing distributed" as it starts one), no hang."""
-    env = {**os.environ, "SLURM_CONF": str(slurm_conf), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = _job_env(slurm_conf, MASTER_PORT=str(_free_port()))
     cmd = ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "--time=5", sys.executable, "-m", "lightning_3d",
            "fit", "--config", str(CONFIG), "--trainer.devices=2", "--trainer.num_nodes=2",
            "--trainer.strategy.init_args.data_parallel_size=2"]
@@ -157,8 +164,7 @@ def test_srun_task_count_that_disagrees_with_the_config_fails_on_every_rank(slur
 def test_sbatch_template_trains_on_the_allocation_it_gets(slurm_conf, tmp_path):
     """scripts/slurm/train.sbatch as a user submits it; `--gpus-per-node=0` drops its GPU request on this CPU
     cluster. devices and num_nodes come from the allocation (2 x 2), not from the config (8 x 1)."""
-    env = {**os.environ, "SLURM_CONF": str(slurm_conf), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
+    env = _job_env(slurm_conf)  # train.sbatch derives MASTER_PORT from the job id
     cmd = ["sbatch", "--wait", "--gpus-per-node=0", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
            "--time=10", f"--output={tmp_path / 'job.out'}", str(ROOT / "scripts" / "slurm" / "train.sbatch"),
            str(CONFIG), f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",

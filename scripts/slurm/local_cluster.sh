@@ -26,7 +26,7 @@ export SLURM_CONF=$conf
 
 log() { echo "local_cluster: $*" >&2; }
 
-# A pid from DIR's pid file, only while that process is still ours (its command line names DIR or its node):
+# A pid from DIR's pid file, only while that process is still ours (its command line names DIR):
 # a pid file left from an earlier run must not make us signal an unrelated process that reused the number.
 our_pid() {
     local pidfile=$1 pid
