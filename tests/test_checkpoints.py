@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from harness import GLOO_EXIT_ABORT, Case, reference_for, torchrun
+from harness import Case, reference_for, torchrun
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 from lightning_3d.models import GPT, GPTConfig

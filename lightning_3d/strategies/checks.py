@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
@@ -43,7 +44,7 @@ def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) ->
         )
 
 
-def check_backend(backend: str, device: "torch.device") -> None:
+def check_backend(backend: str, device: torch.device) -> None:
     if backend == "nccl" and device.type != "cuda":
         raise ParallelConfigError(
             f"process_group_backend='nccl' needs CUDA devices, but this run is on {device.type!r}. Use 'gloo'"

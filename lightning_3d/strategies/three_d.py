@@ -17,7 +17,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -25,13 +24,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import FaultHandling
+from lightning_3d.strategies.steps import LayoutSteps
 from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
 from lightning_3d.strategies.checks import check_backend, check_model, reject_unavailable_features
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
@@ -39,19 +38,17 @@ from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.fsdp_policies import (
     check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, split_options, stage_ids_of
-from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
 
 log = logging.getLogger(__name__)
 
 
-class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling, ParallelStrategy):
+class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling, LayoutSteps, ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
@@ -332,88 +329,6 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        self._progress(f"{method} started")  # the hang watchdog's clock (lightning_3d.faults)
-        output = self._run_step(method, *args, **kwargs)
-        self._progress(f"{method} done")
-        return output
-
-    def _run_step(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is not None:
-            if method != "training_step":
-                return self._engine.run(method, *args, train=False, **kwargs)
-            finish_grads = reduce_partial_grads if self.parallel_dims.tp > 1 else None
-            return self._engine.training_step(
-                *args, accumulate_grad_batches=self.lightning_module.trainer.accumulate_grad_batches,
-                finish_grads=finish_grads, **kwargs)
-        # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
-        # Lightning's forward redirection sends the call through that forward into `method`.
-        with self._loss_context():
-            if self.model is not self.lightning_module or isinstance(self.model, FSDPModule):
-                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-            return getattr(self.lightning_module, method)(*args, **kwargs)
-
-    def _loss_context(self):
-        # Around steps and backward (both happen inside the schedule under pipeline parallelism).
-        tp_loss = self.parallel_dims.tp > 1 and self.parallel_config.vocab_parallel_loss
-        return vocab_parallel_loss() if tp_loss else nullcontext()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        if self._engine is not None:  # the schedule ran backward inside training_step: add its gradients
-            self._engine.add_step_grads()
-            return closure_loss
-        # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
-        with self._loss_context():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.parallel_dims.tp > 1 and self._gradient_sync:
-            reduce_partial_grads(self.lightning_module)
-        return loss
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        # Manual optimization calls backward inside DDP's forward; DDP must be told what to reduce.
-        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
-            prepare_for_backward(self.model, closure_loss)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        # Lightning enters this for all but the last micro-step of gradient accumulation.
-        self._gradient_sync = False
-        try:
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(False)
-                try:
-                    yield
-                finally:
-                    self.model.set_requires_gradient_sync(True)
-            else:
-                with super().block_backward_sync():
-                    yield
-        finally:
-            self._gradient_sync = True
 
     # ------------------------------------------------------------------ registration and teardown
 
