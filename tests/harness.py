@@ -294,6 +294,19 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
     return {c.name: torch.load(out_dir / f"{c.name}.pt", weights_only=False) for c in cases}
 
 
+def launch_by_world_size(cases: list[Case], out_dir: Path, timeout: float = 900) -> dict[str, Result]:
+    """Every ``3d`` case, in one launch per world size (dp * pp * tp), smallest first; results by name."""
+
+    def world(case: Case) -> int:
+        k = case.strategy_kwargs
+        return k["data_parallel_size"] * k["pipeline_parallel_size"] * k["tensor_parallel_size"]
+
+    found: dict[str, Result] = {}
+    for size in sorted({world(c) for c in cases}):
+        found.update(launch([c for c in cases if world(c) == size], size, out_dir / f"world{size}", timeout))
+    return found
+
+
 def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5, param_atol: float = 1e-5) -> None:
     """Same per-step losses, global gradient norms (GradNormMonitor) and final parameters (by FQN) as the
     reference."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import Case, assert_parity, launch, reference_for, torchrun
+from harness import Case, assert_parity, launch_by_world_size, reference_for, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,18 +63,9 @@ EXTRA[4].name, EXTRA[4].strategy_kwargs["pipeline_split"] = "dp1_pp2_split_expli
 CASES.update({c.name: c for c in EXTRA})
 
 
-def world(case):
-    k = case.strategy_kwargs
-    return k["data_parallel_size"] * k["pipeline_parallel_size"] * k["tensor_parallel_size"]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity_3d")
-    found = {}
-    for size in sorted({world(c) for c in CASES.values()}):
-        found.update(launch([c for c in CASES.values() if world(c) == size], size, out / f"world{size}", timeout=900))
-    return found
+    return launch_by_world_size(list(CASES.values()), tmp_path_factory.mktemp("parity_3d"))
 
 
 @pytest.mark.parametrize("name", list(CASES))

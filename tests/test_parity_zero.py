@@ -8,7 +8,7 @@ One torchrun launch per world size runs every case of that size."""
 
 import pytest
 
-from harness import Case, assert_parity, launch, reference_for
+from harness import Case, assert_parity, launch_by_world_size, reference_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,18 +47,9 @@ for zero, (dp, pp, tp), suffix, extra in [(3, (2, 1, 2), "sp", dict(sequence_par
 BY_NAME = {c.name: c for c in CASES}
 
 
-def world(case):
-    k = case.strategy_kwargs
-    return k["data_parallel_size"] * k["pipeline_parallel_size"] * k["tensor_parallel_size"]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity_zero")
-    found = {}
-    for size in sorted({world(c) for c in CASES}):
-        found.update(launch([c for c in CASES if world(c) == size], size, out / f"world{size}", timeout=900))
-    return found
+    return launch_by_world_size(CASES, tmp_path_factory.mktemp("parity_zero"))
 
 
 @pytest.mark.parametrize("name", list(BY_NAME))
