@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -229,6 +230,20 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
+def run_to_end(cmd: list[str], *, env: dict, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)`` with captured text output, in a session of its own: on timeout the whole
+    process group is killed (torchrun's ranks too, which killing torchrun alone would leave running)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = None,
              rank_files: Path | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nprocs ARGS`` with one thread per rank; fails the test with the
@@ -238,7 +253,7 @@ def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = N
     gloo aborted on its way out (``GLOO_EXIT_ABORT``) after every file was written is a warning, not a failure."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    proc = run_to_end(cmd, env=env, timeout=timeout, cwd=cwd)
     written = rank_files is not None and all((rank_files / f"rank{r}.json").exists() for r in range(nprocs))
     if proc.returncode != 0 and written and GLOO_EXIT_ABORT in proc.stderr:
         warnings.warn(f"torchrun exited with {proc.returncode} after every output was written: {proc.stderr[-1500:]}")
@@ -279,7 +294,7 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_to_end(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")[-4000:]
         raise AssertionError(f"launch of {nprocs} ranks did not finish within {timeout}s:\n{tail}") from err

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from harness import Case, reference_for, torchrun
+from harness import Case, reference_for, run_to_end, torchrun
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 from lightning_3d.models import GPT, GPTConfig
@@ -30,7 +30,7 @@ def _launch(nprocs: int, jobs: list[dict], out: Path, expect_failure: bool = Fal
     if expect_failure:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_to_end(cmd, env=env, timeout=300)
         assert proc.returncode != 0, "the launch was expected to die"
     else:
         torchrun(nprocs, *args, timeout=600)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import torchrun
+from harness import run_to_end, torchrun
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "example_configs").glob("*.yaml"))
@@ -144,10 +144,10 @@ def test_torchrun_world_that_disagrees_with_the_config_fails_on_every_rank_befor
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     # torchrun stops the other ranks once it sees one fail; checking every 5 s instead of 0.1 s lets each
     # rank reach the check and report on its own, as each would on a cluster.
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           "--monitor-interval=5", "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.devices=4",
-                           "--trainer.strategy.init_args.data_parallel_size=2"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = run_to_end([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                       "--monitor-interval=5", "-m", "lightning_3d", "fit", "--config", str(config),
+                       "--trainer.devices=4", "--trainer.strategy.init_args.data_parallel_size=2"],
+                      env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0
     for rank in range(4):
         assert (f"lightning-3d: error on rank {rank}: data_parallel_size (2) * pipeline_parallel_size (2) *"

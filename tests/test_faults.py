@@ -5,13 +5,13 @@ waits in. Each case is one launch that is meant to fail."""
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from harness import run_to_end
 from lightning_3d.faults.watch import EXIT_CODE
 
 WORKER = str(Path(__file__).parent / "faults_worker.py")
@@ -23,7 +23,7 @@ def _launch_failing(tmp_path: Path, where: str, rank: int, layout: tuple[int, in
     nprocs = layout[0] * layout[1] * layout[2]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", WORKER,
            str(tmp_path), where, str(rank), ",".join(map(str, layout))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_to_end(cmd, env=env, timeout=240)
     ended = time.time()
     assert proc.returncode != 0, "the job was meant to fail"
     fault_time = float((tmp_path / "fault_time").read_text())
@@ -76,7 +76,7 @@ def test_a_job_restarted_by_torchrun_resumes_from_its_newest_checkpoint_with_the
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2",
            str(Path(__file__).parent / "restart_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_to_end(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "losses_rank0.jsonl").read_text().splitlines()]
     first = [r for r in records if r["attempt"] == 0]
