@@ -76,7 +76,7 @@ CASES = {
     "unknown_policy": lambda: (ThreeDStrategy(policy="no_such_policy"), GPTLightningModule(config=TINY)),
     "no_model_at_all": lambda: (ThreeDStrategy(), NoModel()),
     "meta_init_of_an_eager_model": lambda: (ThreeDStrategy(model_init="meta"), EagerModel(config=TINY)),
-    "unavailable_feature": lambda: (ThreeDStrategy(init_from="weights.pt"), GPTLightningModule(config=TINY)),
+    "init_from_a_missing_file": lambda: (ThreeDStrategy(init_from="weights.pt"), GPTLightningModule(config=TINY)),
     "offload_without_sharding": lambda: (ThreeDStrategy(offload=True), GPTLightningModule(config=TINY)),
     "non_positive_size": lambda: (ThreeDStrategy(tensor_parallel_size=0), GPTLightningModule(config=TINY)),
     "too_few_microbatches_for_1f1b": lambda: (ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=1),

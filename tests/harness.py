@@ -53,6 +53,9 @@ class Case:
     gradient_clip_algorithm: str = "norm"
     precision: str = "32-true"
     """Lightning's ``Trainer(precision=...)``, for the run and its reference."""
+    reference_weights: str | None = None
+    """A torch state dict of the inner model that the reference loads with ``load_state_dict(strict=True)``
+    before training (what the run gets through ``init_from``)."""
     model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
 
 
@@ -181,9 +184,21 @@ def run_reference(case: Case) -> Result:
     module, data = _module_and_data(case, case.global_batch_size, ReferenceDataModule)
     recorder = LossRecorder()
     trainer = _trainer(case, "auto", 1, recorder)
+    if case.reference_weights:
+        trainer.callbacks.append(LoadWeights(case.reference_weights))
     trainer.fit(module, data)
     return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged,
                   recorder.grad_norms, _model_parameters(trainer))
+
+
+class LoadWeights(L.Callback):
+    """The plain single-device way to start from a state dict: ``load_state_dict(strict=True)``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        pl_module.model.load_state_dict(torch.load(self.path), strict=True)
 
 
 _REFERENCES: dict[tuple, Result] = {}
@@ -193,7 +208,7 @@ def reference_for(case: Case) -> Result:
     """The one-process run that ``case`` must match: same module, global batch, accumulation, steps (cached)."""
     key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model),
            case.learning_rate,
-           case.gradient_clip_val, case.gradient_clip_algorithm, case.precision)
+           case.gradient_clip_val, case.gradient_clip_algorithm, case.reference_weights, case.precision)
     if key not in _REFERENCES:
         _REFERENCES[key] = run_reference(case)
     return _REFERENCES[key]

@@ -50,7 +50,7 @@ EXPECTED = {
     "unknown_policy": ("PolicyError", ["'no_such_policy'", "'gpt'", "register_policy"]),
     "no_model_at_all": ("TypeError", ["NoModel has no parameters", "configure_model()"]),
     "meta_init_of_an_eager_model": ("ParallelConfigError", ["model_init='meta'", "EagerModel", "model_init='auto'"]),
-    "unavailable_feature": ("ParallelConfigError", ["init_from='weights.pt'", "does not implement yet"]),
+    "init_from_a_missing_file": ("FileNotFoundError", ["init_from='weights.pt': no such file or directory"]),
     "offload_without_sharding": ("ParallelConfigError", ["offload=True", "zero_stage=0", "Set zero_stage=1, 2 or 3"]),
     "non_positive_size": ("ParallelConfigError", ["tensor_parallel_size must be a positive integer, got 0"]),
     "too_few_microbatches_for_1f1b": ("ParallelConfigError", ["num_microbatches=1 < pipeline_parallel_size=2"]),

@@ -56,7 +56,9 @@ class ParallelConfig:
     activation_checkpointing: str | None = None
     """Recompute activations in backward: None, "full" (every block) or "selective"."""
     init_from: str | None = None
-    """Pretrained weights to start from (a consolidated state dict file or a safetensors directory)."""
+    """Pretrained weights to start from: a safetensors file, a Hugging Face safetensors directory, a torch
+    state-dict file or a lightning_3d checkpoint directory; each rank reads only its slices
+    (``lightning_3d.checkpoint.pretrained``)."""
     model_init: str = "auto"
     """How full weights come to be: "exact" builds the model on the host as written; "meta" builds it on the
     meta device and replays each module's ``reset_parameters()`` per shard; "auto" takes "exact" for a model

@@ -10,22 +10,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 
-# Features that ParallelConfig accepts (they are part of the public signature) but that this version does
-# not implement yet; each is rejected before any collective instead of being silently ignored.
-_UNAVAILABLE = {
-    "init_from": (lambda c: c.init_from is not None, "loading pretrained weights"),
-}
-
-
-def reject_unavailable_features(config: ParallelConfig) -> None:
-    for name, (requested, feature) in _UNAVAILABLE.items():
-        if requested(config):
-            raise ParallelConfigError(
-                f"{name}={getattr(config, name)!r} asks for {feature}, which this version of lightning_3d does not"
-                f" implement yet. Leave {name} at its default for now."
-            )
-
-
 def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) -> None:
     if module is None:
         return

@@ -27,12 +27,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import FaultHandling
 from lightning_3d.strategies.steps import LayoutSteps
 from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
-from lightning_3d.strategies.checks import check_backend, check_model, reject_unavailable_features
+from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.fsdp_policies import (
@@ -213,7 +214,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self.set_world_ranks()
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
-        reject_unavailable_features(self.parallel_config)
+        if self.parallel_config.init_from:
+            check_init_from(self.parallel_config.init_from)
         check_precision(self.precision_plugin, self.root_device, self._parallel_dims, self.parallel_config)
         warn_about_no_ops(self.parallel_config, self._parallel_dims, self.root_device)
         self._policy = resolve_policy(self.parallel_config.policy)
@@ -249,9 +251,12 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if self._prepared_module is not module:  # setup() runs again for validate()/test() after fit()
+        first_setup = self._prepared_module is not module  # setup() runs again for validate()/test() after fit()
+        if first_setup:
             self._prepare(module)
         self.model = self._data_parallel(module) if self._engine is None else module
+        if first_setup and self.parallel_config.init_from:  # each rank reads its slices (a resumed fit then
+            load_pretrained(module, self.parallel_config.init_from)  # restores its checkpoint over them)
         # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
         # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
         # norm, so its two clip methods are replaced on this instance with global-norm ones.

@@ -1,0 +1,107 @@
+"""Start from pretrained weights at any layout: every rank reads only the slices of the tensors it holds.
+
+``ThreeDStrategy(init_from=PATH)``, once the model is parallelized (tp shards, pipeline stage, ZeRO shards)
+and before training: for each tensor of this rank's state dict -- a DTensor shard or a whole tensor -- the
+global region it holds (``compute_local_shape_and_global_offset``, the arithmetic DCP uses) is read from
+PATH and copied in. No rank reads, or holds in memory, more than its share plus the tensor being read.
+
+PATH may be
+* a safetensors file (read through a memory map, slice by slice: ``safetensors_io.SafetensorsReader``);
+* a directory of safetensors files with ``model.safetensors.index.json`` (the Hugging Face layout);
+* a ``torch.save`` file of a state dict, or a Lightning ``.ckpt`` file (its ``state_dict``), loaded with
+  ``mmap=True`` so only the slices read are paged in;
+* a checkpoint directory of ours (DCP reads each rank's slices itself).
+
+Names: a checkpoint's keys are either the LightningModule's (``model.tok_emb.weight``) or the inner
+model's (``tok_emb.weight``, what ``lightning-3d convert --strip-prefix model.`` writes); the first that
+covers every key of this rank is used. A key the checkpoint lacks, or a global shape that differs, is an
+error naming it, raised before anything is copied.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_3d.checkpoint import sharded
+from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
+
+INDEX = "model.safetensors.index.json"
+
+
+class Source:
+    """Tensors by name: their global shapes, and a reader of any region of one."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str, tuple[slice, ...]], torch.Tensor]):
+        self.shapes, self.read = shapes, read
+
+
+def check_init_from(path: str) -> None:
+    """Before any collective: the path exists and is a kind we read."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"init_from={path!r}: no such file or directory.")
+    if p.is_dir() and not (p / INDEX).exists() and not sharded.is_sharded_checkpoint(p):
+        raise ValueError(f"init_from={path!r} is a directory without {INDEX} or a lightning_3d checkpoint's files:"
+                         " give a safetensors file, a torch state-dict file, a Hugging Face safetensors directory"
+                         " or a checkpoint directory written by lightning_3d.")
+
+
+def load_pretrained(module: nn.Module, path: str) -> None:
+    """Copy the weights at ``path`` into this rank's part of ``module`` (no communication, except for a
+    checkpoint directory of ours, which DCP loads collectively)."""
+    state = get_model_state_dict(module)  # this rank's tensors under single-device names; they alias the module's
+    p = Path(path)
+    if sharded.is_sharded_checkpoint(p):
+        sharded.check_matches(p, {"model": state}, None, strict=False, written_by="init_from")
+        sharded.load(p, {"model": state})
+        return
+    source = _open(p)
+    names = _names(list(state), source.shapes, path)
+    for key, tensor in state.items():
+        name = names[key]
+        if tuple(tensor.shape) != source.shapes[name]:
+            raise ValueError(f"init_from={path!r}: {name} has shape {source.shapes[name]} there but {key} has"
+                             f" {tuple(tensor.shape)} in the model.")
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if isinstance(tensor, DTensor):
+                local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                                            tensor.placements)
+                region = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+                tensor.to_local().copy_(source.read(names[key], region))
+            else:
+                tensor.copy_(source.read(names[key], ()))
+
+
+def _names(keys: list[str], available: dict, path: str) -> dict[str, str]:
+    """This rank's keys -> the checkpoint's: as they are, or without their first component (``model.``)."""
+    for strip in (False, True):
+        mapped = {k: k.split(".", 1)[1] if strip and "." in k else k for k in keys}
+        if all(name in available for name in mapped.values()):
+            return mapped
+    missing = next(k for k in keys if k not in available)
+    raise KeyError(f"init_from={path!r} has no {missing!r} (nor {missing.split('.', 1)[-1]!r}); it has e.g."
+                   f" {sorted(available)[:3]}. Is it a checkpoint of another model?")
+
+
+def _open(path: Path) -> Source:
+    if path.is_dir():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        readers = {file: SafetensorsReader(path / file) for file in set(weight_map.values())}
+        return Source({name: readers[file].shape(name) for name, file in weight_map.items()},
+                      lambda name, region: readers[weight_map[name]].read(name, region))
+    if path.suffix == ".safetensors":
+        reader = SafetensorsReader(path)
+        return Source({name: reader.shape(name) for name in reader.keys()}, reader.read)
+    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    tensors = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
+    return Source({name: tuple(t.shape) for name, t in tensors.items() if isinstance(t, torch.Tensor)},
+                  lambda name, region: tensors[name][region].clone())
