@@ -37,10 +37,11 @@ INDEX = "model.safetensors.index.json"
 
 
 class Source:
-    """Tensors by name: their global shapes, and a reader of any region of one."""
+    """Tensors by name: their global shapes, and ``copy_into(name, region, out)``: ``out.copy_(t[region])``."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str, tuple[slice, ...]], torch.Tensor]):
-        self.shapes, self.read = shapes, read
+    def __init__(self, shapes: dict[str, tuple[int, ...]],
+                 copy_into: Callable[[str, tuple[slice, ...], torch.Tensor], object]) -> None:
+        self.shapes, self.copy_into = shapes, copy_into
 
 
 def check_init_from(path: str) -> None:
@@ -76,9 +77,9 @@ def load_pretrained(module: nn.Module, path: str) -> None:
                 local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                                             tensor.placements)
                 region = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-                tensor.to_local().copy_(source.read(names[key], region))
+                source.copy_into(names[key], region, tensor.to_local())
             else:
-                tensor.copy_(source.read(names[key], ()))
+                source.copy_into(names[key], (), tensor)
 
 
 def _names(keys: list[str], available: dict, path: str) -> dict[str, str]:
@@ -97,11 +98,11 @@ def _open(path: Path) -> Source:
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
         readers = {file: SafetensorsReader(path / file) for file in set(weight_map.values())}
         return Source({name: readers[file].shape(name) for name, file in weight_map.items()},
-                      lambda name, region: readers[weight_map[name]].read(name, region))
+                      lambda name, region, out: readers[weight_map[name]].copy_into(name, region, out))
     if path.suffix == ".safetensors":
         reader = SafetensorsReader(path)
-        return Source({name: reader.shape(name) for name in reader.keys()}, reader.read)
+        return Source({name: reader.shape(name) for name in reader.keys()}, reader.copy_into)
     loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     tensors = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
     return Source({name: tuple(t.shape) for name, t in tensors.items() if isinstance(t, torch.Tensor)},
-                  lambda name, region: tensors[name][region].clone())
+                  lambda name, region, out: out.copy_(tensors[name][region]))

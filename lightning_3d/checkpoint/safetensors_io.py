@@ -106,16 +106,33 @@ class SafetensorsReader:
         return _TORCH_DTYPES[self._entries[name]["dtype"]]
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        """A copy of ``tensor[index]``, reading only the rows it needs."""
+        """A copy of ``tensor[index]``, reading only the pages it needs."""
+        shape = self.shape(name)
+        out = torch.empty(torch.empty(shape, device="meta")[index].shape, dtype=self.dtype(name))
+        return self.copy_into(name, index, out)
+
+    def copy_into(self, name: str, index: tuple[slice, ...], out: torch.Tensor) -> torch.Tensor:
+        """``out.copy_(tensor[index])`` straight from the file's pages, which are given back afterwards."""
         entry = self._entries[name]
         dtype, shape = self.dtype(name), self.shape(name)
         begin, end = entry["data_offsets"]
         if end == begin:
-            return torch.empty(shape, dtype=dtype)
-        with warnings.catch_warnings():  # a read-only map: the view is cloned before anyone could write to it
+            return out
+        with warnings.catch_warnings():  # a read-only map: the view is only ever read from
             warnings.simplefilter("ignore", UserWarning)
             whole = torch.frombuffer(self._map, dtype=dtype, count=_numel(shape), offset=self._data_start + begin)
-        return whole.reshape(shape)[index].clone()
+        out.copy_(whole.reshape(shape)[index])
+        del whole
+        self._release(self._data_start + begin, self._data_start + end)
+        return out
+
+    def _release(self, begin: int, end: int) -> None:
+        """Give the file pages of [begin, end) back: a slice across columns touches every page of a tensor,
+        and without this they would stay in this process's resident memory until the map is closed."""
+        if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            page = mmap.PAGESIZE
+            first, last = (begin // page) * page, -(-end // page) * page
+            self._map.madvise(mmap.MADV_DONTNEED, first, min(last, len(self._map)) - first)
 
     def close(self) -> None:
         self._map.close()
