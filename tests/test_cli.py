@@ -53,6 +53,7 @@ def test_cpu_config_trains_a_few_steps_with_the_3d_strategy(tmp_path, name, layo
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert layout in proc.stdout + proc.stderr
     assert "`Trainer.fit` stopped: `max_steps=4` reached" in proc.stdout + proc.stderr
+    assert "lightning_3d: memory per rank (MiB, min-max over" in proc.stdout + proc.stderr  # once, after step 1
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*")), "no TensorBoard event file written"
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -30,3 +31,17 @@ def memory_report(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
 def _local_bytes(tensor: Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
+
+
+def summarize_memory(report: dict[str, int], describe_rank: Callable[[int], str]) -> str:
+    """Every rank's ``memory_report`` gathered into one line (collective: every rank calls it)."""
+    reports = [report]
+    if dist.is_initialized():
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+    mib = 2**20
+    parts = [f"{key.replace('_', ' ')} {min(r[key] for r in reports) / mib:.1f}-{max(r[key] for r in reports) / mib:.1f}"
+             for key in report]
+    largest = max(range(len(reports)), key=lambda r: sum(reports[r].values()))
+    return (f"memory per rank (MiB, min-max over {len(reports)} ranks): {', '.join(parts)}; most on"
+            f" {describe_rank(largest)}")

@@ -39,6 +39,7 @@ from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.fsdp_policies import (
     check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
+from lightning_3d.parallel.memory import memory_report, summarize_memory
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
 from lightning_3d.pipeline.engine import PipelineEngine
@@ -143,6 +144,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
         self._sharded_rng: Optional[ShardedRNG] = None  # tensor parallel only; checkpoints save its state
         self._rank_state_to_load: Optional[dict] = None  # random generators from a checkpoint of this layout
+        self._memory_logged = False
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
@@ -334,6 +336,14 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Once, when the first optimizer step has created gradients and optimizer state: what each rank holds.
+        if not self._memory_logged and self.lightning_module.trainer.global_step == 1:
+            self._memory_logged = True
+            report = memory_report(self.lightning_module, self.optimizers)
+            rank_zero_info(f"lightning_3d: {summarize_memory(report, self._describe_rank)}")
 
     # ------------------------------------------------------------------ registration and teardown
 
