@@ -73,3 +73,15 @@ def test_a_file_of_another_model_is_refused_naming_the_tensor(tmp_path):
     torch.save({"something.else": torch.zeros(1)}, tmp_path / "unrelated.pt")
     with pytest.raises(KeyError, match="has no 'model.tok_emb.weight' \\(nor 'tok_emb.weight'\\)"):
         load_pretrained(model, str(tmp_path / "unrelated.pt"))
+
+
+def test_a_policy_names_the_checkpoint_tensors_when_they_differ(tmp_path):
+    hf_like = {k.replace("blocks.", "transformer.h."): v for k, v in GPT(GPTConfig(**MODEL)).state_dict().items()}
+    torch.save(hf_like, tmp_path / "renamed.pt")
+    model = torch.nn.Module()
+    model.model = GPT(GPTConfig(**MODEL))
+    load_pretrained(model, str(tmp_path / "renamed.pt"), renames={"model.blocks.": "transformer.h.", "model.": ""})
+    for key, tensor in model.model.state_dict().items():
+        assert torch.equal(tensor, hf_like[key.replace("blocks.", "transformer.h.")]), key
+    with pytest.raises(KeyError, match="has no 'h.0.ln_1.weight' \\(the policy's name for 'model.blocks.0.ln_1.weight"):
+        load_pretrained(model, str(tmp_path / "renamed.pt"), renames={"model.blocks.": "h.", "model.": ""})

@@ -14,7 +14,7 @@ PATH may be
 
 Names: a checkpoint's keys are either the LightningModule's (``model.tok_emb.weight``) or the inner
 model's (``tok_emb.weight``, what ``lightning-3d convert --strip-prefix model.`` writes); the first that
-covers every key of this rank is used. A key the checkpoint lacks, or a global shape that differs, is an
+covers every key of this rank is used. Other names come from the policy (``Plan.checkpoint_names``). A key the checkpoint lacks, or a global shape that differs, is an
 error naming it, raised before anything is copied.
 """
 
@@ -55,9 +55,9 @@ def check_init_from(path: str) -> None:
                          " or a checkpoint directory written by lightning_3d.")
 
 
-def load_pretrained(module: nn.Module, path: str) -> None:
+def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None = None) -> None:
     """Copy the weights at ``path`` into this rank's part of ``module`` (no communication, except for a
-    checkpoint directory of ours, which DCP loads collectively)."""
+    checkpoint directory of ours, which DCP loads collectively). ``renames``: key prefix -> the checkpoint's."""
     state = get_model_state_dict(module)  # this rank's tensors under single-device names; they alias the module's
     p = Path(path)
     if sharded.is_sharded_checkpoint(p):
@@ -65,7 +65,7 @@ def load_pretrained(module: nn.Module, path: str) -> None:
         sharded.load(p, {"model": state})
         return
     source = _open(p)
-    names = _names(list(state), source.shapes, path)
+    names = _names(list(state), source.shapes, path, renames or {})
     for key, tensor in state.items():
         name = names[key]
         if tuple(tensor.shape) != source.shapes[name]:
@@ -82,8 +82,19 @@ def load_pretrained(module: nn.Module, path: str) -> None:
                 source.copy_into(names[key], (), tensor)
 
 
-def _names(keys: list[str], available: dict, path: str) -> dict[str, str]:
-    """This rank's keys -> the checkpoint's: as they are, or without their first component (``model.``)."""
+def _names(keys: list[str], available: dict, path: str, renames: dict[str, str]) -> dict[str, str]:
+    """This rank's keys -> the checkpoint's: renamed by the longest matching prefix in ``renames``; else as
+    they are, or without their first component (``model.``)."""
+    if renames:
+        mapped = {}
+        for key in keys:
+            prefix = max((p for p in renames if key.startswith(p)), key=len, default="")
+            mapped[key] = renames[prefix] + key[len(prefix):] if prefix else key
+        missing = next((k for k in keys if mapped[k] not in available), None)
+        if missing is None:
+            return mapped
+        raise KeyError(f"init_from={path!r} has no {mapped[missing]!r} (the policy's name for {missing!r}); it"
+                       f" has e.g. {sorted(available)[:3]}.")
     for strip in (False, True):
         mapped = {k: k.split(".", 1)[1] if strip and "." in k else k for k in keys}
         if all(name in available for name in mapped.values()):

@@ -57,6 +57,9 @@ class Plan:
     """FQN patterns of modules that draw random numbers (dropout) on tp-sharded data: they draw from a
     stream private to each tp rank (see ``lightning_3d.parallel.rng``); everything else from the default
     stream, equal on every tp rank."""
+    checkpoint_names: dict[str, str] = field(default_factory=dict)
+    """For ``init_from`` checkpoints whose names differ from the model's: state-dict key prefix -> the
+    checkpoint's prefix (``{"model.blocks.": "transformer.h."}``); the longest matching prefix applies."""
 
 
 class Policy:
