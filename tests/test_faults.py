@@ -4,7 +4,6 @@ waits in. Each case is one launch that is meant to fail."""
 
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from harness import run_to_end
-from lightning_3d.faults.watch import EXIT_CODE
 
 WORKER = str(Path(__file__).parent / "faults_worker.py")
 
@@ -49,7 +47,9 @@ def test_one_failing_rank_takes_the_job_down_naming_itself(tmp_path, where, rank
     assert f"lightning_3d: {failed}" in stderr, stderr[-3000:]
     for other in set(range(layout[0] * layout[1] * layout[2])) - {rank}:
         assert f"lightning_3d: {_coords(other, layout)} stops: {failed}" in stderr, (other, stderr[-3000:])
-    assert re.search(rf"Root Cause.*?\n.*?rank\s+: {rank} ", stderr, re.S) or f"exitcode  : {EXIT_CODE}" in stderr
+    # torchrun's root cause is the failing rank (its traceback) or a rank stopped in the same second (its
+    # error file says which rank failed and why): either way it names the injected exception.
+    assert f"injected failure in {where}" in stderr.split("Root Cause (first observed failure):")[1], stderr[-3000:]
     assert seconds < 5 + 10, f"the job took {seconds:.1f} s to end after the failure (exit_timeout=5)"
     print(f"[faults] {where}: job ended {seconds:.1f} s after the failure")
 
@@ -61,7 +61,7 @@ def test_a_hang_ends_the_job_with_what_every_rank_waits_in(tmp_path):
     reports = {rank: stderr.split(f"lightning_3d: {_coords(rank, layout)} made no progress for")[1][:1500]
                for rank in range(4) if f"lightning_3d: {_coords(rank, layout)} made no progress for" in stderr}
     assert sorted(reports) == [0, 1, 2, 3], stderr[-4000:]
-    assert "time.sleep" in reports[1] or "faults_worker.py" in reports[1]  # the sleeping rank's own stack
+    assert "time.sleep(0.05)" in stderr  # only the sleeping rank's stack has the line it sleeps on
     assert "waiting in: wait_tensor" in reports[0] and "stage 0 forward of micro-batch 0" in reports[0]
     for rank in (2, 3):  # the next stage waits for activations
         assert "waiting in: _wait_batch_p2p" in reports[rank], reports[rank]

@@ -12,6 +12,7 @@ dict at once, so the ``.pt`` output holds the model in memory once.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -73,5 +74,5 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--strip-prefix", default="", help='remove this from every key, e.g. "model."')
     args = parser.parse_args(argv)
     layout = consolidate(args.checkpoint, args.out, args.strip_prefix)
-    total = sum(torch.empty((), dtype=d).element_size() * torch.Size(s).numel() for s, d in layout.values())
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
     print(f"wrote {len(layout)} tensors, {total / 2**20:.1f} MiB, to {args.out}")

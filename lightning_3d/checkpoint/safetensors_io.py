@@ -11,6 +11,7 @@ tensor; and a reader can memory-map the file and hand out any slice of any tenso
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -44,7 +45,7 @@ class SafetensorsWriter:
         for name, (shape, dtype) in layout.items():
             if dtype not in DTYPES:
                 raise TypeError(f"{name}: dtype {dtype} has no safetensors equivalent ({sorted(map(str, DTYPES))})")
-            size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [position, position + size]}
             self._offsets[name] = (position, position + size)
             position += size
@@ -120,7 +121,7 @@ class SafetensorsReader:
             return out
         with warnings.catch_warnings():  # a read-only map: the view is only ever read from
             warnings.simplefilter("ignore", UserWarning)
-            whole = torch.frombuffer(self._map, dtype=dtype, count=_numel(shape), offset=self._data_start + begin)
+            whole = torch.frombuffer(self._map, dtype=dtype, count=math.prod(shape), offset=self._data_start + begin)
         out.copy_(whole.reshape(shape)[index])
         del whole
         self._release(self._data_start + begin, self._data_start + end)
@@ -137,9 +138,3 @@ class SafetensorsReader:
     def close(self) -> None:
         self._map.close()
 
-
-def _numel(shape) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n

@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 import torch.distributed as dist
@@ -160,8 +161,6 @@ def _write_torchelastic_error(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    import traceback
-
     details = traceback.format_exc() if sys.exc_info()[0] is not None else message
     data = {"message": {"message": message, "extraInfo": {"py_callstack": details, "timestamp": str(int(time.time()))}}}
     with open(path, "w") as f:
