@@ -69,6 +69,8 @@ def _split_problem(module: nn.Module, style: ParallelStyle, tp: int) -> str | No
         name, size = ("out_features", module.out_features) if column else ("in_features", module.in_features)
     elif isinstance(module, nn.Embedding):
         name, size = ("embedding_dim", module.embedding_dim) if column else ("num_embeddings", module.num_embeddings)
+    elif type(module).__name__ == "Conv1D":  # transformers' Conv1D (GPT-2): weight (nx, nf), in x out
+        name, size = ("nf", module.nf) if column else ("nx", module.nx)
     else:
         return f"{type(style).__name__} applies to nn.Linear or nn.Embedding, not {type(module).__name__}"
     if size % tp:

@@ -7,6 +7,7 @@ from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, f
 from lightning_3d.policies.registry import register_policy, registered_policies, resolve_policy
 from lightning_3d.policies import auto as _auto  # noqa: F401  (registers "auto")
 from lightning_3d.policies import gpt as _gpt  # noqa: F401  (registers "gpt")
+from lightning_3d.policies import hf_gpt2 as _hf_gpt2  # noqa: F401  (registers "gpt2"; imports no transformers)
 
 __all__ = [
     "Plan",
