@@ -1,0 +1,20 @@
+"""The planner: which layout (dp, tp, pp, schedule, micro-batches, ZeRO stage, recompute) fits a model on a
+cluster, and how fast each runs, from a written cost model (docs/planner.md).
+
+Example::
+
+    from lightning_3d.planner import Cluster, ModelSpec, plan
+
+    model = ModelSpec(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=50304, seq_length=2048)
+    result = plan(model, Cluster.preset("h100", nodes=1), global_batch_size=256)
+    print(result.table())          # ranked layouts: memory per GPU, step time, tokens/s, MFU
+    print(result.best.to_yaml())   # a config for `lightning-3d fit`
+"""
+
+from lightning_3d.planner.cluster import GPUS, Cluster
+from lightning_3d.planner.layout import Layout
+from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, Precision, estimate_memory, zero_model_state_bytes
+from lightning_3d.planner.model import ModelSpec, PlannerError
+
+__all__ = ["Cluster", "GPUS", "Layout", "MemoryEstimate", "ModelSpec", "PlannerError", "PRECISIONS", "Precision",
+           "estimate_memory", "zero_model_state_bytes"]

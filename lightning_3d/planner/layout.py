@@ -1,0 +1,77 @@
+"""One candidate layout: the sizes and settings the planner weighs, convertible to a ParallelConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_3d.parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A way to run one optimizer step: ``dp * tp * pp`` ranks, each data-parallel replica taking
+    ``num_microbatches`` micro-batches of ``micro_batch_size`` sequences.
+
+    Construction validates the settings as :class:`~lightning_3d.parallel.config.ParallelConfig` does (same
+    errors), so a plan never names a layout the strategy would refuse.
+
+    Example::
+
+        Layout(dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=8, zero_stage=1)
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (b)."""
+    num_microbatches: int = 1
+    """Micro-batches per step and replica (m): the pipeline's, or gradient accumulation with pp = 1."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (``ParallelConfig.pipeline_schedule``); ignored with pp = 1."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (v); above 1 with the interleaved schedules."""
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    recompute: str | None = None
+    """Activation checkpointing: None, "selective" (every second block, as lightning-3d does it) or "full"."""
+
+    def __post_init__(self) -> None:
+        self.to_parallel_config()  # raises ParallelConfigError with the strategy's own message
+        if self.micro_batch_size < 1 or self.num_microbatches < 1:
+            from lightning_3d.planner.model import PlannerError
+
+            raise PlannerError(f"micro_batch_size ({self.micro_batch_size}) and num_microbatches"
+                               f" ({self.num_microbatches}) must be positive.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.num_microbatches * self.micro_batch_size
+
+    def to_parallel_config(self) -> ParallelConfig:
+        """The strategy settings of this layout (what ``ThreeDStrategy`` takes)."""
+        pipelined = self.pp > 1
+        return ParallelConfig(
+            tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp, data_parallel_size=self.dp,
+            pipeline_schedule=self.schedule if pipelined else "1f1b",
+            num_microbatches=self.num_microbatches if pipelined else None,
+            virtual_pipeline_size=self.virtual_stages, sequence_parallel=self.sequence_parallel,
+            zero_stage=self.zero_stage, activation_checkpointing=self.recompute)
+
+    def describe(self) -> str:
+        """A short name: ``dp2 tp2 pp2 1f1b m8 b2 sp z1 ac=selective``."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        parts += [f"m{self.num_microbatches}", f"b{self.micro_batch_size}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.zero_stage:
+            parts.append(f"z{self.zero_stage}")
+        if self.recompute:
+            parts.append(f"ac={self.recompute}")
+        return " ".join(parts)

@@ -1,0 +1,217 @@
+"""The memory model: bytes one GPU holds for a layout, as parameters, gradients, optimizer state, activations.
+
+Model states (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", section 3 and 5): with Psi parameters on a rank, mixed-precision Adam keeps 2 Psi (bf16 parameters)
++ 2 Psi (bf16 gradients) + K Psi (fp32 master weights, momentum, variance; K = 12). Over N_d data-parallel
+ranks ZeRO-1 divides the optimizer state by N_d, ZeRO-2 the gradients too, ZeRO-3 the parameters too.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+section 4): the tensors each block saves for backward, per micro-batch of b sequences of s tokens. With
+2-byte activations, scores kept and dropout on, that is 34 sbh + 5 a s^2 b bytes per layer; tensor
+parallelism divides all but 10 sbh of it by t (sequence parallelism divides the rest too). Pipeline
+schedules multiply it by the micro-batches in flight on a rank (Narayanan et al. 2021): 1F1B keeps at most
+p on the first stage, GPipe all m; interleaving v chunks keeps L (1 + (p - 1) / (p v)) layers' worth.
+
+What lightning-3d itself does where it differs from those papers (each checked by tests/test_planner.py
+against what a CPU run saves):
+  * attention runs through ``scaled_dot_product_attention``; its fused kernels keep the output and a
+    log-sum-exp per head and token, never the (s x s) scores;
+  * with sequence parallelism the all-gathered norm outputs that enter q/k/v and the MLP are saved whole
+    (DTensor's all-gather is an autograd op); Megatron-LM saves the shard and gathers again in backward;
+  * ``activation_checkpointing="selective"`` checkpoints every second block (not Megatron's "selective",
+    which recomputes only the attention scores);
+  * ``zero_stage=1`` runs as ZeRO-2 (FSDP2 shards gradients with the optimizer state), and FSDP2 keeps a
+    block's parameters gathered from its forward to its backward under ZeRO-2, and under ZeRO-3 with pp > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
+from lightning_3d.planner.layout import Layout
+from lightning_3d.planner.model import ModelSpec, PlannerError
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per element of saved activations."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    """Adam's state per parameter: the two moments, plus fp32 master weights when parameters are 16-bit."""
+    activation_bytes: int
+    """Tensors that matmuls read (autocast's compute dtype)."""
+    residual_bytes: int
+    """The residual stream and norm inputs (fp32 under autocast, where norms run in fp32)."""
+    lightning: str
+    """``Trainer(precision=...)`` of a run with these bytes."""
+
+
+PRECISIONS = {
+    p.name: p for p in (
+        Precision("32-true", 4, 4, 8, 4, 4, "32-true"),
+        # Lightning's autocast: fp32 weights, gradients and AdamW state; bf16 matmul inputs, fp32 residual.
+        Precision("bf16-mixed", 4, 4, 8, 2, 4, "bf16-mixed"),
+        # Megatron-LM / DeepSpeed: bf16 weights and gradients, fp32 master copy + Adam (K = 12 in ZeRO).
+        Precision("megatron-mixed", 2, 2, 12, 2, 2, "bf16-mixed"),
+    )
+}
+"""Precisions by name (``--precision``). "megatron-mixed" is what the published figures assume; a
+lightning-3d run has "32-true" or "bf16-mixed" (the same 16 bytes per parameter, split 4 + 4 + 8)."""
+
+INT64 = 8
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU at its peak in a training step."""
+
+    parameters: float
+    """At rest, as ``lightning_3d.parallel.memory.memory_report`` counts them (this rank's shards)."""
+    gradients: float
+    optimizer_state: float
+    activations: float
+    """Saved for backward by the micro-batches in flight on this rank."""
+    gathered: float
+    """Transient: parameters FSDP2 holds gathered during the step, and the block that recompute rebuilds."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def zero_model_state_bytes(num_params: float, dp: int, zero_stage: int, precision: Precision) -> dict[str, float]:
+    """Parameters, gradients and optimizer state per rank for ``num_params`` parameters replicated over ``dp``
+    ranks, ZeRO stage 0-3 as the ZeRO paper defines them (Rajbhandari et al. 2020, Figure 1)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise PlannerError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+    return {
+        "parameters": num_params * precision.param_bytes / (dp if zero_stage >= 3 else 1),
+        "gradients": num_params * precision.grad_bytes / (dp if zero_stage >= 2 else 1),
+        "optimizer_state": num_params * precision.optimizer_bytes / (dp if zero_stage >= 1 else 1),
+    }
+
+
+def rank_blocks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
+    """Indices of the blocks pipeline rank ``pp_rank`` holds: the even-by-count split lightning-3d makes
+    (``pipeline_split="blocks"``), stage s on rank s % pp."""
+    stages = assign_blocks([str(i) for i in range(model.num_layers)], layout.pp * layout.virtual_stages)
+    return [int(b) for s in stage_ids_of(pp_rank, layout.pp, layout.virtual_stages) for b in stages[s]]
+
+
+def rank_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Parameters on one rank before data-parallel sharding: its blocks, the embeddings on the first pipeline
+    rank, the final norm and head on the last, each divided over tp where tensor parallelism splits it."""
+    count = len(rank_blocks(model, layout, pp_rank)) * model.block_params().per_rank(layout.tp)
+    if pp_rank == 0:
+        count += model.embedding_params().per_rank(layout.tp)
+    if pp_rank == layout.pp - 1:
+        count += model.head_params(layout.pp).per_rank(layout.tp)
+    return count
+
+
+def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, *, checkpointed: bool = False,
+                           gathered_region_inputs: bool = True) -> float:
+    """Bytes one block saves for backward per micro-batch on one tp rank (Korthikanti et al. 2022, section
+    4.1, counted tensor by tensor). ``gathered_region_inputs``: with sequence parallelism, whether the
+    all-gathered norm outputs are saved whole (lightning-3d, DTensor) or as shards (Megatron-LM)."""
+    b, s, h, t = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp
+    tokens = b * s
+    e, r = precision.activation_bytes, precision.residual_bytes
+    seq_split = t if layout.sequence_parallel else 1
+    if checkpointed:
+        return tokens * h * r / seq_split  # the block's input, from which backward recomputes the rest
+    mask = 1 if model.dropout > 0 else 0  # bytes per element of a dropout mask
+    stats = FP32 * (2 if model.norm == "layernorm" else 1)  # mean and 1/std (or 1/rms) per token
+    # Between the tensor-parallel regions: two norm inputs (residual stream), their statistics, the masks of
+    # the dropouts on the two residual branches. Replicated over tp, or split along the sequence with SP.
+    between = 2 * tokens * (h * r + stats + h * mask) / seq_split
+    # The norm outputs entering the column-parallel layers of attention and MLP.
+    region_inputs = 2 * tokens * h * e / (t if layout.sequence_parallel and not gathered_region_inputs else 1)
+    attention = tokens * (h + 2 * model.kv_size) * e / t  # q, k, v
+    heads = model.num_heads / t
+    if model.flash_attention:
+        attention += tokens * h * e / t + tokens * heads * FP32  # output (o's input), log-sum-exp
+    else:
+        scores = b * heads * s * s
+        attention += scores * e + mask * scores * (1 + e) + tokens * h * e / t  # softmax, dropout, o's input
+    mlp = tokens * model.ffn * e / t * (4 if model.gated_mlp else 2)  # activation's input(s) and output
+    return between + region_inputs + attention + mlp
+
+
+def checkpointed_blocks(model: ModelSpec, layout: Layout) -> set[int]:
+    """Blocks whose activations are recomputed: all ("full"), every second one ("selective", counted over
+    the whole model as ``lightning_3d.parallel.activation_checkpointing`` does) or none."""
+    from lightning_3d.parallel.activation_checkpointing import SELECTIVE_EVERY
+
+    if layout.recompute == "full":
+        return set(range(model.num_layers))
+    if layout.recompute == "selective":
+        return {i for i in range(model.num_layers) if i % SELECTIVE_EVERY == SELECTIVE_EVERY - 1}
+    return set()
+
+
+def microbatch_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int,
+                                **options) -> float:
+    """Bytes one micro-batch leaves saved on pipeline rank ``pp_rank`` when its forward is done: its blocks,
+    plus the token and position ids on the first rank and the final norm and fp32 log-softmax of the loss
+    (vocabulary-parallel: V / t per token) on the last."""
+    b, s, h, t = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp
+    ckpt = checkpointed_blocks(model, layout)
+    total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt, **options)
+                for i in rank_blocks(model, layout, pp_rank))
+    seq_split = t if layout.sequence_parallel else 1
+    if pp_rank == 0:
+        total += b * s * INT64 + s * INT64 * model.learned_positions + b * s * h * (model.dropout > 0) / seq_split
+    if pp_rank == layout.pp - 1:
+        stats = FP32 * (2 if model.norm == "layernorm" else 1)
+        total += (b * s * (h * precision.residual_bytes + stats) / seq_split  # final norm's input
+                  + b * s * h * precision.activation_bytes  # its output, gathered, into the head
+                  + b * s * model.vocab_size / t * FP32 + b * s * INT64)  # log-softmax, targets
+    return total
+
+
+def microbatches_in_flight(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch through all of
+    the rank's blocks. GPipe: all m. 1F1B: pp - rank (at most m), the warm-up forwards plus the one that
+    starts the steady state. Interleaved (v chunks, PyTorch's and Megatron-LM's warm-up of
+    (v - 1) p + 2 (p - 1 - rank) chunk forwards, plus one): that many chunks, each 1/v of the rank's blocks."""
+    m, p, v = layout.num_microbatches, layout.pp, layout.virtual_stages
+    if p == 1:
+        return 1  # one forward and backward per micro-batch (gradient accumulation frees each graph)
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "1f1b":
+        return min(m, p - pp_rank)
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1) / v
+
+
+def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> MemoryEstimate:
+    """Peak bytes on a GPU of pipeline rank ``pp_rank`` (any dp and tp rank: they hold the same amounts)."""
+    params = rank_parameters(model, layout, pp_rank)
+    # lightning-3d runs ZeRO-1 as ZeRO-2 (lightning_3d.parallel.data_parallel.apply_zero).
+    zero = 2 if layout.zero_stage == 1 else layout.zero_stage
+    states = zero_model_state_bytes(params, layout.dp, zero, precision)
+    blocks = rank_blocks(model, layout, pp_rank)
+    block_params = model.block_params().per_rank(layout.tp)
+    gathered = 0.0
+    if layout.dp > 1 and (zero == 2 or (zero == 3 and layout.pp > 1)):
+        gathered = params * precision.param_bytes * (1 - 1 / layout.dp)  # every block gathered until backward
+    elif layout.dp > 1 and zero == 3:
+        gathered = 2 * block_params * precision.param_bytes  # the block in use and the one prefetched
+    if checkpointed_blocks(model, layout) & set(blocks):
+        gathered += block_activation_bytes(model, layout, precision)  # one block rebuilt in backward
+    activations = microbatch_activation_bytes(model, layout, precision, pp_rank) * microbatches_in_flight(layout, pp_rank)
+    return MemoryEstimate(parameters=states["parameters"], gradients=states["gradients"],
+                          optimizer_state=states["optimizer_state"], activations=activations, gathered=gathered)
+
+
+def peak_memory(model: ModelSpec, layout: Layout, precision: Precision) -> tuple[int, MemoryEstimate]:
+    """The pipeline rank that needs the most memory, and its estimate."""
+    estimates = [estimate_memory(model, layout, precision, r) for r in range(layout.pp)]
+    rank = max(range(layout.pp), key=lambda r: estimates[r].total)
+    return rank, estimates[rank]
