@@ -2,7 +2,7 @@
 
 ``ThreeDStrategy(init_from=PATH)``, once the model is parallelized (tp shards, pipeline stage, ZeRO shards)
 and before training: for each tensor of this rank's state dict -- a DTensor shard or a whole tensor -- the
-global region it holds (``compute_local_shape_and_global_offset``, the arithmetic DCP uses) is read from
+global region it holds (``checkpoint.boxes.local_boxes``: one box, or several for a strided shard) is read from
 PATH and copied in. No rank reads, or holds in memory, more than its share plus the tensor being read.
 
 PATH may be
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_3d.checkpoint import sharded
+from lightning_3d.checkpoint.boxes import local_boxes
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 
 INDEX = "model.safetensors.index.json"
@@ -74,10 +74,10 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
     with torch.no_grad():
         for key, tensor in state.items():
             if isinstance(tensor, DTensor):
-                local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                                            tensor.placements)
-                region = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-                source.copy_into(names[key], region, tensor.to_local())
+                local = tensor.to_local()
+                for offsets, sizes, local_region in local_boxes(tensor):  # several for a strided shard
+                    region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+                    source.copy_into(names[key], region, local[local_region])
             else:
                 source.copy_into(names[key], (), tensor)
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_3d.checkpoint import atomic
+from lightning_3d.checkpoint.boxes import BoxesLoadPlanner, BoxesSavePlanner
 
 FORMAT = "lightning_3d.dcp/1"
 META_FILE = "lightning_3d.meta.pt"
@@ -47,7 +48,7 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: di
         atomic.start(path)
         (partial / RNG_DIR).mkdir()
     dist.barrier()
-    dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True))
+    dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True), planner=BoxesSavePlanner())
     atomic.write_synced(_dumps(rank_state), partial / RNG_DIR / f"rank{rank}.pt")
     if rank == 0:
         atomic.write_synced(_dumps({**meta, "format": FORMAT}), partial / META_FILE)
@@ -113,7 +114,7 @@ def check_matches(path: Path, state: dict[str, Any], model_keys_everywhere: set[
 
 def load(path: Path, state: dict[str, Any]) -> None:
     """Fill ``state`` (this rank's tensors, in their current layout) in place from the checkpoint. Collective."""
-    dcp.load(state, storage_reader=FileSystemReader(path))
+    dcp.load(state, storage_reader=FileSystemReader(path), planner=BoxesLoadPlanner())
 
 
 def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

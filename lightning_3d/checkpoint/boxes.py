@@ -1,0 +1,122 @@
+"""A rank's piece of a DTensor as boxes of the global tensor, for checkpoints of strided shards.
+
+DCP (and ``init_from``) describe a rank's piece of a tensor by one box -- an offset and a size per dimension --
+computed from its placements. That holds for ``Shard``/``Replicate``, but not for a ``_StridedShard`` alone:
+GPT-2's fused ``c_attn`` (columns ``[q | k | v]``) is split so that tp rank r holds ``[q_r | k_r | v_r]``
+(``lightning_3d.policies.hf_gpt2``), i.e. three boxes of the global tensor. PyTorch then reports the first
+box's offset with the size of all three, so ranks' writes would overlap. :func:`local_boxes` computes the
+true boxes from the placements; :class:`BoxesSavePlanner` / :class:`BoxesLoadPlanner` give DCP one chunk per
+box for such tensors. The checkpoint keeps the single-device layout, so it reshards to any layout (tp=1
+included) and converts to a Hugging Face directory unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]]
+"""(global offsets, sizes, the region of the local tensor that holds it)."""
+
+
+def local_boxes(tensor: DTensor) -> list[Box]:
+    """The boxes of the global tensor that this rank's local tensor holds (one, unless a strided shard
+    splits a dimension into several runs). No communication."""
+    runs = [_runs(_global_indices(tensor, dim)) for dim in range(tensor.ndim)]
+    return [
+        (tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo), tuple(slice(l, l + n) for _, l, n in combo))
+        for combo in itertools.product(*runs)
+    ]
+
+
+def is_strided(value: object) -> bool:
+    """A DTensor whose local piece is more than one box of the global tensor."""
+    return (isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+            and len(local_boxes(value)) > 1)
+
+
+def _global_indices(tensor: DTensor, dim: int) -> Tensor:
+    """The global indices along ``dim`` of the local tensor's entries, in local order: the placements that
+    split ``dim`` applied to ``arange`` (sliced locally, as every rank holds it whole)."""
+    shape = [1] * tensor.ndim
+    shape[dim] = tensor.shape[dim]
+    index = torch.arange(tensor.shape[dim]).view(shape)
+    placements = [p if isinstance(p, (Shard, _StridedShard)) and p.dim == dim else Replicate()
+                  for p in tensor.placements]
+    return distribute_tensor(index, tensor.device_mesh, placements, src_data_rank=None).to_local().flatten()
+
+
+def _runs(index: Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive global indices: (global start, local start, length)."""
+    values = index.tolist()
+    runs, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            runs.append((values[start], start, i - start))
+            start = i
+    return runs
+
+
+def _box_at(tensor: DTensor, offsets) -> Tensor:
+    """The local view of the box that starts at ``offsets``."""
+    for box_offsets, _, region in local_boxes(tensor):
+        if tuple(box_offsets) == tuple(offsets):
+            return tensor.to_local()[region]
+    raise KeyError(f"no local box at {tuple(offsets)}")
+
+
+class BoxesSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with one write item per box for strided DTensors."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        strided = {fqn: value for fqn, value in self.state_dict.items() if is_strided(value)}
+        if strided:
+            items = [item for item in plan.items if item.index.fqn not in strided]
+            for fqn, tensor in strided.items():
+                properties = TensorProperties.create_from_tensor(tensor.to_local())
+                for offsets, sizes, _ in local_boxes(tensor):
+                    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                    items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(chunk=chunk, properties=properties,
+                                                                       size=tensor.size())))
+            plan = dataclasses.replace(plan, items=items)
+            self.plan = plan
+        return plan
+
+    def resolve_data(self, write_item: WriteItem):
+        value = self.state_dict.get(write_item.index.fqn)
+        if is_strided(value):
+            return _box_at(value, write_item.index.offset).clone()  # a view would save the whole storage
+        return super().resolve_data(write_item)
+
+
+class BoxesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading strided DTensors box by box, in place."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        strided = {fqn: value for fqn, value in self.state_dict.items() if is_strided(value)}
+        if strided:
+            items = [item for item in plan.items if item.dest_index.fqn not in strided]
+            for fqn, tensor in strided.items():
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                          for o, s, _ in local_boxes(tensor)]
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
+            plan = dataclasses.replace(plan, items=items)
+        return plan
+
+    def resolve_tensor(self, read_item):
+        value = self.state_dict.get(read_item.dest_index.fqn)
+        if is_strided(value):
+            return self.transform_tensor(read_item, _box_at(value, read_item.dest_index.offset))
+        return super().resolve_tensor(read_item)
