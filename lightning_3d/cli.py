@@ -3,6 +3,7 @@
     lightning-3d fit --config example_configs/gpt_tiny_dp_cpu.yaml
     lightning-3d fit --config my.yaml --trainer.max_steps 20 --print_config
     lightning-3d convert checkpoints/last.ckpt model.safetensors --strip-prefix model.
+    lightning-3d plan --fit-config example_configs/gpt_1b_8gpu.yaml --gpu h100 --global-batch-size 32
 
 ``trainer.strategy`` may be ``3d`` or ``class_path: lightning_3d.ThreeDStrategy`` with ``init_args``; the
 model and data are any LightningModule / LightningDataModule by ``class_path`` (the reference ones by short
@@ -49,6 +50,10 @@ def main(args: list[str] | None = None) -> None:
         from lightning_3d.checkpoint.convert import main as convert
 
         return convert(argv[1:])
+    if argv[:1] == ["plan"]:  # not a Trainer subcommand: the layout planner (lightning_3d.planner)
+        from lightning_3d.planner.command import main as plan
+
+        return plan(argv[1:])
     try:
         build_cli(args)
     except ParallelConfigError as err:
