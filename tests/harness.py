@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
-from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+from lightning_3d.models import GPTConfig, GPTLightningModule, HFCausalLMModule, SyntheticDataModule
 from toy_model import ToyLightningModule
 
 TESTS_DIR = Path(__file__).parent
@@ -42,7 +42,9 @@ class Case:
     strategy_kwargs: dict = field(default_factory=dict)
     module: str = "gpt"
     """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
-    (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py)."""
+    (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py),
+    "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
+    the HF config's sizes)."""
     dp: int = 1
     """Data-parallel size of the run: the global batch is split into dp per-rank batches."""
     global_batch_size: int = 8
@@ -173,9 +175,16 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
 
 def _module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModule):
     L.seed_everything(SEED, verbose=False)
-    config = GPTConfig(**case.model)
-    module = MODULES[case.module](config=config, learning_rate=case.learning_rate, warmup_steps=2)
-    data = data_cls(vocab_size=config.vocab_size, seq_len=config.block_size, batch_size=per_rank_batch, seed=SEED)
+    if case.module == "hf":  # case.model: {"model_type": ..., "seq_len": ..., the HF config's sizes}
+        sizes = dict(case.model)
+        model_type, seq_len = sizes.pop("model_type"), sizes.pop("seq_len")
+        module = HFCausalLMModule(model_type, sizes, learning_rate=case.learning_rate, warmup_steps=2)
+        vocab_size = sizes["vocab_size"]
+    else:
+        config = GPTConfig(**case.model)
+        module = MODULES[case.module](config=config, learning_rate=case.learning_rate, warmup_steps=2)
+        vocab_size, seq_len = config.vocab_size, config.block_size
+    data = data_cls(vocab_size=vocab_size, seq_len=seq_len, batch_size=per_rank_batch, seed=SEED)
     return module, data
 
 
@@ -234,7 +243,11 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     local = {}
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    persistent = module.state_dict().keys()  # not, e.g., a rotary embedding's frequencies (as the reference)
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:  # tied parameters under each of their names, as in a state dict
+        if name not in persistent:
+            continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().cpu().clone()
     per_rank = [None] * dist.get_world_size()

@@ -55,8 +55,14 @@ class GPTLightningModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        h = self.hparams
-        optimizer = torch.optim.AdamW(self.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay)
-        warmup = max(1, h.warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup(self)
+
+
+def adamw_with_warmup(module: L.LightningModule) -> dict:
+    """AdamW over the module's parameters with a linear warm-up over ``hparams.warmup_steps`` steps (from its
+    ``learning_rate`` and ``weight_decay`` hyperparameters), stepped every optimizer step."""
+    h = module.hparams
+    optimizer = torch.optim.AdamW(module.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay)
+    warmup = max(1, h.warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

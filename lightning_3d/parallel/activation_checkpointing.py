@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
 
+from lightning_3d.pipeline.split import held_modules
 from lightning_3d.policies.base import Plan, PolicyError
 
 SELECTIVE_EVERY = 2
@@ -25,7 +26,7 @@ def apply_activation_checkpointing(module: nn.Module, plan: Plan, mode: str) -> 
             "activation_checkpointing with dropout under tensor parallelism is not supported yet: the"
             " recompute would draw other dropout masks. Set the model's dropout to 0, or activation_checkpointing=None."
         )
-    held = dict(module.named_modules())
+    held = held_modules(module, plan.blocks)
     for index, fqn in enumerate(plan.blocks):
         if fqn in held and (mode == "full" or index % SELECTIVE_EVERY == SELECTIVE_EVERY - 1):
             checkpoint(held[fqn])

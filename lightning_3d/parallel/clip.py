@@ -19,6 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_3d.parallel.dims import ParallelDims
 
+STAGE_COPIES = "_lightning_3d_stage_copies"
+"""Attribute of a parameter held, with the same value and gradient, by this many pipeline stages (tied
+weights, ``lightning_3d.parallel.tied``)."""
+
 
 def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor:
     """The 2-norm of the gradients of the whole model (collective over the world; every rank gets it)."""
@@ -37,7 +41,8 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
             continue
         local, copies = local_piece(param.grad, dims)
         local_squares.append(local.detach().float().pow(2).sum())
-        squares.append(local_squares[-1] / copies)
+        # A tied weight's copies on the first and last pipeline stages hold one gradient (lightning_3d.parallel.tied).
+        squares.append(local_squares[-1] / (copies * getattr(param, STAGE_COPIES, 1)))
     if not squares:
         return torch.zeros(()), torch.zeros(())
     return torch.stack(squares).sum(), torch.stack(local_squares).sum()

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
+from lightning_3d.parallel.tied import retie
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
 from lightning_3d.pipeline.split import split_stages
 from lightning_3d.policies.base import Plan
@@ -28,6 +29,8 @@ class Prepared(NamedTuple):
     """This rank's pipeline stages (empty without pipeline parallelism)."""
     sharded_rng: ShardedRNG | None
     """This tp rank's random stream (None without tensor parallelism); checkpoints save its state."""
+    tied_copies: list[str]
+    """FQNs of this rank's copies of tied parameters whose partner another pipeline stage holds."""
 
 
 def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
@@ -43,7 +46,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
        ``module`` keeps this rank's part under the single-device names;
     1. tensor parallel (``plan.tp_plan`` on the "tp" sub-mesh) -- on the meta device when the model is
        there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
-       sharded regions;
+       sharded regions; tied parameters (``plan.tied_parameters``) tied again where one rank holds both;
     2. activation checkpointing of the plan's blocks ("full" or "selective");
     3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
        rank 0's eagerly built weights, broadcast before any sharding (exact).
@@ -73,6 +76,8 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
         sharded_rng = ShardedRNG(rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank(), device)
         apply_sharded_rng(module, plan.sharded_rng_regions, sharded_rng)
 
+    tied_copies = retie(module, plan.tied_parameters)
+
     if activation_checkpointing:
         apply_activation_checkpointing(module, plan, activation_checkpointing)
 
@@ -80,7 +85,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
         module.to_empty(device=device)
         replay_init(skeleton, module, rank0["init"])
     module.to(device)
-    return Prepared("meta" if on_meta else "exact", stages, sharded_rng)
+    return Prepared("meta" if on_meta else "exact", stages, sharded_rng, tied_copies)
 
 
 

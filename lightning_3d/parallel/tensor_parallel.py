@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_3d.parallel.kv_heads import ReplicatedKVHeads
 from lightning_3d.policies.base import Plan, PolicyError
 
 
@@ -21,7 +22,9 @@ def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> N
 
     Runs on the meta device as well: parameters become DTensors whose local shards are allocated and
     initialized later (``lightning_3d.parallel.init``)."""
-    present = {pattern: style for pattern, style in plan.tp_plan.items() if match_modules(root, pattern)}
+    # Patterns expanded here to the modules this rank holds: parallelize_module would also expand a "*" over
+    # the placeholders of blocks other pipeline stages hold, and warn for each.
+    present = {fqn: style for pattern, style in plan.tp_plan.items() for fqn in match_modules(root, pattern)}
     parallelize_module(root, tp_mesh, present)
     held = {fqn for fqn, _ in root.named_modules()}
     for fqn, attributes in plan.attribute_fixes.items():
@@ -62,7 +65,7 @@ def check_tp_plan(root: nn.Module, tp_plan: dict[str, ParallelStyle], tp: int) -
 
 def _split_problem(module: nn.Module, style: ParallelStyle, tp: int) -> str | None:
     """What a column-/row-wise split of ``module`` over ``tp`` ranks cannot do, or None."""
-    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or isinstance(style, ReplicatedKVHeads):
         return None
     column = isinstance(style, ColwiseParallel)
     if isinstance(module, nn.Linear):

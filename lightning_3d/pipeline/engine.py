@@ -67,7 +67,7 @@ class PipelineEngine:
     def __init__(self, *, module: nn.Module, root_name: str, stages: dict[int, nn.Module], num_stages: int,
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
                  device: torch.device, loss_context: Callable[[], Any] = nullcontext,
-                 random_state: Callable[[], Any] = nullcontext) -> None:
+                 random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None) -> None:
         self.module = module
         self.root_name = root_name
         self.stages = stages  # stage index -> this rank's module for it
@@ -79,6 +79,7 @@ class PipelineEngine:
         self.device = device
         self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
         self.random_state = random_state  # restores the random streams after metadata inference
+        self.stage_output = stage_output  # the last stage's tensor -> what the user's model call returns
         self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
         self._loss_fns: dict[bool, _CurrentLoss] = {}
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
@@ -200,7 +201,8 @@ class PipelineEngine:
 
     @contextmanager
     def _root_returning(self, output: Tensor) -> Iterator[None]:
-        with _swapped(self.module, self.root_name, _ReturnOutput(output)):
+        returned = output if self.stage_output is None else self.stage_output(output)
+        with _swapped(self.module, self.root_name, _ReturnOutput(returned)):
             yield
 
     @contextmanager
@@ -295,11 +297,11 @@ class _CaptureInputs(nn.Module):
 
 
 class _ReturnOutput(nn.Module):
-    def __init__(self, output: Tensor) -> None:
+    def __init__(self, output: Any) -> None:
         super().__init__()
         self.output = output
 
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output
 
 

@@ -5,7 +5,7 @@ Megatron-LM's and PyTorch's interleaved schedules): with pp=2, v=2, rank 0 runs 
 
 On a rank, each stage is its own module (what ``PipelineStage`` calls): a copy of the pipeline root that
 keeps only that stage's blocks, plus the embeddings on stage 0 and the head on the last stage (the rest set
-to None / deleted). The LightningModule's pipeline root then holds the union of this rank's stages -- the
+to None, deleted from an ``nn.ModuleDict``, or replaced by a ``DroppedBlock`` in an ``nn.ModuleList``). The LightningModule's pipeline root then holds the union of this rank's stages -- the
 very same submodule objects -- so ``named_parameters()`` gives this rank's parameters under their
 single-device FQNs (optimizer, checkpoints, parity all rely on that).
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from functools import partial
 
 from torch import nn
 
@@ -119,6 +120,9 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
         for fqn in [*plan.blocks, *plan.before, *plan.after]:
             if fqn not in keep:
                 _remove(stage, _relative(fqn, root_name))
+        if plan.stage_forward is not None:
+            # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
+            stage.forward = partial(plan.stage_forward, stage)
         stages.append(stage)
     # The union: the root, emptied, then given each local stage's modules (the same objects).
     for fqn in [*plan.blocks, *plan.before, *plan.after]:
@@ -147,7 +151,29 @@ def _get(module: nn.Module, fqn: str) -> nn.Module | None:
     parent, name = _parent(module, fqn)
     if isinstance(parent, nn.ModuleDict):
         return parent[name] if name in parent else None
-    return getattr(parent, name, None)
+    child = getattr(parent, name, None)
+    return None if isinstance(child, DroppedBlock) else child
+
+
+class DroppedBlock(nn.Module):
+    """Holds the place of a block another stage runs, inside an ``nn.ModuleList``: the blocks after it keep
+    their names. Owns nothing; a stage's forward (``Plan.stage_forward``) skips it."""
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("a pipeline stage called a block that another stage holds; its stage_forward must"
+                           " skip lightning_3d.pipeline.split.DroppedBlock entries")
+
+
+def held_blocks(blocks: nn.Module) -> list[nn.Module]:
+    """The blocks of a ``ModuleList``/``ModuleDict`` that this stage holds, in order."""
+    children = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
+    return [block for block in children if block is not None and not isinstance(block, DroppedBlock)]
+
+
+def held_modules(module: nn.Module, fqns: list[str]) -> dict[str, nn.Module]:
+    """FQN -> module, for the modules named in ``fqns`` that this rank holds (not those of other stages)."""
+    named = dict(module.named_modules())
+    return {fqn: named[fqn] for fqn in fqns if fqn in named and not isinstance(named[fqn], DroppedBlock)}
 
 
 def _remove(module: nn.Module, fqn: str) -> None:
@@ -155,9 +181,11 @@ def _remove(module: nn.Module, fqn: str) -> None:
     if isinstance(parent, nn.ModuleDict):
         if name in parent:
             del parent[name]
-    elif isinstance(parent, (nn.ModuleList, nn.Sequential)):
-        raise PolicyError(f"{fqn!r} sits in a {type(parent).__name__}: a stage cannot drop it without renaming"
-                          " the blocks after it. Keep the blocks in an nn.ModuleDict keyed '0', '1', ...")
+    elif isinstance(parent, nn.Sequential):
+        raise PolicyError(f"{fqn!r} sits in an nn.Sequential, whose forward would call every entry: keep the"
+                          " blocks in an nn.ModuleDict keyed '0', '1', ..., or give the plan a stage_forward")
+    elif isinstance(parent, nn.ModuleList):
+        parent[int(name)] = DroppedBlock()
     else:
         setattr(parent, name, None)
 

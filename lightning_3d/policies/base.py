@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -60,6 +60,20 @@ class Plan:
     checkpoint_names: dict[str, str] = field(default_factory=dict)
     """For ``init_from`` checkpoints whose names differ from the model's: state-dict key prefix -> the
     checkpoint's prefix (``{"model.blocks.": "transformer.h."}``); the longest matching prefix applies."""
+    tied_parameters: list[tuple[str, str]] = field(default_factory=list)
+    """Pairs of parameter FQNs that are one tensor in the single-device model (an input embedding tied to
+    the output head). Kept one tensor after tensor parallelism; when pipeline parallelism puts the two on
+    different stages, each holds a copy and their gradients are summed across the two stages every step
+    (as Megatron-LM does), so the copies stay equal."""
+    stage_forward: Callable[..., Any] | None = None
+    """How one pipeline stage runs, for models whose forward cannot skip the modules a stage does not hold
+    (Hugging Face ones). Called as ``stage_forward(stage, *inputs, **kwargs)``: ``stage`` is the copy of the
+    pipeline root that holds this stage's modules (the others are None, or a ``DroppedBlock`` inside a
+    ModuleList); the inputs are the arguments of the user's model call on the first stage and the previous
+    stage's outputs elsewhere. Returns a tensor or a tuple of tensors. None: the root's own forward."""
+    stage_output: Callable[[Any], Any] | None = None
+    """What the user's step receives as the model's output on the last stage, built from that stage's
+    tensor (e.g. an object with ``.logits``). None: the tensor itself."""
 
 
 class Policy:

@@ -32,16 +32,22 @@ class LayoutSteps:
         if self._engine is not None:
             if method != "training_step":
                 return self._engine.run(method, *args, train=False, **kwargs)
-            finish_grads = reduce_partial_grads if self.parallel_dims.tp > 1 else None
             return self._engine.training_step(
                 *args, accumulate_grad_batches=self.lightning_module.trainer.accumulate_grad_batches,
-                finish_grads=finish_grads, **kwargs)
+                finish_grads=self._finish_pipeline_grads, **kwargs)
         # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
         # Lightning's forward redirection sends the call through that forward into `method`.
         with self._loss_context():
             if self.model is not self.lightning_module or isinstance(self.model, FSDPModule):
                 return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
             return getattr(self.lightning_module, method)(*args, **kwargs)
+
+    def _finish_pipeline_grads(self, module) -> None:
+        """After the schedule's backward: sums left pending across tp ranks, then tied weights' copies."""
+        if self.parallel_dims.tp > 1:
+            reduce_partial_grads(module)
+        if self._tied_gradients is not None:
+            self._tied_gradients(module)
 
     def _loss_context(self):
         # Around steps and backward (both happen inside the schedule under pipeline parallelism).

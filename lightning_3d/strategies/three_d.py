@@ -42,8 +42,9 @@ from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.memory import memory_report, summarize_memory
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
+from lightning_3d.parallel.tied import TiedGradients, embedding_group
 from lightning_3d.pipeline.engine import PipelineEngine
-from lightning_3d.pipeline.split import assign_blocks, split_options, stage_ids_of
+from lightning_3d.pipeline.split import assign_blocks, held_modules, split_options, stage_ids_of
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
 
@@ -142,6 +143,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self._prepared_module: Optional[nn.Module] = None
         self._blocks: list[nn.Module] = []
         self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
+        self._tied_gradients: Optional[TiedGradients] = None  # tied weights across pipeline stages only
         self._sharded_rng: Optional[ShardedRNG] = None  # tensor parallel only; checkpoints save its state
         self._rank_state_to_load: Optional[dict] = None  # random generators from a checkpoint of this layout
         self._memory_logged = False
@@ -285,13 +287,14 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
             stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
                                          **split_options(module, plan, config.pipeline_split))
             stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
-        init, stages, self._sharded_rng = prepare_model(module, plan, self.device_mesh, self.root_device,
+        init, stages, self._sharded_rng, tied_copies = prepare_model(module, plan, self.device_mesh, self.root_device,
                                                         self._init_rng_state, stage_blocks, stage_ids,
                                                         config.activation_checkpointing)
         rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
+        if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
+            self._tied_gradients = TiedGradients(tied_copies, embedding_group(dims, self.coords))
         self.precision_plugin.convert_module(module)
-        held = dict(module.named_modules())
-        self._blocks = [held[fqn] for fqn in plan.blocks if fqn in held]  # this rank's blocks: DP units
+        self._blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: DP units
         if stages:
             rank_zero_info(f"lightning_3d: pipeline of {len(stage_blocks)} stages, blocks per stage"
                            f" {[len(b) for b in stage_blocks]}, schedule {config.pipeline_schedule!r},"
@@ -304,7 +307,10 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
                 last_stage_rank=dims.rank(self.coords._replace(pp=dims.pp - 1)),
                 loss_context=self._loss_context,
                 random_state=partial(preserved_random_state, self._sharded_rng, self.root_device),
+                stage_output=plan.stage_output,
             )
+        if self._tied_gradients is not None:
+            self._tied_gradients.mark(module)  # after data parallelism, which may replace the parameters
         self._prepared_module = module
 
     @property

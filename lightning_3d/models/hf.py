@@ -1,0 +1,70 @@
+"""A LightningModule around a Hugging Face causal language model, written as for one device.
+
+Needs the optional extra ``pip install -e .[hf]`` (``transformers``); nothing is downloaded: the model is
+built from a config (sizes given here, or a local ``config.json``), and pretrained weights come in through
+``ThreeDStrategy(init_from=DIRECTORY)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_3d.models.lit_gpt import adamw_with_warmup
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, or an ImportError that says how to install it."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("Hugging Face models need the optional extra: pip install -e '.[hf]'"
+                          " (or pip install transformers)") from err
+    return transformers
+
+
+class HFCausalLMModule(L.LightningModule):
+    """Trains ``AutoModelForCausalLM`` on next-token prediction with AdamW and a linear warm-up.
+
+    ``config`` holds the model's sizes (``LlamaConfig`` / ``GPT2Config`` keyword arguments) or ``pretrained``
+    names a local directory with a ``config.json`` (weights: ``ThreeDStrategy(init_from=that directory)``).
+    The model is built in ``__init__`` (Hugging Face models initialize after construction, so the strategy
+    broadcasts rank 0's weights: ``model_init="exact"``).
+
+    Example::
+
+        module = HFCausalLMModule("llama", config=dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    """
+
+    def __init__(self, model_type: str = "llama", config: dict | None = None, *, pretrained: str | None = None,
+                 learning_rate: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 10) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        transformers = require_transformers()
+        if pretrained is not None:
+            model_config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+        else:
+            model_config = transformers.AutoConfig.for_model(model_type, **(config or {}))
+        self.model = transformers.AutoModelForCausalLM.from_config(model_config)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        tokens, targets = batch
+        logits = self.model(input_ids=tokens).logits  # (B, T, vocab_size)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return adamw_with_warmup(self)
