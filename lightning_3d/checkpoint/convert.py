@@ -2,6 +2,7 @@
 
     lightning-3d convert CKPT_DIR OUT.safetensors [--strip-prefix model.]
     lightning-3d convert CKPT_DIR OUT.pt
+    lightning-3d convert CKPT_DIR OUT_DIR --hf        # a Hugging Face model directory (HFCausalLMModule)
 
 Runs in one process with no process group: DCP reads each tensor's shards straight from the files. The
 safetensors output is streamed -- the header is written from the checkpoint's metadata, then one tensor at
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_3d.checkpoint.safetensors_io import SafetensorsWriter
-from lightning_3d.checkpoint.sharded import check_complete
+from lightning_3d.checkpoint.sharded import check_complete, read_meta
 
 MODEL_PREFIX = "model."  # DCP name of the model state in our checkpoints: "model.<fqn>"
 
@@ -61,6 +62,29 @@ def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "")
     return layout
 
 
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, tuple]:
+    """Write a checkpoint of :class:`~lightning_3d.models.HFCausalLMModule` as a Hugging Face model directory:
+    ``config.json`` (rebuilt from the module's saved hyper-parameters) and ``model.safetensors`` (the inner
+    model's state, streamed as :func:`consolidate` does), which ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Example::
+
+        export_hf("checkpoints/last.ckpt", "llama-finetuned")
+        AutoModelForCausalLM.from_pretrained("llama-finetuned")
+    """
+    from lightning_3d.models.hf import hf_config
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    check_complete(checkpoint)
+    hparams = read_meta(checkpoint).get("hyper_parameters") or {}
+    if "model_type" not in hparams:
+        raise ValueError(f"{checkpoint} was not written by an HFCausalLMModule (its hyper-parameters have no"
+                         " model_type); convert it to a state-dict file instead (without --hf).")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_config(hparams["model_type"], hparams.get("config"), hparams.get("pretrained")).save_pretrained(out_dir)
+    return consolidate(checkpoint, out_dir / "model.safetensors", strip_prefix=MODEL_PREFIX)
+
+
 def _read(checkpoint: Path, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype)
     dcp.load({key: tensor}, storage_reader=FileSystemReader(checkpoint), no_dist=True)
@@ -72,7 +96,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("checkpoint", help="a checkpoint directory written by lightning_3d")
     parser.add_argument("out", help="output file: .safetensors (streamed) or anything else (torch.save)")
     parser.add_argument("--strip-prefix", default="", help='remove this from every key, e.g. "model."')
+    parser.add_argument("--hf", action="store_true",
+                        help="write a Hugging Face model directory (config.json + model.safetensors) to OUT")
     args = parser.parse_args(argv)
-    layout = consolidate(args.checkpoint, args.out, args.strip_prefix)
+    if args.hf:
+        layout = export_hf(args.checkpoint, args.out)
+    else:
+        layout = consolidate(args.checkpoint, args.out, args.strip_prefix)
     total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
     print(f"wrote {len(layout)} tensors, {total / 2**20:.1f} MiB, to {args.out}")

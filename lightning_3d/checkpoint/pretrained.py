@@ -34,6 +34,7 @@ from lightning_3d.checkpoint.boxes import local_boxes
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"  # a Hugging Face directory of a model small enough for one file
 
 
 class Source:
@@ -49,15 +50,18 @@ def check_init_from(path: str) -> None:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"init_from={path!r}: no such file or directory.")
-    if p.is_dir() and not (p / INDEX).exists() and not sharded.is_sharded_checkpoint(p):
-        raise ValueError(f"init_from={path!r} is a directory without {INDEX} or a lightning_3d checkpoint's files:"
+    if p.is_dir() and not any((p / name).exists() for name in (INDEX, SINGLE)) and not sharded.is_sharded_checkpoint(p):
+        raise ValueError(f"init_from={path!r} is a directory without {INDEX}, {SINGLE} or a lightning_3d checkpoint's files:"
                          " give a safetensors file, a torch state-dict file, a Hugging Face safetensors directory"
                          " or a checkpoint directory written by lightning_3d.")
 
 
-def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None = None) -> None:
+def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None = None,
+                    tied: list[tuple[str, str]] = ()) -> None:
     """Copy the weights at ``path`` into this rank's part of ``module`` (no communication, except for a
-    checkpoint directory of ours, which DCP loads collectively). ``renames``: key prefix -> the checkpoint's."""
+    checkpoint directory of ours, which DCP loads collectively). ``renames``: key prefix -> the checkpoint's.
+    ``tied``: pairs of tied parameters (``Plan.tied_parameters``); a file may hold only the first of a pair,
+    as Hugging Face saves tied weights once."""
     state = get_model_state_dict(module)  # this rank's tensors under single-device names; they alias the module's
     p = Path(path)
     if sharded.is_sharded_checkpoint(p):
@@ -65,7 +69,12 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
         sharded.load(p, {"model": state})
         return
     source = _open(p)
-    names = _names(list(state), source.shapes, path, renames or {})
+    partners = {second: first for first, second in tied}
+    names = _names([k for k in state if k not in partners], source.shapes, path, renames or {})
+    for key in state:  # the second of a tied pair: under its own name if the file has it, else its partner's
+        if key in partners:
+            own = _names([key], source.shapes, path, renames or {}, missing_ok=True).get(key)
+            names[key] = own or names[partners[key]]
     for key, tensor in state.items():
         name = names[key]
         if tuple(tensor.shape) != source.shapes[name]:
@@ -82,9 +91,10 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
                 source.copy_into(names[key], (), tensor)
 
 
-def _names(keys: list[str], available: dict, path: str, renames: dict[str, str]) -> dict[str, str]:
+def _names(keys: list[str], available: dict, path: str, renames: dict[str, str],
+           missing_ok: bool = False) -> dict[str, str]:
     """This rank's keys -> the checkpoint's: renamed by the longest matching prefix in ``renames``; else as
-    they are, or without their first component (``model.``)."""
+    they are, or without their first component (``model.``). ``missing_ok``: {} instead of an error."""
     if renames:
         mapped = {}
         for key in keys:
@@ -93,18 +103,24 @@ def _names(keys: list[str], available: dict, path: str, renames: dict[str, str])
         missing = next((k for k in keys if mapped[k] not in available), None)
         if missing is None:
             return mapped
+        if missing_ok:
+            return {}
         raise KeyError(f"init_from={path!r} has no {mapped[missing]!r} (the policy's name for {missing!r}); it"
                        f" has e.g. {sorted(available)[:3]}.")
     for strip in (False, True):
         mapped = {k: k.split(".", 1)[1] if strip and "." in k else k for k in keys}
         if all(name in available for name in mapped.values()):
             return mapped
+    if missing_ok:
+        return {}
     missing = next(k for k in keys if k not in available)
     raise KeyError(f"init_from={path!r} has no {missing!r} (nor {missing.split('.', 1)[-1]!r}); it has e.g."
                    f" {sorted(available)[:3]}. Is it a checkpoint of another model?")
 
 
 def _open(path: Path) -> Source:
+    if path.is_dir() and not (path / INDEX).exists():
+        path = path / SINGLE
     if path.is_dir():
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
         readers = {file: SafetensorsReader(path / file) for file in set(weight_map.values())}

@@ -26,6 +26,14 @@ def require_transformers() -> Any:
     return transformers
 
 
+def hf_config(model_type: str, sizes: dict | None = None, pretrained: str | None = None) -> Any:
+    """The Hugging Face config: read from the local directory ``pretrained``, else built from the sizes."""
+    transformers = require_transformers()
+    if pretrained is not None:
+        return transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
+    return transformers.AutoConfig.for_model(model_type, **(sizes or {}))
+
+
 class HFCausalLMModule(L.LightningModule):
     """Trains ``AutoModelForCausalLM`` on next-token prediction with AdamW and a linear warm-up.
 
@@ -44,12 +52,8 @@ class HFCausalLMModule(L.LightningModule):
                  learning_rate: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 10) -> None:
         super().__init__()
         self.save_hyperparameters()
-        transformers = require_transformers()
-        if pretrained is not None:
-            model_config = transformers.AutoConfig.from_pretrained(pretrained, local_files_only=True)
-        else:
-            model_config = transformers.AutoConfig.for_model(model_type, **(config or {}))
-        self.model = transformers.AutoModelForCausalLM.from_config(model_config)
+        model_config = hf_config(model_type, config, pretrained)
+        self.model = require_transformers().AutoModelForCausalLM.from_config(model_config)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         tokens, targets = batch

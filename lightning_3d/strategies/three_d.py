@@ -148,6 +148,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self._rank_state_to_load: Optional[dict] = None  # random generators from a checkpoint of this layout
         self._memory_logged = False
         self._checkpoint_names: dict[str, str] = {}  # the policy's names for init_from checkpoints
+        self._tied_names: list[tuple[str, str]] = []  # the policy's tied parameters, for init_from
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
@@ -261,7 +262,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
             self._prepare(module)
         self.model = self._data_parallel(module) if self._engine is None else module
         if first_setup and self.parallel_config.init_from:  # each rank reads its slices (a resumed fit then
-            load_pretrained(module, self.parallel_config.init_from, self._checkpoint_names)  # restores over them)
+            load_pretrained(module, self.parallel_config.init_from, self._checkpoint_names, self._tied_names)  # restores over them)
         # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
         # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
         # norm, so its two clip methods are replaced on this instance with global-norm ones.
@@ -276,7 +277,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     def _prepare(self, module: pl.LightningModule) -> None:
         dims, config = self.parallel_dims, self.parallel_config
         plan = self._plan(module)
-        self._checkpoint_names = plan.checkpoint_names
+        self._checkpoint_names, self._tied_names = plan.checkpoint_names, plan.tied_parameters
         stage_blocks, stage_ids = None, []
         if dims.pp > 1:
             if not module.automatic_optimization:
