@@ -20,8 +20,9 @@ against what a CPU run saves):
     (DTensor's all-gather is an autograd op); Megatron-LM saves the shard and gathers again in backward;
   * ``activation_checkpointing="selective"`` checkpoints every second block (not Megatron's "selective",
     which recomputes only the attention scores);
-  * ``zero_stage=1`` runs as ZeRO-2 (FSDP2 shards gradients with the optimizer state), and FSDP2 keeps a
-    block's parameters gathered from its forward to its backward under ZeRO-2, and under ZeRO-3 with pp > 1.
+  * every ZeRO stage runs on FSDP2, which keeps parameters, gradients and optimizer state as dp shards at
+    rest; stage 1 runs as stage 2, which (like stage 3 with pp > 1) keeps each block's parameters gathered
+    from its forward to its backward, stage 3 alone regathers them per use.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class MemoryEstimate:
     activations: float
     """Saved for backward by the micro-batches in flight on this rank."""
     gathered: float
-    """Transient: parameters FSDP2 holds gathered during the step, and the block that recompute rebuilds."""
+    """Transient: parameters FSDP2 holds gathered during the step, the block that recompute rebuilds, and
+    autocast's bf16 copies of the weights."""
 
     @property
     def total(self) -> float:
@@ -130,8 +132,10 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     # Between the tensor-parallel regions: two norm inputs (residual stream), their statistics, the masks of
     # the dropouts on the two residual branches. Replicated over tp, or split along the sequence with SP.
     between = 2 * tokens * (h * r + stats + h * mask) / seq_split
-    # The norm outputs entering the column-parallel layers of attention and MLP.
-    region_inputs = 2 * tokens * h * e / (t if layout.sequence_parallel and not gathered_region_inputs else 1)
+    # The norm outputs entering the column-parallel layers of attention and MLP; under autocast each Linear
+    # saves its own bf16 cast of its input, so separate q, k, v projections keep three copies.
+    copies = 1 if model.fused_qkv or not _autocast(precision) else 3
+    region_inputs = (copies + 1) * tokens * h * e / (t if layout.sequence_parallel and not gathered_region_inputs else 1)
     attention = tokens * (h + 2 * model.kv_size) * e / t  # q, k, v
     heads = model.num_heads / t
     if model.flash_attention:
@@ -141,6 +145,22 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
         attention += scores * e + mask * scores * (1 + e) + tokens * h * e / t  # softmax, dropout, o's input
     mlp = tokens * model.ffn * e / t * (4 if model.gated_mlp else 2)  # activation's input(s) and output
     return between + region_inputs + attention + mlp
+
+
+def _autocast(precision: Precision) -> bool:
+    """Whether matmuls read a lower-precision copy of their fp32 operands (autocast)."""
+    return precision.activation_bytes < precision.param_bytes
+
+
+def autocast_weight_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
+    """Autocast's bf16 copies of the rank's matmul weights, cached from their first use in forward and saved for
+    backward (everything but the embedding tables, which are looked up, not multiplied)."""
+    if not _autocast(precision):
+        return 0.0
+    params = rank_parameters(model, layout, pp_rank)
+    if pp_rank == 0:
+        params -= model.embedding_params().per_rank(layout.tp)
+    return params * precision.activation_bytes
 
 
 def checkpointed_blocks(model: ModelSpec, layout: Layout) -> set[int]:
@@ -193,9 +213,11 @@ def microbatches_in_flight(layout: Layout, pp_rank: int) -> float:
 def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> MemoryEstimate:
     """Peak bytes on a GPU of pipeline rank ``pp_rank`` (any dp and tp rank: they hold the same amounts)."""
     params = rank_parameters(model, layout, pp_rank)
-    # lightning-3d runs ZeRO-1 as ZeRO-2 (lightning_3d.parallel.data_parallel.apply_zero).
+    # lightning-3d runs every ZeRO stage through FSDP2 (lightning_3d.parallel.data_parallel.apply_zero): at rest
+    # parameters, gradients and optimizer state are all dp shards, as in ZeRO-3; stages 1 and 2 differ from 3 in
+    # keeping the parameters gathered from forward to backward ("gathered" below).
     zero = 2 if layout.zero_stage == 1 else layout.zero_stage
-    states = zero_model_state_bytes(params, layout.dp, zero, precision)
+    states = zero_model_state_bytes(params, layout.dp, 3 if zero else 0, precision)
     blocks = rank_blocks(model, layout, pp_rank)
     block_params = model.block_params().per_rank(layout.tp)
     gathered = 0.0
@@ -205,6 +227,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
         gathered = 2 * block_params * precision.param_bytes  # the block in use and the one prefetched
     if checkpointed_blocks(model, layout) & set(blocks):
         gathered += block_activation_bytes(model, layout, precision)  # one block rebuilt in backward
+    gathered += autocast_weight_bytes(model, layout, precision, pp_rank)
     activations = microbatch_activation_bytes(model, layout, precision, pp_rank) * microbatches_in_flight(layout, pp_rank)
     return MemoryEstimate(parameters=states["parameters"], gradients=states["gradients"],
                           optimizer_state=states["optimizer_state"], activations=activations, gathered=gathered)

@@ -78,6 +78,9 @@ class ModelSpec:
     memory-efficient kernels); False: scores, softmax and its dropout are saved (Korthikanti et al. 2022)."""
     dropout: float = 0.0
     """Dropout probability; above 0 each dropout keeps a 1-byte mask for backward."""
+    fused_qkv: bool = True
+    """q, k and v come from one matrix (Megatron-LM, GPT-2); False: three Linear modules (the reference GPT,
+    Llama), whose common input autocast casts to bf16 once for each, so it is saved three times."""
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -171,7 +174,7 @@ class ModelSpec:
         return cls(name="gpt", num_layers=config.n_layer, hidden_size=config.n_embd, num_heads=config.n_head,
                    vocab_size=config.vocab_size, seq_length=seq_length or config.block_size,
                    max_positions=config.block_size, ffn_hidden_size=config.mlp_ratio * config.n_embd,
-                   bias=config.bias, key_bias=False, dropout=config.dropout)
+                   bias=config.bias, key_bias=False, dropout=config.dropout, fused_qkv=False)
 
     @classmethod
     def from_hf_config(cls, config: Any, *, seq_length: int | None = None) -> "ModelSpec":
@@ -196,7 +199,7 @@ class ModelSpec:
             gated_mlp=not gpt2_like, bias=gpt2_like or bool(get("attention_bias", default=False)),
             norm="layernorm" if gpt2_like else "rmsnorm", learned_positions=gpt2_like,
             tied_embeddings=bool(get("tie_word_embeddings", default=gpt2_like)),
-            dropout=float(get("attention_dropout", "attn_pdrop", default=0.0)))
+            dropout=float(get("attention_dropout", "attn_pdrop", default=0.0)), fused_qkv=gpt2_like)
 
 
 def _hf_values(config: Any) -> dict:
