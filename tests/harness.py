@@ -59,6 +59,8 @@ class Case:
     """A torch state dict of the inner model that the reference loads with ``load_state_dict(strict=True)``
     before training (what the run gets through ``init_from``)."""
     model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
+    save_checkpoint: str | None = None
+    """A path: after training, ``trainer.save_checkpoint`` writes the run's sharded checkpoint there."""
 
 
 @dataclass
@@ -233,6 +235,8 @@ def run_distributed(case: Case) -> Result | None:
     recorder = LossRecorder()
     trainer = _trainer(case, strategy, world, recorder)
     trainer.fit(module, data)
+    if case.save_checkpoint:
+        trainer.save_checkpoint(case.save_checkpoint)
     params = gather_full_state(module)
     result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, _model_parameters(trainer))
     return result if dist.get_rank() == 0 else None

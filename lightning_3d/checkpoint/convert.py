@@ -53,6 +53,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "")
             sources[name] = key
     if not layout:
         raise ValueError(f"{checkpoint} holds no model tensors (was it saved by lightning_3d?).")
+    layout = dict(sorted(layout.items()))  # the same file whatever layout wrote the checkpoint
     if out.suffix == ".safetensors":
         with SafetensorsWriter(out, layout) as writer:
             for name, (shape, dtype) in layout.items():

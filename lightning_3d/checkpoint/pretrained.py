@@ -74,7 +74,7 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
     for key in state:  # the second of a tied pair: under its own name if the file has it, else its partner's
         if key in partners:
             own = _names([key], source.shapes, path, renames or {}, missing_ok=True).get(key)
-            names[key] = own or names[partners[key]]
+            names[key] = own or _names([partners[key]], source.shapes, path, renames or {})[partners[key]]
     for key, tensor in state.items():
         name = names[key]
         if tuple(tensor.shape) != source.shapes[name]:
