@@ -7,7 +7,16 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
+
 from harness import Case, assert_parity, launch_by_world_size, reference_for  # noqa: E402
+from lightning_3d.models import GPTConfig, GPTLightningModule  # noqa: E402
+from lightning_3d.parallel.kv_heads import ReplicatedKVHeads  # noqa: E402
+from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy  # noqa: E402
+from lightning_3d.policies.auto import AutoPolicy  # noqa: E402
+from lightning_3d.policies.hf_common import stage_input  # noqa: E402
+from lightning_3d.policies.llama import LlamaPolicy  # noqa: E402
 
 LLAMA = dict(model_type="llama", seq_len=16, vocab_size=64, hidden_size=32, intermediate_size=64,
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
@@ -44,3 +53,46 @@ def test_llama_trains_as_the_single_process_model(runs, name):
     # Parameters at 5e-5: these tiny Llamas (init std 0.02) have MLP gradients down to 1e-8, which AdamW divides
     # by their own size; one process in fp32 and fp64 already ends 4 steps 8.8e-6 apart in those weights.
     assert_parity(runs[name], reference_for(case), param_atol=5e-5)
+
+
+def _llama(**sizes):
+    config = transformers.AutoConfig.for_model("llama", **dict({k: v for k, v in LLAMA.items() if k not in ("model_type", "seq_len")}, **sizes))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _root(model):
+    root = torch.nn.Module()
+    root.model = model
+    return root
+
+
+def test_auto_picks_the_llama_policy_and_the_plan_names_hf_modules():
+    plan = AutoPolicy().plan(_root(_llama()), PlanOptions(tp=2, sequence_parallel=True))
+    assert plan.blocks == [f"model.model.layers.{i}" for i in range(4)]
+    assert plan.before == ["model.model.embed_tokens"] and plan.after == ["model.model.norm", "model.lm_head"]
+    assert isinstance(plan.tp_plan["model.model.layers.*.self_attn.k_proj"], ColwiseParallel)  # 2 kv heads / tp 2
+    assert "model.model.layers.*.input_layernorm" in plan.tp_plan and not plan.tied_parameters
+    replicated = LlamaPolicy().plan(_root(_llama(num_key_value_heads=1)), PlanOptions(tp=4))
+    assert isinstance(replicated.tp_plan["model.model.layers.*.self_attn.v_proj"], ReplicatedKVHeads)
+    assert replicated.attribute_fixes["model.model.layers.0.self_attn"] == {"num_key_value_groups": 1}
+    tied = LlamaPolicy().plan(_root(_llama(tie_word_embeddings=True)), PlanOptions())
+    assert tied.tied_parameters == [("model.model.embed_tokens.weight", "model.lm_head.weight")]
+
+
+def test_kv_heads_that_fit_no_rule_name_the_allowed_tp_sizes():
+    # 3 kv heads at tp=2: 2 neither divides 3 nor is a multiple of it.
+    model = _llama(hidden_size=48, num_attention_heads=12, num_key_value_heads=3)
+    with pytest.raises(PolicyError, match=r"12 attention heads and 3 key/value heads .* allowed tensor_parallel_size: \[1, 3, 6, 12\]"):
+        LlamaPolicy().plan(_root(model), PlanOptions(tp=2))
+
+
+def test_the_llama_policy_forced_on_another_model_names_the_class_and_the_expected_modules():
+    module = GPTLightningModule(config=GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32))
+    module.configure_model()
+    with pytest.raises(PolicyError, match=r"found no LlamaForCausalLM .* lightning_3d.models.gpt.GPT\). It expects model.embed_tokens"):
+        resolve_policy("llama").plan(module, PlanOptions(tp=2))
+
+
+def test_a_pipeline_stage_refuses_call_arguments_it_cannot_carry():
+    with pytest.raises(PolicyError, match=r"input_ids and optionally attention_mask; this call also passed \['labels'\]"):
+        stage_input(True, (), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4)})
