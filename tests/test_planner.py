@@ -262,7 +262,8 @@ def test_inconsistent_sizes_are_refused_with_the_numbers(sizes, message):
 
 
 def test_no_tensor_parallel_size_divides_the_vocabulary_and_heads_is_an_error():
-    model = ModelSpec(num_layers=2, hidden_size=96, num_heads=3, vocab_size=50257, seq_length=64)
+    # tp = 2 splits neither 3 heads nor 50257 ids, one layer allows no pp = 2, and dp = 2 does not divide 3.
+    model = ModelSpec(num_layers=1, hidden_size=96, num_heads=3, vocab_size=50257, seq_length=64)
     with pytest.raises(PlannerError, match="Pad vocab_size"):
         plan(model, Cluster(gpus_per_node=2, memory_gib=1), global_batch_size=3)
 
