@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_3d  # noqa: F401  (registers strategy="3d")
-from lightning_3d.models import GPTLightningModule, SyntheticDataModule  # noqa: F401  (short class names)
+from lightning_3d.models import GPTLightningModule, HFCausalLMModule, SyntheticDataModule  # noqa: F401  (short class names)
 from lightning_3d.parallel.config import ParallelConfigError
 
 
