@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
-import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_3d.models.lit_gpt import adamw_with_warmup
+from lightning_3d.models.lit_gpt import NextTokenModule
 
 
 def require_transformers() -> Any:
@@ -34,7 +32,7 @@ def hf_config(model_type: str, sizes: dict | None = None, pretrained: str | None
     return transformers.AutoConfig.for_model(model_type, **(sizes or {}))
 
 
-class HFCausalLMModule(L.LightningModule):
+class HFCausalLMModule(NextTokenModule):
     """Trains ``AutoModelForCausalLM`` on next-token prediction with AdamW and a linear warm-up.
 
     ``config`` holds the model's sizes (``LlamaConfig`` / ``GPT2Config`` keyword arguments) or ``pretrained``
@@ -55,20 +53,5 @@ class HFCausalLMModule(L.LightningModule):
         model_config = hf_config(model_type, config, pretrained)
         self.model = require_transformers().AutoModelForCausalLM.from_config(model_config)
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        tokens, targets = batch
-        logits = self.model(input_ids=tokens).logits  # (B, T, vocab_size)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self):
-        return adamw_with_warmup(self)
+    def logits(self, tokens: Tensor) -> Tensor:
+        return self.model(input_ids=tokens).logits

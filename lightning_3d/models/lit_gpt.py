@@ -10,7 +10,38 @@ from torch import Tensor
 from lightning_3d.models.gpt import GPT, GPTConfig
 
 
-class GPTLightningModule(L.LightningModule):
+class NextTokenModule(L.LightningModule):
+    """Next-token prediction, written as for one device: the cross-entropy of :meth:`logits` against the
+    targets, logged as ``train_loss`` / ``val_loss``; AdamW with a linear warm-up over ``warmup_steps``.
+    Subclasses build ``self.model`` and say how it gives logits."""
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, vocab_size) logits, through one call of ``self.model``."""
+        raise NotImplementedError
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        tokens, targets = batch
+        return F.cross_entropy(self.logits(tokens).flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = torch.optim.AdamW(self.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay)
+        warmup = max(1, h.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class GPTLightningModule(NextTokenModule):
     """Trains :class:`GPT` with AdamW and a linear warm-up. The model is built in ``configure_model()``, so
     ``ThreeDStrategy`` builds it on the meta device and materializes only this rank's part.
 
@@ -39,30 +70,5 @@ class GPTLightningModule(L.LightningModule):
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        tokens, targets = batch
-        logits = self.model(tokens)  # (B, T, vocab_size)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self):
-        return adamw_with_warmup(self)
-
-
-def adamw_with_warmup(module: L.LightningModule) -> dict:
-    """AdamW over the module's parameters with a linear warm-up over ``hparams.warmup_steps`` steps (from its
-    ``learning_rate`` and ``weight_decay`` hyperparameters), stepped every optimizer step."""
-    h = module.hparams
-    optimizer = torch.optim.AdamW(module.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay)
-    warmup = max(1, h.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    def logits(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)
