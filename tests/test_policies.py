@@ -191,3 +191,21 @@ def test_auto_policy_prefers_a_registered_policy_for_its_model_class(restore_reg
             return Plan(blocks=["stem.0", "stem.1"])
 
     assert AutoPolicy().plan(UnknownNet()).blocks == ["stem.0", "stem.1"]
+
+
+def test_no_module_imports_transformers_at_import_time():
+    """The hf extra is optional: transformers is imported inside the functions that need it, never at the top
+    of a module (so the package imports, and the GPT trains, without it)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_3d
+
+    offenders = []
+    for path in Path(lightning_3d.__file__).parent.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name.split(".")[0] == "transformers" for name in names):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
