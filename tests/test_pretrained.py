@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import Case, assert_parity, launch_by_world_size, reference_for
-from lightning_3d.checkpoint.pretrained import load_pretrained
+from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
 from lightning_3d.checkpoint.safetensors_io import SafetensorsWriter
 from lightning_3d.models import GPT, GPTConfig
 
@@ -85,3 +85,30 @@ def test_a_policy_names_the_checkpoint_tensors_when_they_differ(tmp_path):
         assert torch.equal(tensor, hf_like[key.replace("blocks.", "transformer.h.")]), key
     with pytest.raises(KeyError, match="has no 'h.0.ln_1.weight' \\(the policy's name for 'model.blocks.0.ln_1.weight"):
         load_pretrained(model, str(tmp_path / "renamed.pt"), renames={"model.blocks.": "h.", "model.": ""})
+
+
+def test_bad_files_are_refused_before_anything_is_copied(tmp_path):
+    model = torch.nn.Module()
+    model.model = GPT(GPTConfig(**MODEL))
+    state = model.model.state_dict()
+    # integers where the model has floats (float formats convert: a bf16 file loads into an fp32 model)
+    torch.save({k: v.long() if k == "lm_head.weight" else v for k, v in state.items()}, tmp_path / "ints.pt")
+    with pytest.raises(ValueError, match=r"lm_head.weight is torch.int64 there but model.lm_head.weight is torch.float32"):
+        load_pretrained(model, str(tmp_path / "ints.pt"))
+    torch.save({k: v.bfloat16() for k, v in state.items()}, tmp_path / "bf16.pt")
+    load_pretrained(model, str(tmp_path / "bf16.pt"))
+    # a safetensors file cut short
+    layout = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    with SafetensorsWriter(tmp_path / "whole.safetensors", layout) as writer:
+        for k, v in state.items():
+            writer.write(k, v)
+    data = (tmp_path / "whole.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut.safetensors is truncated \(half-written\?\): its header describes"):
+        load_pretrained(model, str(tmp_path / "cut.safetensors"))
+    # a checkpoint directory still being written (lightning_3d.checkpoint.atomic)
+    (tmp_path / ".last.ckpt.partial").mkdir()
+    with pytest.raises(ValueError, match=r"still being written, or left half-written .* use the complete one, 'last.ckpt'"):
+        check_init_from(str(tmp_path / ".last.ckpt.partial"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        check_init_from(str(tmp_path / "nowhere.safetensors"))

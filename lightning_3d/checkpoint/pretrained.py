@@ -14,8 +14,11 @@ PATH may be
 
 Names: a checkpoint's keys are either the LightningModule's (``model.tok_emb.weight``) or the inner
 model's (``tok_emb.weight``, what ``lightning-3d convert --strip-prefix model.`` writes); the first that
-covers every key of this rank is used. Other names come from the policy (``Plan.checkpoint_names``). A key the checkpoint lacks, or a global shape that differs, is an
-error naming it, raised before anything is copied.
+covers every key of this rank is used. Other names come from the policy (``Plan.checkpoint_names``); a tied
+weight stored once (``Plan.tied_parameters``) is read for both ends. A key the checkpoint lacks, a global
+shape that differs, or a dtype of another kind (integers for a float weight; float formats convert), is an
+error naming the tensor, raised before anything is copied; so are a truncated file and a half-written
+checkpoint directory.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ SINGLE = "model.safetensors"  # a Hugging Face directory of a model small enough
 
 
 class Source:
-    """Tensors by name: their global shapes, and ``copy_into(name, region, out)``: ``out.copy_(t[region])``."""
+    """Tensors by name: their global shapes and dtypes, and ``copy_into(name, region, out)``:
+    ``out.copy_(t[region])``."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]],
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
                  copy_into: Callable[[str, tuple[slice, ...], torch.Tensor], object]) -> None:
-        self.shapes, self.copy_into = shapes, copy_into
+        self.shapes, self.dtypes, self.copy_into = shapes, dtypes, copy_into
 
 
 def check_init_from(path: str) -> None:
@@ -50,6 +54,9 @@ def check_init_from(path: str) -> None:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"init_from={path!r}: no such file or directory.")
+    if p.name.startswith(".") and p.name.endswith(".partial"):
+        raise ValueError(f"init_from={path!r} is a checkpoint still being written, or left half-written by a"
+                         f" crash (lightning_3d.checkpoint.atomic); use the complete one, {p.name[1:-8]!r}.")
     if p.is_dir() and not any((p / name).exists() for name in (INDEX, SINGLE)) and not sharded.is_sharded_checkpoint(p):
         raise ValueError(f"init_from={path!r} is a directory without {INDEX}, {SINGLE} or a lightning_3d checkpoint's files:"
                          " give a safetensors file, a torch state-dict file, a Hugging Face safetensors directory"
@@ -80,6 +87,10 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
         if tuple(tensor.shape) != source.shapes[name]:
             raise ValueError(f"init_from={path!r}: {name} has shape {source.shapes[name]} there but {key} has"
                              f" {tuple(tensor.shape)} in the model.")
+        if _kind(source.dtypes[name]) != _kind(tensor.dtype):  # floats convert (bf16 file, fp32 model); kinds do not
+            raise ValueError(f"init_from={path!r}: {name} is {source.dtypes[name]} there but {key} is {tensor.dtype}"
+                             f" in the model; a {_kind(tensor.dtype)} tensor cannot take {_kind(source.dtypes[name])}"
+                             " values. Is it a checkpoint of another model?")
     with torch.no_grad():
         for key, tensor in state.items():
             if isinstance(tensor, DTensor):
@@ -118,18 +129,33 @@ def _names(keys: list[str], available: dict, path: str, renames: dict[str, str],
                    f" {sorted(available)[:3]}. Is it a checkpoint of another model?")
 
 
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "floating-point"
+    return "boolean" if dtype == torch.bool else "integer"
+
+
 def _open(path: Path) -> Source:
     if path.is_dir() and not (path / INDEX).exists():
         path = path / SINGLE
     if path.is_dir():
         weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        missing = sorted(file for file in set(weight_map.values()) if not (path / file).exists())
+        if missing:
+            raise FileNotFoundError(f"init_from={str(path)!r}: {INDEX} names {missing} which are not there (a"
+                                    " download or copy cut short?).")
         readers = {file: SafetensorsReader(path / file) for file in set(weight_map.values())}
         return Source({name: readers[file].shape(name) for name, file in weight_map.items()},
+                      {name: readers[file].dtype(name) for name, file in weight_map.items()},
                       lambda name, region, out: readers[weight_map[name]].copy_into(name, region, out))
     if path.suffix == ".safetensors":
         reader = SafetensorsReader(path)
-        return Source({name: reader.shape(name) for name in reader.keys()}, reader.copy_into)
+        return Source({name: reader.shape(name) for name in reader.keys()},
+                      {name: reader.dtype(name) for name in reader.keys()}, reader.copy_into)
     loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     tensors = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
-    return Source({name: tuple(t.shape) for name, t in tensors.items() if isinstance(t, torch.Tensor)},
+    tensors = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    return Source({name: tuple(t.shape) for name, t in tensors.items()}, {name: t.dtype for name, t in tensors.items()},
                   lambda name, region, out: out.copy_(tensors[name][region]))

@@ -89,9 +89,19 @@ class SafetensorsReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+            try:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length)) if 8 + length <= size else None
+            except (struct.error, ValueError):
+                header = None
+            if header is None:
+                raise ValueError(f"{self.path} is not a safetensors file, or it was cut short in its header.")
+            end = 8 + length + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
+            if end > size:
+                raise ValueError(f"{self.path} is truncated (half-written?): its header describes {end} bytes, the"
+                                 f" file has {size}.")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.metadata = header.pop("__metadata__", {})
         self._entries = header
