@@ -139,7 +139,8 @@ class FaultWatch:
             pass
 
     def _wait_for_acks(self) -> None:
-        deadline = time.monotonic() + self.exit_timeout_s / 2
+        # The whole exit timeout: each rank prints its stacks first, which takes seconds on a loaded host.
+        deadline = time.monotonic() + self.exit_timeout_s
         try:
             while time.monotonic() < deadline and self.store.add("acks", 0) < self.world_size - 1:
                 time.sleep(self.poll_s / 4)
