@@ -29,6 +29,7 @@ def llama_case(name, dp, pp, tp, model=(), **strategy):
 
 CASES = [
     llama_case("tp2_kv_split", 1, 1, 2),
+    llama_case("tp2_sp", 1, 1, 2, sequence_parallel=True),
     llama_case("tp2_kv1_replicated", 1, 1, 2, model=dict(num_key_value_heads=1)),
     llama_case("pp2", 1, 2, 1),
     llama_case("tp2_tied", 1, 1, 2, model=dict(tie_word_embeddings=True)),

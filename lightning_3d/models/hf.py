@@ -7,7 +7,7 @@ built from a config (sizes given here, or a local ``config.json``), and pretrain
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from torch import Tensor
 
@@ -22,6 +22,11 @@ def require_transformers() -> Any:
         raise ImportError("Hugging Face models need the optional extra: pip install -e '.[hf]'"
                           " (or pip install transformers)") from err
     return transformers
+
+
+ConfigValue = Union[int, float, bool, str, list, dict, None]
+"""A Hugging Face config value; typed so that ``--model.init_args.config.num_key_value_heads=4`` on the
+command line gives the int 4, not the string "4"."""
 
 
 def hf_config(model_type: str, sizes: dict | None = None, pretrained: str | None = None) -> Any:
@@ -46,7 +51,7 @@ class HFCausalLMModule(NextTokenModule):
                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
     """
 
-    def __init__(self, model_type: str = "llama", config: dict | None = None, *, pretrained: str | None = None,
+    def __init__(self, model_type: str = "llama", config: dict[str, ConfigValue] | None = None, *, pretrained: str | None = None,
                  learning_rate: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 10) -> None:
         super().__init__()
         self.save_hyperparameters()

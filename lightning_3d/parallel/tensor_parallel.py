@@ -91,8 +91,14 @@ def reduce_partial_grads(module: nn.Module) -> None:
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for param in module.parameters():
         grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            groups[(grad.device_mesh, grad.placements)].append(param)
+        if not (isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)):
+            continue
+        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+            # A split weight with a whole pending gradient (a vocabulary-parallel embedding's, from DTensor's
+            # embedding backward): reduce-scatter it to the weight's split rather than keep it whole.
+            param.grad = grad.redistribute(placements=param.placements)
+            continue
+        groups[(grad.device_mesh, grad.placements)].append(param)
     for (mesh, placements), params in groups.items():
         locals_ = [p.grad.to_local() for p in params]
         flat = DTensor.from_local(torch.cat([t.reshape(-1) for t in locals_]), mesh, placements, run_check=False)

@@ -4,7 +4,8 @@ Tensor parallel, Megatron-style, as the reference GPT's policy (``policies/gpt.p
 attention input is gathered once (q, k, v column-wise: heads split over tp; o row-wise), the same for the
 MLP (gate and up column-wise, down row-wise); the token embedding is vocabulary-parallel and ``lm_head``
 column-wise over the vocabulary, its logits left sharded for the vocabulary-parallel loss. With sequence
-parallelism the RMSNorms run on sequence shards. Grouped-query attention: the kv heads are split when tp
+parallelism the RMSNorms run on sequence shards; the embedding's output stays whole (the model's forward
+derives positions and the causal mask from its length) and is cut along the sequence entering layer 0. Grouped-query attention: the kv heads are split when tp
 divides them, replicated when they divide tp (``lightning_3d.parallel.kv_heads``); other tp sizes fail,
 listing the ones that work. The attention modules reshape with ``-1`` heads, so only the query-to-kv group
 size (``num_key_value_groups``) changes per rank when kv heads are replicated.
@@ -94,7 +95,8 @@ def llama_tp_plan(config: Any, options: PlanOptions, rule: str) -> dict[str, Par
     kv = ColwiseParallel() if rule == "split" else ReplicatedKVHeads(kv_heads=config.num_key_value_heads,
                                                                       head_dim=head_dim)
     plan: dict[str, ParallelStyle] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        # Whole output even with SP: LlamaModel.forward derives positions and the causal mask from its length.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(input_layouts=between, **head_output),
         # The decoder layer passes the attention its input by keyword.
         "model.layers.*.self_attn": PrepareModuleInput(
@@ -111,6 +113,9 @@ def llama_tp_plan(config: Any, options: PlanOptions, rule: str) -> dict[str, Par
     if options.sequence_parallel:
         for norm in ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm"):
             plan[norm] = SequenceParallel()
+        # The residual stream enters the first layer split along the sequence: a local cut, no communication.
+        plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                    use_local_output=True)
     return plan
 
 
