@@ -44,7 +44,7 @@ class Case:
     """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
     (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py),
     "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
-    the HF config's sizes)."""
+    the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too)."""
     dp: int = 1
     """Data-parallel size of the run: the global batch is split into dp per-rank batches."""
     global_batch_size: int = 8
@@ -116,6 +116,15 @@ class ExplicitPipelineGPTModule(GPTLightningModule):
         return loss
 
 
+class PaddedHFModule(HFCausalLMModule):
+    """Passes a padding mask with the tokens: every other sequence ends in 3 padding positions."""
+
+    def logits(self, tokens):
+        mask = torch.ones_like(tokens)
+        mask[::2, -3:] = 0
+        return self.model(input_ids=tokens, attention_mask=mask).logits
+
+
 MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
            "toy": ToyLightningModule}
 
@@ -177,10 +186,11 @@ def _trainer(case: Case, strategy, devices: int, recorder: LossRecorder) -> L.Tr
 
 def _module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModule):
     L.seed_everything(SEED, verbose=False)
-    if case.module == "hf":  # case.model: {"model_type": ..., "seq_len": ..., the HF config's sizes}
+    if case.module.startswith("hf"):  # case.model: {"model_type": ..., "seq_len": ..., the HF config's sizes}
         sizes = dict(case.model)
         model_type, seq_len = sizes.pop("model_type"), sizes.pop("seq_len")
-        module = HFCausalLMModule(model_type, sizes, learning_rate=case.learning_rate, warmup_steps=2)
+        cls = PaddedHFModule if case.module == "hf_padded" else HFCausalLMModule
+        module = cls(model_type, sizes, learning_rate=case.learning_rate, warmup_steps=2)
         vocab_size = sizes["vocab_size"]
     else:
         config = GPTConfig(**case.model)

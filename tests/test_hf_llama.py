@@ -22,9 +22,9 @@ LLAMA = dict(model_type="llama", seq_len=16, vocab_size=64, hidden_size=32, inte
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
-def llama_case(name, dp, pp, tp, model=(), **strategy):
+def llama_case(name, dp, pp, tp, model=(), module="hf", **strategy):
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
-    return Case(name=name, module="hf", strategy_kwargs=kwargs, dp=dp, model=dict(LLAMA, **dict(model)), steps=4)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, model=dict(LLAMA, **dict(model)), steps=4)
 
 
 CASES = [
@@ -32,8 +32,10 @@ CASES = [
     llama_case("tp2_sp", 1, 1, 2, sequence_parallel=True),
     llama_case("tp2_kv1_replicated", 1, 1, 2, model=dict(num_key_value_heads=1)),
     llama_case("pp2", 1, 2, 1),
+    llama_case("pp2_padding_mask", 1, 2, 1, module="hf_padded"),  # the mask travels with the hidden states
     llama_case("tp2_tied", 1, 1, 2, model=dict(tie_word_embeddings=True)),
     llama_case("pp2_tp2_sp", 1, 2, 2, sequence_parallel=True),
+    llama_case("pp2_tp2_sp_padding_mask", 1, 2, 2, module="hf_padded", sequence_parallel=True),
     llama_case("tp4_kv2_replicated", 1, 1, 4),
     llama_case("pp2_tp2_tied_across_stages", 1, 2, 2, model=dict(tie_word_embeddings=True)),
     llama_case("dp2_pp2_tp2", 2, 2, 2),
