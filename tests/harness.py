@@ -190,7 +190,8 @@ def _module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModu
         sizes = dict(case.model)
         model_type, seq_len = sizes.pop("model_type"), sizes.pop("seq_len")
         cls = PaddedHFModule if case.module == "hf_padded" else HFCausalLMModule
-        module = cls(model_type, sizes, learning_rate=case.learning_rate, warmup_steps=2)
+        pretrained = sizes.pop("pretrained", None)  # a config.json directory: built in configure_model
+        module = cls(model_type, sizes, pretrained=pretrained, learning_rate=case.learning_rate, warmup_steps=2)
         vocab_size = sizes["vocab_size"]
     else:
         config = GPTConfig(**case.model)

@@ -31,19 +31,24 @@ def _pretrained(root):
     return str(root / "source"), str(root / "source.pt")
 
 
-def _case(name, dp, pp, tp, **fields):
+def _case(name, dp, pp, tp, strategy=(), **fields):
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                  init_from=fields.pop("init_from"))
-    return Case(name=name, module="hf", strategy_kwargs=kwargs, dp=dp, model=MODEL, **{"steps": 4, **fields})
+                  init_from=fields.pop("init_from"), **dict(strategy))
+    return Case(name=name, module="hf", strategy_kwargs=kwargs, dp=dp, **{"model": MODEL, "steps": 4, **fields})
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_weights")
     source, source_pt = _pretrained(root)
+    # from_hf_*_meta: HFCausalLMModule(pretrained=source) builds on the meta device; no rank holds the model.
+    meta = dict(MODEL, pretrained=source)
     trained = [_case("from_hf_pp2_tp2", 1, 2, 2, init_from=source, reference_weights=source_pt,
                      save_checkpoint=str(root / "pp2_tp2.ckpt")),
-               _case("from_hf_tp4", 1, 1, 4, init_from=source, reference_weights=source_pt)]
+               _case("from_hf_tp4", 1, 1, 4, init_from=source, reference_weights=source_pt),
+               _case("from_hf_pp2_tp2_meta", 1, 2, 2, init_from=source, reference_weights=source_pt, model=meta),
+               _case("from_hf_dp2_tp2_zero3_meta", 2, 1, 2, init_from=source, reference_weights=source_pt, model=meta,
+                     strategy={"zero_stage": 3})]
     results = launch(trained, 4, root / "world4")
     exported = root / "exported"
     export_hf(root / "pp2_tp2.ckpt", exported)
@@ -56,7 +61,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["from_hf_pp2_tp2", "from_hf_tp4"])
+@pytest.mark.parametrize("name", ["from_hf_pp2_tp2", "from_hf_tp4", "from_hf_pp2_tp2_meta", "from_hf_dp2_tp2_zero3_meta"])
 def test_a_run_started_from_a_hugging_face_directory_trains_as_one_process_that_loaded_it(runs, name):
     cases, results, _ = runs
     reference = reference_for(cases[name])

@@ -40,10 +40,11 @@ def hf_config(model_type: str, sizes: dict | None = None, pretrained: str | None
 class HFCausalLMModule(NextTokenModule):
     """Trains ``AutoModelForCausalLM`` on next-token prediction with AdamW and a linear warm-up.
 
-    ``config`` holds the model's sizes (``LlamaConfig`` / ``GPT2Config`` keyword arguments) or ``pretrained``
-    names a local directory with a ``config.json`` (weights: ``ThreeDStrategy(init_from=that directory)``).
-    The model is built in ``__init__`` (Hugging Face models initialize after construction, so the strategy
-    broadcasts rank 0's weights: ``model_init="exact"``).
+    ``config`` holds the model's sizes (``LlamaConfig`` / ``GPT2Config`` keyword arguments): the model is built
+    in ``__init__`` with Hugging Face's random init, and the strategy broadcasts rank 0's weights
+    (``model_init="exact"``). Or ``pretrained`` names a local directory with a ``config.json``: the model is
+    built in ``configure_model()``, on the meta device under ``ThreeDStrategy``, and
+    ``ThreeDStrategy(init_from=that directory)`` reads each rank's slices -- no rank holds the whole model.
 
     Example::
 
@@ -55,8 +56,16 @@ class HFCausalLMModule(NextTokenModule):
                  learning_rate: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 10) -> None:
         super().__init__()
         self.save_hyperparameters()
-        model_config = hf_config(model_type, config, pretrained)
-        self.model = require_transformers().AutoModelForCausalLM.from_config(model_config)
+        self.model_config = hf_config(model_type, config, pretrained)
+        self.model = None
+        if pretrained is None:  # random weights: built now, on the host, as Hugging Face initializes them
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        # With pretrained weights this runs inside the strategy's meta-device context: no rank materializes
+        # the whole model; ThreeDStrategy(init_from=...) fills each rank's slices.
+        if self.model is None:
+            self.model = require_transformers().AutoModelForCausalLM.from_config(self.model_config)
 
     def logits(self, tokens: Tensor) -> Tensor:
         return self.model(input_ids=tokens).logits

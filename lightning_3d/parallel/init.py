@@ -16,11 +16,16 @@ Two ways there (``ParallelConfig.model_init``):
 The meta way relies on one convention (PyTorch's own, used by FSDP's meta-device init): a module that owns
 parameters or buffers initializes exactly those in ``reset_parameters()``, and an eager build calls it once
 per module in construction order (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` and the reference GPT
-do). Modules that own tensors but have no ``reset_parameters()`` are named in an error before any weight is
-used.
+do). A policy may supply ``Plan.init_module`` for modules without one (Hugging Face models: their
+``_init_weights``). Modules that own tensors and have neither are named in an error before any weight is
+used. With ``init_from`` the parameters come from the file: modules without ``reset_parameters()`` are then
+initialized only if they own buffers (rotary frequencies), and need no ``init_module`` otherwise.
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,22 +33,28 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
+InitModule = Callable[[nn.Module], None]
+"""Initializes one module's own parameters and buffers in place (``Plan.init_module``)."""
+
+
 class InitError(RuntimeError):
     """A model that the chosen init cannot handle; the message names the modules and the way out."""
 
 
-def modules_without_reset(model: nn.Module) -> list[str]:
-    """FQNs of modules that own parameters or buffers but have no ``reset_parameters()`` to replay."""
+def modules_without_reset(model: nn.Module, init_module: InitModule | None = None,
+                          params_loaded: bool = False) -> list[str]:
+    """FQNs of modules that own parameters or buffers but have no ``reset_parameters()`` to replay (nor an
+    ``init_module`` that takes them); with ``params_loaded``, only modules owning buffers count."""
     return [
         fqn or "<root>"
         for fqn, module in model.named_modules()
-        if _own_tensors(module) and not callable(getattr(module, "reset_parameters", None))
+        if _to_replay(module, params_loaded) and _reset(module, init_module) is None
     ]
 
 
-def check_replayable(model: nn.Module) -> None:
+def check_replayable(model: nn.Module, init_module: InitModule | None = None, params_loaded: bool = False) -> None:
     """Raise before any weight is allocated if :func:`replay_init` cannot initialize ``model``."""
-    missing = modules_without_reset(model)
+    missing = modules_without_reset(model, init_module, params_loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise InitError(
@@ -53,23 +64,27 @@ def check_replayable(model: nn.Module) -> None:
         )
 
 
-def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor) -> None:
+def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_module: InitModule | None = None,
+                params_loaded: bool = False) -> None:
     """Initialize the materialized (possibly split and sharded) ``model`` from the meta ``skeleton``.
 
     ``skeleton`` is the unsharded model on the meta device with the same FQNs; it is used as scratch space
     (one module's tensors at a time) and left on meta. ``rng_state`` is the host random state construction
-    started from; the host generator ends in the state an eager build would leave it in.
+    started from; the host generator ends in the state an eager build would leave it in. ``init_module``
+    initializes the modules without ``reset_parameters()`` (``Plan.init_module``). ``params_loaded``: the
+    parameters come from a file next (``init_from``), so of those modules only ones owning buffers are
+    initialized.
     """
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     torch.set_rng_state(rng_state)
     with torch.no_grad():
         for prefix, module in skeleton.named_modules():
             own = _own_tensors(module)
-            if not own:
+            if not _to_replay(module, params_loaded):
                 continue
             for name, tensor in own.items():
                 _set_tensor(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"))
-            module.reset_parameters()
+            _reset(module, init_module)()
             for name, meta in own.items():
                 target = targets.get(f"{prefix}.{name}" if prefix else name)
                 if target is not None:  # None: it lives on another pipeline stage
@@ -84,6 +99,23 @@ def broadcast_from_rank0(model: nn.Module, group: dist.ProcessGroup | None = Non
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0, group=group)
+
+
+def _to_replay(module: nn.Module, params_loaded: bool) -> bool:
+    """Whether replay initializes ``module``. Modules with ``reset_parameters()`` always are, so the random
+    stream ends where an eager build leaves it (dropout then matches a run that built eagerly and loaded the
+    file); with ``params_loaded``, the others only if they own buffers."""
+    if params_loaded and not callable(getattr(module, "reset_parameters", None)):
+        return bool(dict(module.named_buffers(recurse=False)))
+    return bool(_own_tensors(module))
+
+
+def _reset(module: nn.Module, init_module: InitModule | None) -> Callable[[], None] | None:
+    """What initializes ``module``'s own tensors: its ``reset_parameters``, else ``init_module``, else None."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        return reset
+    return partial(init_module, module) if init_module is not None else None
 
 
 def _own_tensors(module: nn.Module) -> dict[str, Tensor]:

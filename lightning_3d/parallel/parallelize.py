@@ -35,7 +35,8 @@ class Prepared(NamedTuple):
 
 def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
                   init_rng_state: Tensor | None, stage_blocks: list[list[str]] | None = None,
-                  stage_ids: list[int] = (), activation_checkpointing: str | None = None) -> Prepared:
+                  stage_ids: list[int] = (), activation_checkpointing: str | None = None,
+                  params_loaded: bool = False) -> Prepared:
     """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
 
     Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
@@ -48,8 +49,9 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
        there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
        sharded regions; tied parameters (``plan.tied_parameters``) tied again where one rank holds both;
     2. activation checkpointing of the plan's blocks ("full" or "selective");
-    3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta), or keep
-       rank 0's eagerly built weights, broadcast before any sharding (exact).
+    3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta; only the
+       buffers when ``params_loaded``: ``init_from`` fills the parameters next), or keep rank 0's eagerly
+       built weights, broadcast before any sharding (exact).
 
     Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced (the
     module, or each pipeline stage).
@@ -61,7 +63,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
                          "now": torch.get_rng_state(), "seed": torch.initial_seed()})
     torch.set_rng_state(rank0["now"])
     if on_meta:
-        check_replayable(module)
+        check_replayable(module, plan.init_module, params_loaded)
         # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
         skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
     else:
@@ -83,7 +85,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
 
     if on_meta:
         module.to_empty(device=device)
-        replay_init(skeleton, module, rank0["init"])
+        replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded)
     module.to(device)
     return Prepared("meta" if on_meta else "exact", stages, sharded_rng, tied_copies)
 

@@ -120,6 +120,7 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
         for fqn in [*plan.blocks, *plan.before, *plan.after]:
             if fqn not in keep:
                 _remove(stage, _relative(fqn, root_name))
+        _share_the_rest(stage, root, [_relative(fqn, root_name) for fqn in [*plan.blocks, *plan.before, *plan.after]])
         if plan.stage_forward is not None:
             # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
             stage.forward = partial(plan.stage_forward, stage)
@@ -134,6 +135,20 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
             if kept is not None:
                 _put(root, relative, kept)
     return stages
+
+
+def _share_the_rest(stage: nn.Module, root: nn.Module, split: list[str]) -> None:
+    """Make the modules no stage split owns (e.g. a rotary embedding every stage uses) the root's very
+    objects, so there is one of each per rank: materialized, initialized and loaded with the rest."""
+    def related(name: str) -> bool:  # a split module, inside one, or on the path to one
+        return any(name == s or name.startswith(s + ".") or s.startswith(name + ".") for s in split)
+
+    shared: list[str] = []
+    for name, _ in list(stage.named_modules()):
+        if name and not related(name) and not any(name.startswith(prefix + ".") for prefix in shared):
+            shared.append(name)
+    for name in shared:
+        _put(stage, name, root.get_submodule(name))
 
 
 def _relative(fqn: str, root_name: str) -> str:

@@ -71,6 +71,10 @@ class Plan:
     pipeline root that holds this stage's modules (the others are None, or a ``DroppedBlock`` inside a
     ModuleList); the inputs are the arguments of the user's model call on the first stage and the previous
     stage's outputs elsewhere. Returns a tensor or a tuple of tensors. None: the root's own forward."""
+    init_module: Callable[[nn.Module], None] | None = None
+    """Initializes one module's own parameters and buffers in place, for the modules of a model built on the
+    meta device that have no ``reset_parameters()`` (Hugging Face models: their ``_init_weights``); see
+    ``lightning_3d.parallel.init``."""
     stage_output: Callable[[Any], Any] | None = None
     """What the user's step receives as the model's output on the last stage, built from that stage's
     tensor (e.g. an object with ``.logits``). None: the tensor itself."""

@@ -84,6 +84,7 @@ class GPT2Policy(Policy):
             # Under sequence parallelism the hidden states between stages hold 1/tp of the positions.
             stage_forward=partial(_stage_forward, sequence_shards=options.tp if options.sequence_parallel else 1),
             stage_output=_causal_lm_output,
+            init_module=gpt2._init_weights,  # modules without reset_parameters, on the meta device
         )
         if options.tp == 1:
             return plan

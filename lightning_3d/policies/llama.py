@@ -71,6 +71,7 @@ class LlamaPolicy(Policy):
             # Under sequence parallelism the hidden states between stages hold 1/tp of the positions.
             stage_forward=partial(_stage_forward, sequence_shards=options.tp if options.sequence_parallel else 1),
             stage_output=_causal_lm_output,
+            init_module=lm._init_weights,  # modules without reset_parameters, on the meta device
         )
         if lm.lm_head.weight is lm.model.embed_tokens.weight:
             plan.tied_parameters = [(join_fqn(prefix, "model.embed_tokens.weight"), join_fqn(prefix, "lm_head.weight"))]

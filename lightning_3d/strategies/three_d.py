@@ -290,7 +290,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
             stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
         init, stages, self._sharded_rng, tied_copies = prepare_model(module, plan, self.device_mesh, self.root_device,
                                                         self._init_rng_state, stage_blocks, stage_ids,
-                                                        config.activation_checkpointing)
+                                                        config.activation_checkpointing,
+                                                        params_loaded=config.init_from is not None)
         rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
         if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
             self._tied_gradients = TiedGradients(tied_copies, embedding_group(dims, self.coords))
