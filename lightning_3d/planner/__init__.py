@@ -15,9 +15,9 @@ from lightning_3d.planner.cluster import GPUS, Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, Precision, estimate_memory, zero_model_state_bytes
 from lightning_3d.planner.model import ModelSpec, PlannerError
-from lightning_3d.planner.search import Candidate, NoLayoutFits, Plan, evaluate, plan
+from lightning_3d.planner.search import Candidate, LayoutPlan, NoLayoutFits, evaluate, plan
 from lightning_3d.planner.time import StepTime, estimate_step_time
 
-__all__ = ["Candidate", "Cluster", "GPUS", "Layout", "MemoryEstimate", "ModelSpec", "NoLayoutFits", "Plan",
+__all__ = ["Candidate", "Cluster", "GPUS", "Layout", "MemoryEstimate", "ModelSpec", "NoLayoutFits", "LayoutPlan",
            "PlannerError", "PRECISIONS", "Precision", "StepTime", "estimate_memory", "estimate_step_time", "evaluate",
            "plan", "zero_model_state_bytes"]

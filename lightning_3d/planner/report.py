@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 from lightning_3d.planner.cluster import GIB
 
 if TYPE_CHECKING:
-    from lightning_3d.planner.search import Candidate, Plan
+    from lightning_3d.planner.search import Candidate, LayoutPlan
 
 COLUMNS = ("#", "layout", "params", "grads", "optim", "activ", "gather", "total GiB", "step s", "compute", "tp",
            "bubble", "p2p", "dp", "tokens/s", "MFU")
 
 
-def format_table(plan: Plan, top: int = 10) -> str:
+def format_table(plan: LayoutPlan, top: int = 10) -> str:
     """The ``top`` fastest layouts that fit, one line each: per-GPU memory (GiB, at the pipeline rank that
     needs the most) and the step time split by cause (seconds). All values are estimates."""
     rows = [COLUMNS]
@@ -35,7 +35,7 @@ def format_table(plan: Plan, top: int = 10) -> str:
     return "\n".join([header, *lines])
 
 
-def to_yaml(plan: Plan, candidate: Candidate) -> str:
+def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
     """A LightningCLI config (the format of ``example_configs/``) that runs ``candidate``'s layout. The model
     section is the reference GPT when the planned model is one; otherwise it is left for the user to fill."""
     layout, model, cluster = candidate.layout, plan.model, plan.cluster

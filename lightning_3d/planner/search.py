@@ -34,7 +34,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LayoutPlan:
     """The ranked layouts that fit (fastest first) and the inputs they were planned for."""
 
     model: ModelSpec
@@ -72,7 +72,7 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Prec
 
 def plan(model: ModelSpec, cluster: Cluster, *, global_batch_size: int, precision: str | Precision = "bf16-mixed",
          schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b"), zero_stages: tuple[int, ...] = (0, 2, 3),
-         recompute: tuple[str | None, ...] = (None, "selective", "full")) -> Plan:
+         recompute: tuple[str | None, ...] = (None, "selective", "full")) -> LayoutPlan:
     """Every layout of ``model`` on all of ``cluster``'s GPUs that fits, fastest first.
 
     Raises :class:`NoLayoutFits` (with the smallest memory any layout needs and what to change) when none
@@ -91,7 +91,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, global_batch_size: int, precisio
             " use a global batch size with more divisors.")
     if not fitting:
         raise NoLayoutFits(_no_fit_message(model, cluster, precision, global_batch_size, results, options))
-    return Plan(model, cluster, precision, global_batch_size, fitting, len(results))
+    return LayoutPlan(model, cluster, precision, global_batch_size, fitting, len(results))
 
 
 def _search(model, cluster, global_batch_size, precision, options) -> tuple[list[Candidate], list[Candidate]]:
