@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import Case, assert_parity, launch, launch_by_world_size, reference_for
+from harness import Case, assert_parity, launch, reference_for
+from hf_cases import GPT2_CASES, GPT2_SIZES, NO_DROPOUT, gpt2_case, hf_results
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy
 from lightning_3d.policies.hf_gpt2 import Conv1DColwise, Conv1DRowwise
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4)
-NO_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+SIZES = GPT2_SIZES
 
 
 def _root(**sizes) -> nn.Module:
@@ -130,26 +130,12 @@ def test_strided_shard_is_three_boxes_for_checkpoints(fake_world):
 # ---------------------------------------------------------------------------------------------- parity
 
 
-def gpt2_case(name, dp, pp, tp, **kwargs):
-    strategy_kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                           policy="gpt2", **kwargs)
-    model = dict(model_type="gpt2", seq_len=16, **SIZES, **NO_DROPOUT)
-    return Case(name=name, module="hf", strategy_kwargs=strategy_kwargs, dp=dp, steps=4, model=model)
-
-
-CASES = {c.name: c for c in [
-    gpt2_case("gpt2_1_1_2", 1, 1, 2),
-    gpt2_case("gpt2_1_1_2_sp", 1, 1, 2, sequence_parallel=True),
-    gpt2_case("gpt2_1_2_1", 1, 2, 1),
-    gpt2_case("gpt2_1_2_2", 1, 2, 2),
-    gpt2_case("gpt2_1_2_2_sp", 1, 2, 2, sequence_parallel=True),
-    gpt2_case("gpt2_2_2_2", 2, 2, 2),
-]}
+CASES = GPT2_CASES
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch_by_world_size(list(CASES.values()), tmp_path_factory.mktemp("hf_gpt2"), timeout=900)
+    return hf_results(tmp_path_factory)
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,8 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
 
-from harness import Case, assert_parity, launch_by_world_size, reference_for  # noqa: E402
+from harness import assert_parity, reference_for  # noqa: E402
+from hf_cases import LLAMA, LLAMA_CASES, hf_results  # noqa: E402
 from lightning_3d.models import GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_3d.parallel.kv_heads import ReplicatedKVHeads  # noqa: E402
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy  # noqa: E402
@@ -18,41 +19,15 @@ from lightning_3d.policies.auto import AutoPolicy  # noqa: E402
 from lightning_3d.policies.hf_common import stage_input  # noqa: E402
 from lightning_3d.policies.llama import LlamaPolicy  # noqa: E402
 
-LLAMA = dict(model_type="llama", seq_len=16, vocab_size=64, hidden_size=32, intermediate_size=64,
-             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-
-
-def llama_case(name, dp, pp, tp, model=(), module="hf", **strategy):
-    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
-    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, model=dict(LLAMA, **dict(model)), steps=4)
-
-
-CASES = [
-    llama_case("tp2_kv_split", 1, 1, 2),
-    llama_case("tp2_sp", 1, 1, 2, sequence_parallel=True),
-    llama_case("tp2_kv1_replicated", 1, 1, 2, model=dict(num_key_value_heads=1)),
-    llama_case("pp2", 1, 2, 1),
-    llama_case("pp2_padding_mask", 1, 2, 1, module="hf_padded"),  # the mask travels with the hidden states
-    llama_case("tp2_tied", 1, 1, 2, model=dict(tie_word_embeddings=True)),
-    llama_case("pp2_tp2_sp", 1, 2, 2, sequence_parallel=True),
-    llama_case("pp2_tp2_sp_padding_mask", 1, 2, 2, module="hf_padded", sequence_parallel=True),
-    llama_case("tp4_kv2_replicated", 1, 1, 4),
-    llama_case("pp2_tp2_tied_across_stages", 1, 2, 2, model=dict(tie_word_embeddings=True)),
-    llama_case("dp2_pp2_tp2", 2, 2, 2),
-    llama_case("dp2_pp2_tp2_zero3_interleaved", 2, 2, 2, zero_stage=3, pipeline_schedule="interleaved_1f1b",
-               virtual_pipeline_size=2),
-]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launch_by_world_size(CASES, tmp_path_factory.mktemp("hf_llama"))
+    return hf_results(tmp_path_factory)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.parametrize("name", list(LLAMA_CASES))
 def test_llama_trains_as_the_single_process_model(runs, name):
-    case = next(c for c in CASES if c.name == name)
+    case = LLAMA_CASES[name]
     # Parameters at 5e-5: these tiny Llamas (init std 0.02) have MLP gradients down to 1e-8, which AdamW divides
     # by their own size; one process in fp32 and fp64 already ends 4 steps 8.8e-6 apart in those weights.
     assert_parity(runs[name], reference_for(case), param_atol=5e-5)

@@ -1,0 +1,58 @@
+"""The Hugging Face parity runs (Llama and GPT-2) and one shared launch per world size for all of them:
+``tests/test_hf_llama.py`` and ``tests/test_hf_gpt2.py`` each check their own cases, whichever runs first
+launches both sets (torchrun start-up dominates these tiny runs)."""
+
+from pathlib import Path
+
+from harness import Case, Result, launch_by_world_size
+
+LLAMA = dict(model_type="llama", seq_len=16, vocab_size=64, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+GPT2_SIZES = dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4)
+NO_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+
+
+def llama_case(name, dp, pp, tp, model=(), module="hf", **strategy):
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, model=dict(LLAMA, **dict(model)), steps=4)
+
+
+def gpt2_case(name, dp, pp, tp, **strategy):
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, policy="gpt2", **strategy)
+    model = dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT)
+    return Case(name=name, module="hf", strategy_kwargs=kwargs, dp=dp, steps=4, model=model)
+
+
+LLAMA_CASES = {c.name: c for c in [
+    llama_case("tp2_kv_split", 1, 1, 2),
+    llama_case("tp2_sp", 1, 1, 2, sequence_parallel=True),
+    llama_case("tp2_kv1_replicated", 1, 1, 2, model=dict(num_key_value_heads=1)),
+    llama_case("pp2_padding_mask", 1, 2, 1, module="hf_padded"),  # the mask travels with the hidden states
+    llama_case("tp2_tied", 1, 1, 2, model=dict(tie_word_embeddings=True)),
+    llama_case("pp2_tp2_sp", 1, 2, 2, sequence_parallel=True),
+    llama_case("pp2_tp2_sp_padding_mask", 1, 2, 2, module="hf_padded", sequence_parallel=True),
+    llama_case("tp4_kv2_replicated", 1, 1, 4),
+    llama_case("pp2_tp2_tied_across_stages", 1, 2, 2, model=dict(tie_word_embeddings=True)),
+    llama_case("dp2_pp2_tp2", 2, 2, 2),
+    llama_case("dp2_pp2_tp2_zero3_interleaved", 2, 2, 2, zero_stage=3, pipeline_schedule="interleaved_1f1b",
+               virtual_pipeline_size=2),
+]}
+
+GPT2_CASES = {c.name: c for c in [
+    gpt2_case("gpt2_1_1_2", 1, 1, 2),
+    gpt2_case("gpt2_1_1_2_sp", 1, 1, 2, sequence_parallel=True),
+    gpt2_case("gpt2_1_2_1", 1, 2, 1),
+    gpt2_case("gpt2_1_2_2", 1, 2, 2),
+    gpt2_case("gpt2_1_2_2_sp", 1, 2, 2, sequence_parallel=True),
+    gpt2_case("gpt2_2_2_2", 2, 2, 2),
+]}
+
+_RESULTS: dict[str, Result] = {}
+
+
+def hf_results(tmp_path_factory) -> dict[str, Result]:
+    """Every Hugging Face parity run's result by name, launched once per pytest session."""
+    if not _RESULTS:
+        out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
+        _RESULTS.update(launch_by_world_size([*LLAMA_CASES.values(), *GPT2_CASES.values()], out_dir, timeout=900))
+    return _RESULTS
