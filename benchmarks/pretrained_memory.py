@@ -119,7 +119,7 @@ def main() -> None:
     largest = max((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in state.values())
     before, start = rss_bytes(), time.perf_counter()
     with PeakRSS() as peak:
-        load_pretrained(module, str(path), tied=trainer.strategy._tied_names)
+        load_pretrained(module, str(path), tied=trainer.strategy._model_plan.tied_parameters)
     seconds = time.perf_counter() - start
     file_size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
     line = (f"rank {dist.get_rank()}: file {file_size / 2**20:.0f} MiB, holds {held / 2**20:.1f} MiB (largest tensor"

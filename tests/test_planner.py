@@ -235,14 +235,15 @@ def test_plan_ranks_fitting_layouts_and_writes_a_config_the_strategy_accepts():
     model = ModelSpec.from_gpt_config(GPTConfig(vocab_size=50304, block_size=2048, n_layer=20, n_head=16, n_embd=2048))
     result = plan(model, Cluster.preset("a100-40gb"), global_batch_size=64)
     times = [c.time.total for c in result.candidates]
-    assert times == sorted(times) and all(c.memory.total <= result.cluster.usable_bytes for c in result.candidates)
+    assert times == sorted(times)
+    assert 0 < len(result.candidates) < result.considered  # some layouts were refused for memory
     config = yaml.safe_load(result.to_yaml())
     ParallelConfig(**config["trainer"]["strategy"]["init_args"])
     GPTConfig(**config["model"]["init_args"]["config"])
     layout = result.best.layout
     per_replica = config["data"]["init_args"]["batch_size"] * config["trainer"].get("accumulate_grad_batches", 1)
     assert per_replica * layout.dp == 64
-    assert "MFU" in result.table()
+    assert result.best.layout.describe() in result.table()
 
 
 def test_a_model_that_fits_nowhere_says_how_much_it_needs_and_what_to_change():

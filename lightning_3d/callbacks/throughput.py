@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from lightning_3d.callbacks.layout import dims_of
-from lightning_3d.parallel.clip import STAGE_COPIES, local_piece
+from lightning_3d.parallel.clip import local_piece
 
 # Dense bf16 peak FLOP/s per device, by the start of torch.cuda.get_device_name(); pass peak_flops otherwise.
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L40S": 362e12,
@@ -53,7 +53,7 @@ class ThroughputMonitor(L.Callback):
         share = 0.0
         for param in pl_module.parameters():
             local, copies = local_piece(param, dims)
-            share += local.numel() / (copies * getattr(param, STAGE_COPIES, 1))
+            share += local.numel() / copies
         total = torch.tensor([share], dtype=torch.float64, device=pl_module.device)
         if dist.is_initialized():
             dist.all_reduce(total)

@@ -74,12 +74,16 @@ def _box_at(tensor: DTensor, offsets) -> Tensor:
     raise KeyError(f"no local box at {tuple(offsets)}")
 
 
+def _strided(state_dict: dict) -> dict[str, DTensor]:
+    return {fqn: value for fqn, value in state_dict.items() if is_strided(value)}
+
+
 class BoxesSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, with one write item per box for strided DTensors."""
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        strided = {fqn: value for fqn, value in self.state_dict.items() if is_strided(value)}
+        self.strided = strided = _strided(self.state_dict)  # found once; resolve_data asks per item
         if strided:
             items = [item for item in plan.items if item.index.fqn not in strided]
             for fqn, tensor in strided.items():
@@ -94,8 +98,8 @@ class BoxesSavePlanner(DefaultSavePlanner):
         return plan
 
     def resolve_data(self, write_item: WriteItem):
-        value = self.state_dict.get(write_item.index.fqn)
-        if is_strided(value):
+        value = self.strided.get(write_item.index.fqn)
+        if value is not None:
             return _box_at(value, write_item.index.offset).clone()  # a view would save the whole storage
         return super().resolve_data(write_item)
 
@@ -105,7 +109,7 @@ class BoxesLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        strided = {fqn: value for fqn, value in self.state_dict.items() if is_strided(value)}
+        self.strided = strided = _strided(self.state_dict)
         if strided:
             items = [item for item in plan.items if item.dest_index.fqn not in strided]
             for fqn, tensor in strided.items():
@@ -116,7 +120,7 @@ class BoxesLoadPlanner(DefaultLoadPlanner):
         return plan
 
     def resolve_tensor(self, read_item):
-        value = self.state_dict.get(read_item.dest_index.fqn)
-        if is_strided(value):
+        value = self.strided.get(read_item.dest_index.fqn)
+        if value is not None:
             return self.transform_tensor(read_item, _box_at(value, read_item.dest_index.offset))
         return super().resolve_tensor(read_item)

@@ -76,12 +76,7 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
         sharded.load(p, {"model": state})
         return
     source = _open(p)
-    partners = {second: first for first, second in tied}
-    names = _names([k for k in state if k not in partners], source.shapes, path, renames or {})
-    for key in state:  # the second of a tied pair: under its own name if the file has it, else its partner's
-        if key in partners:
-            own = _names([key], source.shapes, path, renames or {}, missing_ok=True).get(key)
-            names[key] = own or _names([partners[key]], source.shapes, path, renames or {})[partners[key]]
+    names = _names(list(state), source.shapes, path, renames or {}, {second: first for first, second in tied})
     for key, tensor in state.items():
         name = names[key]
         if tuple(tensor.shape) != source.shapes[name]:
@@ -103,29 +98,28 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
 
 
 def _names(keys: list[str], available: dict, path: str, renames: dict[str, str],
-           missing_ok: bool = False) -> dict[str, str]:
+           partners: dict[str, str]) -> dict[str, str]:
     """This rank's keys -> the checkpoint's: renamed by the longest matching prefix in ``renames``; else as
-    they are, or without their first component (``model.``). ``missing_ok``: {} instead of an error."""
+    they are, or without their first component (``model.``), whichever covers every key. A key in
+    ``partners`` (the second of a tied pair) the file lacks is read under its partner's name."""
+    def by_prefix(key: str) -> str:
+        prefix = max((p for p in renames if key.startswith(p)), key=len, default="")
+        return renames[prefix] + key[len(prefix):] if prefix else key
+
+    def strip(key: str) -> str:
+        return key.split(".", 1)[1] if "." in key else key
+
+    def found(key: str, rename) -> list[str]:
+        return [rename(k) for k in (key, partners.get(key)) if k is not None and rename(k) in available]
+
+    for rename in [by_prefix] if renames else [by_prefix, strip]:  # by_prefix without renames: as they are
+        if all(found(key, rename) for key in keys):
+            return {key: found(key, rename)[0] for key in keys}
+    missing = next(k for k in keys if not found(k, by_prefix))
     if renames:
-        mapped = {}
-        for key in keys:
-            prefix = max((p for p in renames if key.startswith(p)), key=len, default="")
-            mapped[key] = renames[prefix] + key[len(prefix):] if prefix else key
-        missing = next((k for k in keys if mapped[k] not in available), None)
-        if missing is None:
-            return mapped
-        if missing_ok:
-            return {}
-        raise KeyError(f"init_from={path!r} has no {mapped[missing]!r} (the policy's name for {missing!r}); it"
+        raise KeyError(f"init_from={path!r} has no {by_prefix(missing)!r} (the policy's name for {missing!r}); it"
                        f" has e.g. {sorted(available)[:3]}.")
-    for strip in (False, True):
-        mapped = {k: k.split(".", 1)[1] if strip and "." in k else k for k in keys}
-        if all(name in available for name in mapped.values()):
-            return mapped
-    if missing_ok:
-        return {}
-    missing = next(k for k in keys if k not in available)
-    raise KeyError(f"init_from={path!r} has no {missing!r} (nor {missing.split('.', 1)[-1]!r}); it has e.g."
+    raise KeyError(f"init_from={path!r} has no {missing!r} (nor {strip(missing)!r}); it has e.g."
                    f" {sorted(available)[:3]}. Is it a checkpoint of another model?")
 
 

@@ -39,26 +39,27 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
     for param in parameters:
         if param.grad is None:
             continue
-        local, copies = local_piece(param.grad, dims)
+        local, copies = local_piece(param.grad, dims, of=param)
         local_squares.append(local.detach().float().pow(2).sum())
-        # A tied weight's copies on the first and last pipeline stages hold one gradient (lightning_3d.parallel.tied).
-        squares.append(local_squares[-1] / (copies * getattr(param, STAGE_COPIES, 1)))
+        squares.append(local_squares[-1] / copies)
     if not squares:
         return torch.zeros(()), torch.zeros(())
     return torch.stack(squares).sum(), torch.stack(local_squares).sum()
 
 
-def local_piece(tensor: Tensor, dims: ParallelDims) -> tuple[Tensor, int]:
-    """This rank's piece of a (possibly sharded) tensor, and how many ranks of its pipeline stage hold that
-    very piece (replicas over dp and tp): dividing by it counts every piece of the model once."""
+def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) -> tuple[Tensor, int]:
+    """This rank's piece of a (possibly sharded) tensor -- a parameter, or ``of``'s gradient -- and how many
+    ranks hold that very piece (replicas over dp and tp; a tied weight's copies on the first and last
+    pipeline stages too): dividing by it counts every piece of the model once."""
+    stage_copies = getattr(tensor if of is None else of, STAGE_COPIES, 1)
     if not isinstance(tensor, DTensor):
-        return tensor, dims.dp * dims.tp
+        return tensor, dims.dp * dims.tp * stage_copies
     if any(p.is_partial() for p in tensor.placements):
         raise RuntimeError("a pending (Partial) gradient has no local piece yet; reduce it first")
     # Every mesh dimension that is not Replicate splits the tensor; FSDP2 on a (dp, tp) mesh uses
     # _StridedShard for dp, which is not a Shard (is_shard() is False).
     distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-    return tensor.to_local(), dims.dp * dims.tp // distinct
+    return tensor.to_local(), dims.dp * dims.tp // distinct * stage_copies
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:

@@ -60,27 +60,24 @@ def embedding_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup
 
 
 class TiedGradients:
-    """Sums the gradients of this rank's copies of tied parameters over the embedding group."""
+    """Sums the gradients of this rank's copies of tied parameters over the embedding group. Built once data
+    parallelism has wrapped the stages (FSDP2 replaces parameters); marks each copy as one of two, so the
+    global norm and the parameter count take it once."""
 
-    def __init__(self, fqns: list[str], group: dist.ProcessGroup | None) -> None:
-        self.fqns = fqns
-        self.group = group
-
-    def mark(self, module: nn.Module) -> list[nn.Parameter]:
-        """This rank's copies, each marked as one of two (so norms and parameter counts take it once)."""
-        # Looked up each time: data parallelism (FSDP2) replaces parameters after this is built.
+    def __init__(self, module: nn.Module, fqns: list[str], group: dist.ProcessGroup | None) -> None:
         params = dict(module.named_parameters(remove_duplicate=False))
-        for fqn in self.fqns:
-            setattr(params[fqn], STAGE_COPIES, 2)
-        return [params[fqn] for fqn in self.fqns]
+        self.params = [params[fqn] for fqn in fqns]
+        self.group = group
+        for param in self.params:
+            setattr(param, STAGE_COPIES, 2)
 
-    def __call__(self, module: nn.Module) -> None:
-        for param in self.mark(module):
+    def __call__(self) -> None:
+        for param in self.params:
             if param.grad is None:
                 raise RuntimeError("a tied parameter got no gradient this step; its partner on the other end"
                                    " of the pipeline would wait for it")
             if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
-                # An embedding's gradient comes back from backward replicated over tp, the head's split over
+                # An embedding's gradient can come back from backward replicated over tp, the head's split over
                 # the vocabulary like its weight: both ends sum the same pieces.
                 param.grad = param.grad.redistribute(placements=param.placements)
             dist.all_reduce(_local(param.grad), group=self.group)

@@ -111,25 +111,26 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
     root_name = plan.pipeline_root
     root = module.get_submodule(root_name)
     num_stages = len(stage_blocks)
+    split = [*plan.blocks, *plan.before, *plan.after]
     stages = []
     for stage_id in stage_ids:
         stage = copy.deepcopy(root)
         keep = set(stage_blocks[stage_id])
         keep |= set(plan.before) if stage_id == 0 else set()
         keep |= set(plan.after) if stage_id == num_stages - 1 else set()
-        for fqn in [*plan.blocks, *plan.before, *plan.after]:
+        for fqn in split:
             if fqn not in keep:
                 _remove(stage, _relative(fqn, root_name))
-        _share_the_rest(stage, root, [_relative(fqn, root_name) for fqn in [*plan.blocks, *plan.before, *plan.after]])
+        _share_the_rest(stage, root, [_relative(fqn, root_name) for fqn in split])
         if plan.stage_forward is not None:
             # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
             stage.forward = partial(plan.stage_forward, stage)
         stages.append(stage)
     # The union: the root, emptied, then given each local stage's modules (the same objects).
-    for fqn in [*plan.blocks, *plan.before, *plan.after]:
+    for fqn in split:
         _remove(root, _relative(fqn, root_name))
     for stage in stages:
-        for fqn in [*plan.blocks, *plan.before, *plan.after]:
+        for fqn in split:
             relative = _relative(fqn, root_name)
             kept = _get(stage, relative)
             if kept is not None:
@@ -177,12 +178,6 @@ class DroppedBlock(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError("a pipeline stage called a block that another stage holds; its stage_forward must"
                            " skip lightning_3d.pipeline.split.DroppedBlock entries")
-
-
-def held_blocks(blocks: nn.Module) -> list[nn.Module]:
-    """The blocks of a ``ModuleList``/``ModuleDict`` that this stage holds, in order."""
-    children = blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
-    return [block for block in children if block is not None and not isinstance(block, DroppedBlock)]
 
 
 def held_modules(module: nn.Module, fqns: list[str]) -> dict[str, nn.Module]:

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         model, cluster, batch, precision = inputs(args)
         result = plan(model, cluster, global_batch_size=batch, precision=precision)
-    except (PlannerError, ValueError) as err:
+    except ValueError as err:  # PlannerError included
         sys.exit(f"lightning-3d plan: {err}")
     print(result.table(args.top))
     if args.yaml_out:

@@ -27,6 +27,8 @@ against what a CPU run saves):
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, fields
 
 from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
@@ -98,11 +100,17 @@ def zero_model_state_bytes(num_params: float, dp: int, zero_stage: int, precisio
     }
 
 
-def rank_blocks(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
+def rank_blocks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, ...]:
     """Indices of the blocks pipeline rank ``pp_rank`` holds: the even-by-count split lightning-3d makes
     (``pipeline_split="blocks"``), stage s on rank s % pp."""
-    stages = assign_blocks([str(i) for i in range(model.num_layers)], layout.pp * layout.virtual_stages)
-    return [int(b) for s in stage_ids_of(pp_rank, layout.pp, layout.virtual_stages) for b in stages[s]]
+    return _rank_blocks(model.num_layers, layout.pp, layout.virtual_stages, pp_rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_blocks(num_layers: int, pp: int, virtual: int, pp_rank: int) -> tuple[int, ...]:
+    # Cached: a search asks for the same split many times per layout, and assign_blocks logs uneven ones.
+    stages = assign_blocks([str(i) for i in range(num_layers)], pp * virtual)
+    return tuple(int(b) for s in stage_ids_of(pp_rank, pp, virtual) for b in stages[s])
 
 
 def rank_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
@@ -175,14 +183,13 @@ def checkpointed_blocks(model: ModelSpec, layout: Layout) -> set[int]:
     return set()
 
 
-def microbatch_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int,
-                                **options) -> float:
+def microbatch_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
     """Bytes one micro-batch leaves saved on pipeline rank ``pp_rank`` when its forward is done: its blocks,
     plus the token and position ids on the first rank and the final norm and fp32 log-softmax of the loss
     (vocabulary-parallel: V / t per token) on the last."""
     b, s, h, t = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp
     ckpt = checkpointed_blocks(model, layout)
-    total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt, **options)
+    total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt)
                 for i in rank_blocks(model, layout, pp_rank))
     seq_split = t if layout.sequence_parallel else 1
     if pp_rank == 0:

@@ -26,7 +26,6 @@ class Candidate:
     layout: Layout
     memory: MemoryEstimate
     """At the pipeline rank that needs the most."""
-    memory_rank: int
     time: StepTime
     tokens_per_second: float
     mfu: float
@@ -61,13 +60,13 @@ class LayoutPlan:
         return to_yaml(self, candidate or self.best)
 
 
-def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision, **time_options) -> Candidate:
+def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision) -> Candidate:
     """Memory and time estimates of one layout."""
-    rank, memory = peak_memory(model, layout, precision)
-    time = estimate_step_time(model, layout, cluster, precision, **time_options)
+    _, memory = peak_memory(model, layout, precision)
+    time = estimate_step_time(model, layout, cluster, precision)
     tokens = layout.global_batch_size * model.seq_length
     mfu = time.model_flops / time.total / (layout.world_size * cluster.peak_tflops * 1e12)
-    return Candidate(layout, memory, rank, time, tokens / time.total, mfu)
+    return Candidate(layout, memory, time, tokens / time.total, mfu)
 
 
 def plan(model: ModelSpec, cluster: Cluster, *, global_batch_size: int, precision: str | Precision = "bf16-mixed",

@@ -132,7 +132,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     if zero == 3 and p == 1 and d > 1:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
         # prefetched during the previous block's compute.
-        gathers = 2 * allreduce(params * precision.param_bytes, d, dp_bw) / 2
+        gathers = allreduce(params * precision.param_bytes, d, dp_bw)  # two all-gathers: one all-reduce's bytes
         exposed += m * max(0.0, gathers - compute)
     optimizer = 2 * params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes) / hbm
     if zero:

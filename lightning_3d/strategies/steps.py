@@ -47,7 +47,7 @@ class LayoutSteps:
         if self.parallel_dims.tp > 1:
             reduce_partial_grads(module)
         if self._tied_gradients is not None:
-            self._tied_gradients(module)
+            self._tied_gradients()
 
     def _loss_context(self):
         # Around steps and backward (both happen inside the schedule under pipeline parallelism).

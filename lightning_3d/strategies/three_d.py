@@ -147,8 +147,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self._sharded_rng: Optional[ShardedRNG] = None  # tensor parallel only; checkpoints save its state
         self._rank_state_to_load: Optional[dict] = None  # random generators from a checkpoint of this layout
         self._memory_logged = False
-        self._checkpoint_names: dict[str, str] = {}  # the policy's names for init_from checkpoints
-        self._tied_names: list[tuple[str, str]] = []  # the policy's tied parameters, for init_from
+        self._model_plan: Optional[Plan] = None  # the policy's plan for the module (names for init_from)
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
@@ -262,7 +261,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
             self._prepare(module)
         self.model = self._data_parallel(module) if self._engine is None else module
         if first_setup and self.parallel_config.init_from:  # each rank reads its slices (a resumed fit then
-            load_pretrained(module, self.parallel_config.init_from, self._checkpoint_names, self._tied_names)  # restores over them)
+            plan = self._model_plan                           # restores over them)
+            load_pretrained(module, self.parallel_config.init_from, plan.checkpoint_names, plan.tied_parameters)
         # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
         # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
         # norm, so its two clip methods are replaced on this instance with global-norm ones.
@@ -276,8 +276,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
 
     def _prepare(self, module: pl.LightningModule) -> None:
         dims, config = self.parallel_dims, self.parallel_config
-        plan = self._plan(module)
-        self._checkpoint_names, self._tied_names = plan.checkpoint_names, plan.tied_parameters
+        plan = self._model_plan = self._plan(module)
         stage_blocks, stage_ids = None, []
         if dims.pp > 1:
             if not module.automatic_optimization:
@@ -293,8 +292,6 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
                                                         config.activation_checkpointing,
                                                         params_loaded=config.init_from is not None)
         rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
-        if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
-            self._tied_gradients = TiedGradients(tied_copies, embedding_group(dims, self.coords))
         self.precision_plugin.convert_module(module)
         self._blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: DP units
         if stages:
@@ -311,8 +308,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
                 random_state=partial(preserved_random_state, self._sharded_rng, self.root_device),
                 stage_output=plan.stage_output,
             )
-        if self._tied_gradients is not None:
-            self._tied_gradients.mark(module)  # after data parallelism, which may replace the parameters
+        if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
+            self._tied_gradients = TiedGradients(module, tied_copies, embedding_group(dims, self.coords))
         self._prepared_module = module
 
     @property
