@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
+from lightning_3d.callbacks.grad_checks import GradientChecks
 from lightning_3d.callbacks.layout import dims_of
 
 ACTIONS = ("raise", "skip", "rollback")
@@ -62,20 +63,16 @@ class NaNGuard(L.Callback):
         self.every_n_steps = every_n_steps
         self.check_activations = check_activations
         self.skipped_steps: list[int] = []
-        self._first_bad: str | None = None
         self._first_bad_activation: str | None = None
-        self._grad_checks: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient is finite), in order
-        self._checking = False  # this batch is checked
-        self._handles: list = []
+        self._grads: GradientChecks | None = None  # while training
+        self._handles: list = []  # the activation checks' hooks
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.action == "rollback" and not _checkpoint_callbacks(trainer):
             raise ValueError("NaNGuard(action='rollback') reloads the newest checkpoint, but the Trainer has no"
                              " ModelCheckpoint callback. Add one (e.g. ModelCheckpoint(every_n_train_steps=500,"
                              " save_last=True)), or use action='skip'.")
-        for name, param in pl_module.named_parameters():
-            if param.requires_grad:
-                self._handles.append(param.register_hook(lambda grad, name=name: self._check(name, grad)))
+        self._grads = GradientChecks(pl_module)
         if self.check_activations:
             for name, module in pl_module.named_modules():
                 if name:
@@ -86,16 +83,13 @@ class NaNGuard(L.Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._grads is not None:
+            self._grads.remove()
+            self._grads = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        self._checking = trainer.global_step % self.every_n_steps == 0
-
-    def _check(self, name: str, grad: torch.Tensor) -> None:
-        if self._checking:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            # A sum is finite unless an element is not (or the fp32 sum overflows, past 3e38): one reduction,
-            # no boolean copy of the gradient, and no host sync until the optimizer step.
-            self._grad_checks.append((name, torch.isfinite(local.sum(dtype=torch.float32))))
+        if self._grads is not None:
+            self._grads.active = trainer.global_step % self.every_n_steps == 0
 
     def _check_activation(self, name: str, output, trainer: L.Trainer) -> None:
         if self._first_bad_activation is not None or trainer.global_step % self.every_n_steps:
@@ -110,13 +104,9 @@ class NaNGuard(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         if trainer.global_step % self.every_n_steps:
             return
-        if self._grad_checks:
-            finite = torch.stack([ok for _, ok in self._grad_checks])
-            if not bool(finite.all()):
-                self._first_bad = self._grad_checks[int(finite.logical_not().nonzero()[0])][0]
-            self._grad_checks = []
-        mine = (self._first_bad, self._first_bad_activation) if self._first_bad else None
-        self._first_bad = self._first_bad_activation = None
+        first_bad = self._grads.first_not_finite(pl_module, trainer.global_step) if self._grads is not None else None
+        mine = (first_bad, self._first_bad_activation) if first_bad else None
+        self._first_bad_activation = None
         found = [mine]
         if dist.is_initialized():  # every rank learns what every rank saw: they all act alike
             # One small all-reduce per step says whether any rank saw one; only then the reports are gathered.
