@@ -94,6 +94,37 @@ def test_bytes_per_dimension_equal_the_analytic_count_for_the_reference_gpt(meas
             assert values[f"{dim}_time_s"] <= values["step_time_s"]
 
 
+def dp_bytes_per_batch(result: dict, ops: tuple[str, ...]) -> list[int]:
+    return [sum(b for dim, op, b in batch if dim == "dp" and op in ops) for batch in result["per_batch"]]
+
+
+REDUCTIONS = ("allreduce_", "_reduce_scatter_base_")
+ALL_GATHERS = ("_allgather_base_",)
+
+
+@pytest.mark.multiprocess
+def test_accumulation_under_the_pipeline_reduces_over_dp_once_per_optimizer_step(measured):
+    # (2, 2, 1), accumulate_grad_batches=2, two optimizer steps: batches 0 and 2 only accumulate.
+    for rank, result in enumerate(measured):
+        stage = rank // 2
+        one_reduction = FP32 * local_parameters(tp=1, blocks=1, first=stage == 0, last=stage == 1)
+        for name in ("dp2_pp2_tp1_accumulate2", "dp2_pp2_tp1_zero2_accumulate2"):  # all-reduce; reduce-scatter
+            reduced = dp_bytes_per_batch(result[name], REDUCTIONS)
+            assert reduced == [0, one_reduction, 0, one_reduction], (rank, name, reduced)
+
+
+@pytest.mark.multiprocess
+def test_reducing_per_microbatch_costs_one_reduce_scatter_per_microbatch(measured):
+    # pipeline_reduce_grads="per_microbatch" at (2, 2, 1), 2 micro-batches per batch: each batch (accumulating
+    # or not) reduce-scatters the stage's gradients twice; the parameters' all-gathers are those of "per_step".
+    for rank, result in enumerate(measured):
+        stage = rank // 2
+        one_reduction = FP32 * local_parameters(tp=1, blocks=1, first=stage == 0, last=stage == 1)
+        per_step, per_microbatch = (result[f"dp2_pp2_tp1_zero2{mode}_accumulate2"] for mode in ("", "_per_microbatch"))
+        assert dp_bytes_per_batch(per_microbatch, REDUCTIONS) == [2 * one_reduction] * 4, rank
+        assert dp_bytes_per_batch(per_microbatch, ALL_GATHERS) == dp_bytes_per_batch(per_step, ALL_GATHERS), rank
+
+
 @pytest.mark.multiprocess
 def test_logged_values_are_the_maximum_over_ranks(measured):
     logged = measured[0]["dp1_pp2_tp2"]["logged"]

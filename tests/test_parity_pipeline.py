@@ -60,6 +60,9 @@ for name, (dp, pp, tp), mode in [("dp2_full_ac", (2, 1, 1), "full"), ("dp1_pp1_t
     EXTRA[-1].strategy_kwargs["activation_checkpointing"] = mode
 EXTRA[4].name, EXTRA[4].strategy_kwargs["pipeline_split"] = "dp1_pp2_split_explicit", [
     [f"model.blocks.{i}" for i in range(3)], [f"model.blocks.{i}" for i in range(3, 8)]]
+# Accumulation with data-parallel stages: reduced over dp once per optimizer step (pipeline/grad_sync.py).
+EXTRA.append(sweep_case(2, 2, 1, accumulate_grad_batches=2, model=dict(GPT8, n_layer=4)))
+EXTRA[-1].name = "dp2_pp2_accumulate2"
 CASES.update({c.name: c for c in EXTRA})
 
 

@@ -37,6 +37,12 @@ CASES += [
     zero_case(3, 2, 1, 1, accumulate_grad_batches=2),  # gradients accumulate unsharded, reduced once
     zero_case(2, 2, 2, 1, accumulate_grad_batches=2),
 ]
+# Gradients reduce-scattered per micro-batch under the pipeline, not once per step.
+for case in [zero_case(2, 2, 2, 1), zero_case(3, 2, 2, 1, accumulate_grad_batches=2),
+             zero_case(3, 2, 2, 2, "interleaved_1f1b")]:
+    case.strategy_kwargs["pipeline_reduce_grads"] = "per_microbatch"
+    case.name += "_per_microbatch"
+    CASES.append(case)
 # Composed with sequence parallelism and activation checkpointing.
 for zero, (dp, pp, tp), suffix, extra in [(3, (2, 1, 2), "sp", dict(sequence_parallel=True)),
                                           (3, (2, 1, 2), "full_ac", dict(activation_checkpointing="full")),

@@ -9,6 +9,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 MODEL_INIT = ("auto", "exact", "meta")
+PIPELINE_REDUCE_GRADS = ("per_step", "per_microbatch")
 
 
 class ParallelConfigError(ValueError):
@@ -50,6 +51,12 @@ class ParallelConfig:
     zero_stage: int = 0
     """0 replicates over "dp"; 1, 2, 3 shard optimizer state, then gradients, then parameters (FSDP2; stage 1
     runs as stage 2, see ``lightning_3d.parallel.data_parallel.apply_zero``)."""
+    pipeline_reduce_grads: str = "per_step"
+    """Under pipeline parallelism with ZeRO (zero_stage > 0): when a stage reduce-scatters its gradients over
+    "dp". "per_step": once, after the step's last micro-batch -- the stage holds its whole gradients (not dp
+    shards) from the first backward to the end of the step. "per_microbatch": each block's gradient as that
+    block's backward ends, in every micro-batch -- about one block's whole gradient at a time, for
+    num_microbatches times the reduce-scatter bytes (``lightning_3d.pipeline.grad_sync``)."""
     offload: bool = False
     """Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's CPU offload; CUDA
     only, a no-op with a warning on CPU). Needs zero_stage > 0."""
@@ -81,6 +88,9 @@ class ParallelConfig:
         _require_choice("zero_stage", self.zero_stage, ZERO_STAGES)
         _require_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         _require_choice("model_init", self.model_init, MODEL_INIT)
+        _require_choice("pipeline_reduce_grads", self.pipeline_reduce_grads, PIPELINE_REDUCE_GRADS)
+        if self.pipeline_reduce_grads == "per_microbatch":
+            _check_reduce_per_microbatch(self)
         if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
             raise ParallelConfigError(
                 f"virtual_pipeline_size={self.virtual_pipeline_size} needs an interleaved schedule, but"
@@ -122,6 +132,22 @@ class ParallelConfig:
             cls = self.policy if isinstance(self.policy, type) else type(self.policy)
             values["policy"] = f"{cls.__module__}.{cls.__qualname__}"
         return values
+
+
+def _check_reduce_per_microbatch(config: ParallelConfig) -> None:
+    if config.zero_stage == 0 or config.pipeline_parallel_size == 1:
+        raise ParallelConfigError(
+            f"pipeline_reduce_grads='per_microbatch' lowers the gradient memory of ZeRO under a pipeline, but"
+            f" zero_stage={config.zero_stage} and pipeline_parallel_size={config.pipeline_parallel_size}: without"
+            " ZeRO every rank holds whole gradients anyway, and without a pipeline FSDP2 reduces per block already."
+            " Set zero_stage > 0 and pipeline_parallel_size > 1, or pipeline_reduce_grads='per_step'."
+        )
+    if config.pipeline_schedule == "zero_bubble":
+        raise ParallelConfigError(
+            "pipeline_reduce_grads='per_microbatch' needs a schedule that runs each micro-batch's backward whole;"
+            " pipeline_schedule='zero_bubble' splits it into input and weight gradients. Use '1f1b', 'gpipe' or"
+            " 'interleaved_1f1b', or pipeline_reduce_grads='per_step'."
+        )
 
 
 def _require_positive_int(name: str, value: Any) -> None:

@@ -38,9 +38,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -49,6 +49,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_3d.parallel.config import ParallelConfigError
+from lightning_3d.pipeline.grad_sync import GradSyncStage
 from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
 from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
 
@@ -80,6 +81,11 @@ class PipelineEngine:
         self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
         self.random_state = random_state  # restores the random streams after metadata inference
         self.stage_output = stage_output  # the last stage's tensor -> what the user's model call returns
+        self.reduce_grads_per_microbatch = False
+        """Set before the first step: stages reduce-scatter each block's gradient in every micro-batch, not once
+        per step (``pipeline/grad_sync.py``; ``ParallelConfig.pipeline_reduce_grads``)."""
+        self._train_stages: list[GradSyncStage] = []
+        self._sync_grads = True
         self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
         self._loss_fns: dict[bool, _CurrentLoss] = {}
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
@@ -98,18 +104,23 @@ class PipelineEngine:
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stages
 
-    def training_step(self, batch: Any, *args: Any, accumulate_grad_batches: int,
+    def training_step(self, batch: Any, *args: Any, accumulate_grad_batches: int, sync_grads: bool = True,
                       finish_grads: Callable[[nn.Module], None] | None = None, **step_kwargs: Any) -> Tensor:
         """Lightning's training_step, pipelined. The schedule runs backward now, but Lightning zeroes the
         gradients after training_step and before its backward: this step's gradients are kept aside until
-        :meth:`add_step_grads` (called from the strategy's backward), as if computed there."""
+        :meth:`add_step_grads` (called from the strategy's backward), as if computed there.
+
+        ``sync_grads=False`` (an accumulation micro-step) leaves data-parallel stages' gradients unreduced, in
+        FSDP2, until a step with True (``pipeline/grad_sync.py``); ``finish_grads`` then waits for that step."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
+        self._sync_grads = sync_grads  # read by the training stages when the schedule runs (_schedule)
         loss = self.run("training_step", batch, *args, train=True, loss_scale=1.0 / accumulate_grad_batches,
                         **step_kwargs)
-        if finish_grads is not None:
+        held_in_fsdp = not sync_grads and any(isinstance(m, FSDPModule) for m in self.stages.values())
+        if finish_grads is not None and not held_in_fsdp:
             finish_grads(self.module)
         self._step_grads = [(p, p.grad) for p in params]
         for p, grad in zip(params, previous):
@@ -240,11 +251,14 @@ class PipelineEngine:
     def _schedule(self, train: bool, loss_fn: Callable) -> Any:
         key = train
         if key not in self._schedules:
-            make_stage = PipelineStage if self.timeline is None else partial(TimedPipelineStage, timeline=self.timeline)
+            make_stage = GradSyncStage if self.timeline is None else partial(TimedPipelineStage, timeline=self.timeline)
             stages = [
-                make_stage(module, index, self.num_stages, self.device, group=self.pp_group)
+                make_stage(module, index, self.num_stages, self.device, group=self.pp_group,
+                           reduce_per_microbatch=self.reduce_grads_per_microbatch)
                 for index, module in sorted(self.stages.items())
             ]
+            if train:
+                self._train_stages = stages
             for stage in stages:
                 isolate_metadata_inference(stage, self.random_state)
             cls = SCHEDULES[self.schedule_name]
@@ -254,6 +268,9 @@ class PipelineEngine:
             self._loss_fns[key] = _CurrentLoss(shape_inference_call=train)
             self._schedules[key] = cls(first, self.num_microbatches, loss_fn=self._loss_fns[key])
         self._loss_fns[key].current = loss_fn
+        if train:
+            for stage in self._train_stages:
+                stage.sync_grads = self._sync_grads
         return self._schedules[key]
 
 

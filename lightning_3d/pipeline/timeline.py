@@ -1,7 +1,7 @@
 """When each forward and backward of each micro-batch ran on this rank: the raw material of a pipeline picture.
 
 The engine builds its stages as :class:`TimedPipelineStage` only when someone (``PipelineMonitor``) has given it
-a :class:`PipelineTimeline`; otherwise they are plain ``PipelineStage`` s and nothing here runs. Every schedule
+a :class:`PipelineTimeline`; otherwise they are plain ``GradSyncStage`` s and nothing here runs. Every schedule
 of ``torch.distributed.pipelining`` drives a stage through the same three methods -- ``forward_one_chunk``,
 ``backward_one_chunk`` (the whole backward, or only the input gradient under zero-bubble schedules) and
 ``backward_weight_one_chunk`` -- so timing those three times every schedule.
@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple
 
 import torch
-from torch.distributed.pipelining import PipelineStage
+
+from lightning_3d.pipeline.grad_sync import GradSyncStage
 
 
 class Action(NamedTuple):
@@ -59,8 +60,8 @@ class PipelineTimeline:
         self.actions.append(Action(stage, kind, microbatch, start, time.time()))
 
 
-class TimedPipelineStage(PipelineStage):
-    """A ``PipelineStage`` that reports each forward, backward and weight-gradient call to ``timeline``."""
+class TimedPipelineStage(GradSyncStage):
+    """A ``GradSyncStage`` that reports each forward, backward and weight-gradient call to ``timeline``."""
 
     def __init__(self, *args: Any, timeline: PipelineTimeline, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -34,7 +34,7 @@ class LayoutSteps:
                 return self._engine.run(method, *args, train=False, **kwargs)
             return self._engine.training_step(
                 *args, accumulate_grad_batches=self.lightning_module.trainer.accumulate_grad_batches,
-                finish_grads=self._finish_pipeline_grads, **kwargs)
+                sync_grads=self._gradient_sync, finish_grads=self._finish_pipeline_grads, **kwargs)
         # Data parallel hooks run in the called module's forward (DDP's, or FSDP2's on the module itself):
         # Lightning's forward redirection sends the call through that forward into `method`.
         with self._loss_context():

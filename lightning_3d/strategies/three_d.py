@@ -89,6 +89,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         virtual_pipeline_size: int = 1,
         sequence_parallel: bool = False,
         zero_stage: int = 0,
+        pipeline_reduce_grads: str = "per_step",
         activation_checkpointing: Optional[str] = None,
         offload: bool = False,
         init_from: Optional[str] = None,
@@ -123,6 +124,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
             virtual_pipeline_size=virtual_pipeline_size,
             sequence_parallel=sequence_parallel,
             zero_stage=zero_stage,
+            pipeline_reduce_grads=pipeline_reduce_grads,
             activation_checkpointing=activation_checkpointing,
             offload=offload,
             init_from=init_from,
@@ -260,6 +262,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         if first_setup:
             self._prepare(module)
         self.model = self._data_parallel(module) if self._engine is None else module
+        if self._engine is not None:  # when its stages reduce gradients over dp (lightning_3d.pipeline.grad_sync)
+            self._engine.reduce_grads_per_microbatch = self.parallel_config.pipeline_reduce_grads == "per_microbatch"
         if first_setup and self.parallel_config.init_from:  # each rank reads its slices (a resumed fit then
             plan = self._model_plan                           # restores over them)
             load_pretrained(module, self.parallel_config.init_from, plan.checkpoint_names, plan.tied_parameters)
