@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_3d.checkpoint.safe_load import CheckedReader
 from lightning_3d.checkpoint.safetensors_io import SafetensorsWriter
 from lightning_3d.checkpoint.sharded import check_complete, read_meta
 
@@ -39,7 +39,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "")
     """
     checkpoint, out = Path(checkpoint), Path(out)
     check_complete(checkpoint)
-    entries = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    entries = CheckedReader(checkpoint).read_metadata().state_dict_metadata
     layout: dict[str, tuple] = {}
     sources: dict[str, str] = {}
     for key, entry in entries.items():
@@ -88,7 +88,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, tuple]:
 
 def _read(checkpoint: Path, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype)
-    dcp.load({key: tensor}, storage_reader=FileSystemReader(checkpoint), no_dist=True)
+    dcp.load({key: tensor}, storage_reader=CheckedReader(checkpoint), no_dist=True)
     return tensor
 
 

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_3d.checkpoint import sharded
 from lightning_3d.checkpoint.boxes import local_boxes
+from lightning_3d.checkpoint.safe_load import torch_load
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 
 INDEX = "model.safetensors.index.json"
@@ -148,7 +149,7 @@ def _open(path: Path) -> Source:
         reader = SafetensorsReader(path)
         return Source({name: reader.shape(name) for name in reader.keys()},
                       {name: reader.dtype(name) for name in reader.keys()}, reader.copy_into)
-    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    loaded = torch_load(path, what="init_from", map_location="cpu", mmap=True)
     tensors = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
     tensors = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     return Source({name: tuple(t.shape) for name, t in tensors.items()}, {name: t.dtype for name, t in tensors.items()},

@@ -24,15 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_3d.checkpoint import atomic
 from lightning_3d.checkpoint.boxes import BoxesLoadPlanner, BoxesSavePlanner
+from lightning_3d.checkpoint.safe_load import CheckedReader, torch_load
 
 FORMAT = "lightning_3d.dcp/1"
 META_FILE = "lightning_3d.meta.pt"
 RNG_DIR = "rng"
+TRUSTED_HINT = " (or, to run its code, pass weights_only=False to trainer.fit)"
 
 
 class CheckpointError(RuntimeError):
@@ -74,18 +76,22 @@ def check_complete(path: Path) -> None:
                               " Load a checkpoint directory that lightning_3d wrote, or a single-file checkpoint.")
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path, trusted: bool = False) -> dict[str, Any]:
+    """Rank 0's Lightning state. Unpickled with code allowed to run only if ``trusted`` (the user passed
+    ``weights_only=False``); else only plain values and our own types (``safe_load``)."""
     check_complete(path)
-    return torch.load(path / META_FILE, weights_only=False)
+    if trusted:
+        return torch.load(path / META_FILE, weights_only=False)
+    return torch_load(path / META_FILE, what="the checkpoint's metadata", opt_out=TRUSTED_HINT)
 
 
 def read_rank_state(path: Path, rank: int) -> dict[str, Any]:
-    return torch.load(path / RNG_DIR / f"rank{rank}.pt", weights_only=False)
+    return torch_load(path / RNG_DIR / f"rank{rank}.pt", what="the checkpoint's random-generator state")
 
 
 def stored_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
     """Every entry of the checkpoint by flattened name: the global shape of a tensor, None for other values."""
-    entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    entries = CheckedReader(path).read_metadata().state_dict_metadata
     return {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None for k, v in entries.items()}
 
 
@@ -114,7 +120,7 @@ def check_matches(path: Path, state: dict[str, Any], model_keys_everywhere: set[
 
 def load(path: Path, state: dict[str, Any]) -> None:
     """Fill ``state`` (this rank's tensors, in their current layout) in place from the checkpoint. Collective."""
-    dcp.load(state, storage_reader=FileSystemReader(path), planner=BoxesLoadPlanner())
+    dcp.load(state, storage_reader=CheckedReader(path), planner=BoxesLoadPlanner())
 
 
 def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

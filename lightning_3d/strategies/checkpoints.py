@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_3d.checkpoint import atomic, sharded
 from lightning_3d.checkpoint.resumable import ResumableLoader
+from lightning_3d.checkpoint.safe_load import torch_load
 
 # Optimizer state keyed by parameter FQN, with param_groups flattened per FQN too: each pipeline stage's
 # optimizer holds other parameters, and the flattened form is what lets any layout read any other's.
@@ -72,11 +73,13 @@ class ShardedCheckpoints:
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_file():
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+            if weights_only is False:  # the user vouched for the file: Lightning's documented opt-out
+                return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            return torch_load(path, what="the checkpoint", opt_out=sharded.TRUSTED_HINT, map_location="cpu", mmap=True)
         if self.is_global_zero:
             atomic.recover(path)
         self.barrier("lightning_3d.recover_checkpoint")
-        meta = sharded.read_meta(path)
+        meta = sharded.read_meta(path, trusted=weights_only is False)
         written = meta["lightning_3d"]
         module, fitting = self.lightning_module, self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
