@@ -4,8 +4,12 @@
 
 WHERE: forward | backward | optimizer | callback | dataloader (raise) or hang (sleep forever), on global
 rank RANK at step 2. LAYOUT: "dp,pp,tp". Before failing, the rank writes the time to OUT_DIR/fault_time.
+slow_phases: on rank RANK, configure_model, a checkpoint's save (fit 1) and its load (fit 2, resuming it)
+each take longer than hang_timeout, which is no hang; then it hangs in training_step at step 2. Each slow
+phase, once over, writes OUT_DIR/slow_<name>.
 """
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -14,20 +18,39 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+import torch.distributed as dist
+
 from lightning_3d import ThreeDStrategy
+from lightning_3d.checkpoint import sharded
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 
 OUT, WHERE, RANK = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 STEP = 2
+HANG_TIMEOUT = 3 if WHERE == "slow_phases" else 5
+SLOW_S = 1.5 * HANG_TIMEOUT  # a slow phase (set-up, a checkpoint's save or load): longer than hang_timeout
 
 
 def fault(trainer_rank: int, step: int, here: str) -> None:
-    if here == WHERE and trainer_rank == RANK and step == STEP:
+    if here == ("hang" if WHERE == "slow_phases" else WHERE) and trainer_rank == RANK and step == STEP:
         (OUT / "fault_time").write_text(str(time.time()))
-        if WHERE == "hang":
+        if here == "hang":
             while True:  # a rank that never arrives at the next collective
                 time.sleep(0.05)
         raise ValueError(f"injected failure in {WHERE}")
+
+
+def slow(name: str, rank: int) -> None:
+    if WHERE == "slow_phases" and rank == RANK and not (OUT / f"slow_{name}").exists():
+        time.sleep(SLOW_S)
+        (OUT / f"slow_{name}").touch()
+
+
+def slowly(name: str, function):
+    @functools.wraps(function)
+    def slow_function(*args, **kwargs):
+        slow(name, dist.get_rank())  # slow storage
+        return function(*args, **kwargs)
+    return slow_function
 
 
 class FailingBackward(torch.autograd.Function):
@@ -49,6 +72,7 @@ class Module(GPTLightningModule):
         return super().training_step(batch, batch_idx)
 
     def configure_model(self):
+        slow("configure_model", self.global_rank)  # a large model
         super().configure_model()
         for block in self.model.blocks.values():  # whichever of them this rank's pipeline stage holds
             block.register_forward_hook(lambda m, a, out: FailingBackward.apply(out, self))
@@ -61,6 +85,12 @@ class Module(GPTLightningModule):
 class FailingCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         fault(trainer.global_rank, trainer.global_step, "callback")
+
+
+class SaveAtFirstStep(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(OUT / "checkpoint")
 
 
 class Data(SyntheticDataModule):
@@ -83,16 +113,25 @@ class FailingLoader:
             yield batch
 
 
-def main() -> None:
-    dp, pp, tp = map(int, sys.argv[4].split(","))
-    L.seed_everything(0, verbose=False)
+def fit(layout: str, max_steps: int, callbacks: list, **fit_kwargs) -> None:
+    dp, pp, tp = map(int, layout.split(","))
     strategy = ThreeDStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                              hang_timeout=5, exit_timeout=5)
-    trainer = L.Trainer(accelerator="cpu", devices=dp * pp * tp, strategy=strategy, max_steps=6, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[FailingCallback()])
+                              hang_timeout=HANG_TIMEOUT, exit_timeout=5)
+    trainer = L.Trainer(accelerator="cpu", devices=dp * pp * tp, strategy=strategy, max_steps=max_steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
     trainer.fit(Module(config=GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)),
-                Data(seq_len=16, batch_size=4))
+                Data(seq_len=16, batch_size=4), **fit_kwargs)
+
+
+def main() -> None:
+    L.seed_everything(0, verbose=False)
+    if WHERE == "slow_phases":
+        sharded.save, sharded.load = slowly("save", sharded.save), slowly("load", sharded.load)
+        fit(sys.argv[4], 1, [SaveAtFirstStep()])
+        fit(sys.argv[4], 6, [], ckpt_path=OUT / "checkpoint")
+    else:
+        fit(sys.argv[4], 6, [FailingCallback()])
 
 
 if __name__ == "__main__":

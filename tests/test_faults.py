@@ -4,6 +4,7 @@ waits in. Each case is one launch that is meant to fail."""
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,23 @@ def test_a_hang_ends_the_job_with_what_every_rank_waits_in(tmp_path):
         assert "waiting in: _wait_batch_p2p" in reports[rank], reports[rank]
     assert seconds < 5 + 5 + 10, f"the hang took {seconds:.1f} s to end the job (hang_timeout=5)"
     print(f"[faults] hang: job ended {seconds:.1f} s after the rank stopped")
+
+
+@pytest.mark.multiprocess
+def test_slow_set_up_and_checkpoints_are_not_hangs_but_a_slow_step_is_reported_with_its_phase(tmp_path):
+    # Rank 1 builds its model, saves a checkpoint and, in a second fit, loads it, each 4.5 s > hang_timeout
+    # (3 s), with no limit of their own (setup_timeout and checkpoint_timeout are None); then hangs in a step.
+    layout = (2, 1, 1)
+    stderr, seconds = _launch_failing(tmp_path, "slow_phases", 1, layout)
+    assert all((tmp_path / f"slow_{name}").exists() for name in ("configure_model", "save", "load")), stderr[-3000:]
+    reports = re.findall(r"^lightning_3d: (rank \d .*) made no progress for [\d.]+ s in (.*)$", stderr, re.M)
+    assert sorted(who for who, _ in reports) == [_coords(0, layout), _coords(1, layout)], stderr[-3000:]
+    assert all(phase.startswith('phase "training"') for _, phase in reports), reports  # not set-up, not a checkpoint
+    report = stderr.split(f"lightning_3d: {_coords(1, layout)} made no progress for")[1][:300]
+    assert 'in phase "training" (hang_timeout: 3 s; last: training_step started)' in report, report
+    assert "time.sleep(0.05)" in stderr
+    assert seconds < 3 + 5 + 10, f"the hang took {seconds:.1f} s to end the job (hang_timeout=3)"
+    print(f"[faults] slow phases, then a hang: job ended {seconds:.1f} s after the rank stopped")
 
 
 @pytest.mark.multiprocess

@@ -12,24 +12,30 @@ Skipping draws the batches and drops them: it costs reading them (not computing 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterable, Iterator
 
 
 class ResumableLoader:
     """Wraps ``loader``; ``batches_done()`` says how many batches of the current epoch have been trained on
     (the strategy reads it from the trainer's progress, which unlike a count of fetched batches does not
-    include the batch Lightning prefetches)."""
+    include the batch Lightning prefetches). The skip runs inside ``skipping()`` (the strategy times it as a
+    phase of its own: reading many batches may take long)."""
 
-    def __init__(self, loader: Iterable, batches_done: Callable[[], int]) -> None:
+    def __init__(self, loader: Iterable, batches_done: Callable[[], int],
+                 skipping: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.loader = loader
         self._batches_done = batches_done
+        self._skipping = skipping
         self._skip = 0
 
     def __iter__(self) -> Iterator:
         iterator = iter(self.loader)
         skip, self._skip = self._skip, 0
-        for _ in range(skip):
-            next(iterator)
+        if skip:
+            with self._skipping():
+                for _ in range(skip):
+                    next(iterator)
         return iterator
 
     def __len__(self) -> int:

@@ -12,10 +12,16 @@ key-value store every process group already has:
   goes its own way, and the user may catch that exception; a rank that does not -- it is blocked in a
   collective waiting for the failed one -- prints why it stops and ends its process. So the whole job is
   down within ``exit_timeout_s``.
-* **hang**: the strategy calls :meth:`progress` at every step boundary. If none comes for
-  ``hang_timeout_s``, the rank prints what it is waiting in (``faults.report``: the collective, the
-  pipeline action, its Python stack), tells the other ranks (they print theirs), and the job ends with
-  those reports instead of waiting forever.
+* **hang**: the watch times phases (:class:`Phase`): set-up, a checkpoint's load or save, skipping to a
+  resume point, and the steps (training, validation, ...), each with its own limit, since building or
+  loading a large model legitimately takes far longer than a step. The strategy calls :meth:`enter` when
+  a phase begins and :meth:`progress` at every step boundary. If the current phase makes no progress
+  within its limit, the rank prints the phase and what it is waiting in (``faults.report``: the
+  collective, the pipeline action, its Python stack), tells the other ranks (they print theirs), and the
+  job ends with those reports instead of waiting forever.
+
+The store is read over the network; if reading it fails, the rank says so on stderr (it would not hear of
+another rank's failure meanwhile), keeps trying at every poll, and says so again when it can read it.
 
 A watcher ends its process with ``os._exit``: the main thread may be blocked inside a C++ collective that
 no Python exception can interrupt. Keys live under a generation number (one per ``fit``/``validate``/...
@@ -31,7 +37,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -41,15 +49,32 @@ EXIT_CODE = 17  # a rank stopped because another failed or the job hung (the fai
 _GENERATIONS = itertools.count()
 
 
+@dataclass(frozen=True)
+class Phase:
+    """What a rank is doing, for how long it may go without progress, and which setting says so."""
+
+    name: str
+    """Named in the hang report: "set-up", "checkpoint save", "training", ..."""
+    timeout_s: Optional[float]
+    """Seconds without progress before the rank is reported as hung; None: no limit in this phase."""
+    setting: str = ""
+    """The strategy argument that sets ``timeout_s`` (the report names it, so the user knows what to change)."""
+
+    def describe(self, last: str) -> str:
+        limit = "no limit" if self.timeout_s is None else f"{self.timeout_s:g} s"
+        return f'phase "{self.name}" ({self.setting or "limit"}: {limit}; last: {last})'
+
+
 class FaultWatch:
     def __init__(self, store: dist.Store, rank: int, world_size: int, describe: Callable[[int], str],
-                 hang_timeout_s: float | None, exit_timeout_s: float) -> None:
+                 phase: Phase, exit_timeout_s: float) -> None:
         self.store = dist.PrefixStore(f"lightning_3d/faults/{next(_GENERATIONS)}/", store)
         self.rank, self.world_size, self.describe = rank, world_size, describe
-        self.hang_timeout_s, self.exit_timeout_s = hang_timeout_s, exit_timeout_s
+        self.exit_timeout_s = exit_timeout_s
         self.poll_s = min(0.5, exit_timeout_s / 8)
-        self._last_progress = time.monotonic()
-        self._doing = "setting up"
+        # (phase, what it did last, when its clock started): one tuple, replaced whole, so that the watcher
+        # thread never pairs a new phase's limit with the old phase's clock.
+        self._where = (phase, "starting", time.monotonic())
         self._raised = threading.Event()  # this rank's own exception is on its way: never kill it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lightning_3d-fault-watch", daemon=True)
@@ -60,10 +85,27 @@ class FaultWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def phase(self) -> Phase:
+        return self._where[0]
+
+    def enter(self, phase: Phase, doing: str = "started") -> None:
+        """The rank begins ``phase``: its clock starts now, under the phase's limit."""
+        self._where = (phase, doing, time.monotonic())
+
+    @contextmanager
+    def entered(self, phase: Phase) -> Iterator[None]:
+        """``phase`` for the duration of the block; then the phase around it again, its clock afresh."""
+        around = self.phase
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            self.enter(around, f"{phase.name} done")
+
     def progress(self, doing: str) -> None:
-        """The rank moved on (called at step boundaries): restart the hang clock."""
-        self._last_progress = time.monotonic()
-        self._doing = doing
+        """The rank moved on (called at step boundaries): restart the clock of the current phase."""
+        self.enter(self.phase, doing)
 
     # ------------------------------------------------------------------ a rank that raised
 
@@ -83,7 +125,9 @@ class FaultWatch:
             if not first:
                 self.store.add("acks", 1)
                 return
-        except Exception:  # noqa: BLE001 -- the store is gone (the rank hosting it ended): nobody to tell
+        except Exception as error:  # noqa: BLE001 -- the store is gone (the rank hosting it ended)
+            self._say(f"could not tell the other ranks of its failure ({type(error).__name__}: {error}): they"
+                      " stop at their collective timeout instead")
             return
         _write_torchelastic_error(f"{self.describe(self.rank)} failed: {message}")
         print(f"lightning_3d: {self.describe(self.rank)} failed: {message}", file=sys.stderr, flush=True)
@@ -92,14 +136,21 @@ class FaultWatch:
     # ------------------------------------------------------------------ every rank
 
     def _watch(self) -> None:
-        store_ok, failure_seen_at = True, None
+        store_error, failure_seen_at = None, None
         while not self._stop.wait(self.poll_s):
             failure = hang = None
-            if store_ok:
-                try:
-                    failure, hang = self._get("failure"), self._get("hang")
-                except Exception:  # noqa: BLE001 -- the store is gone; keep watching for a hang alone
-                    store_ok = False
+            try:
+                failure, hang = self._get("failure"), self._get("hang")
+            except Exception as error:  # noqa: BLE001 -- a network store fails in many ways; retried next poll
+                if store_error is None:  # once per outage: a report every poll would drown the log
+                    self._say(f"cannot read the fault store ({type(error).__name__}: {error}): until it can, this"
+                              " rank does not hear of failures or hangs on other ranks; retrying every"
+                              f" {self.poll_s:g} s")
+                store_error = error
+            else:
+                if store_error is not None:
+                    self._say("reads the fault store again: failures and hangs on other ranks reach it again")
+                    store_error = None
             if failure and json.loads(failure)["rank"] != self.rank:
                 other = json.loads(failure)
                 report = f"{self.describe(self.rank)} stops: {other['where']} failed: {other['error']}"
@@ -109,11 +160,12 @@ class FaultWatch:
                     self._ack()
                 if time.monotonic() - failure_seen_at > self.exit_timeout_s / 2 and not self._raised.is_set():
                     self._exit(report, printed=True)
-            stalled = time.monotonic() - self._last_progress
-            if hang or (self.hang_timeout_s is not None and stalled > self.hang_timeout_s):
-                self._report_hang(hang, stalled, store_ok)
+            phase, doing, since = self._where
+            stalled = time.monotonic() - since
+            if hang or (phase.timeout_s is not None and stalled > phase.timeout_s):
+                self._report_hang(hang, stalled, phase, doing, store_ok=store_error is None)
 
-    def _report_hang(self, reported_by: str | None, stalled: float, store_ok: bool) -> None:
+    def _report_hang(self, reported_by: str | None, stalled: float, phase: Phase, doing: str, store_ok: bool) -> None:
         me = self.describe(self.rank)
         if reported_by is None and store_ok:
             try:
@@ -121,13 +173,16 @@ class FaultWatch:
             except Exception:  # noqa: BLE001
                 pass
         also = f"; {reported_by} reported a hang" if reported_by and reported_by != me else ""
-        print(f"lightning_3d: {me} made no progress for {stalled:.1f} s (last: {self._doing}){also}\n"
-              f"{main_thread_report()}", file=sys.stderr, flush=True)
+        stopped = f"{me} made no progress for {stalled:.1f} s in {phase.describe(doing)}{also}"
+        print(f"lightning_3d: {stopped}\n{main_thread_report()}", file=sys.stderr, flush=True)
         if reported_by == me:
             self._wait_for_acks()  # the others print what they wait in before this rank goes away
         else:
             self._ack()
-        self._exit(f"{me} made no progress for {stalled:.1f} s{also}", printed=True)
+        self._exit(stopped, printed=True)
+
+    def _say(self, message: str) -> None:
+        print(f"lightning_3d: {self.describe(self.rank)} {message}", file=sys.stderr, flush=True)
 
     def _get(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None

@@ -60,17 +60,23 @@ class ShardedCheckpoints:
             state.update({f"optimizer_{i}": s for i, s in enumerate(optimizers)})
             checkpoint["optimizer_states"] = [_IN_SHARDS] * len(optimizers)
         checkpoint["lightning_3d"] = {"layout": self._layout(), "world_size": self.world_size}
-        sharded.save(path, state, checkpoint, self._rank_state())
+        with self._phase("checkpoint save", "checkpoint_timeout"):
+            sharded.save(path, state, checkpoint, self._rank_state())
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
-            atomic.remove(Path(filepath))
+            with self._phase("checkpoint removal", "checkpoint_timeout"):
+                atomic.remove(Path(filepath))
 
     # ------------------------------------------------------------------ load
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        with self._phase("checkpoint load", "checkpoint_timeout"):
+            return self._load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_file():
             if weights_only is False:  # the user vouched for the file: Lightning's documented opt-out
@@ -107,14 +113,16 @@ class ShardedCheckpoints:
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if "state_dict" in checkpoint:  # a single-file checkpoint: full tensors, redistributed to this layout
             options = StateDictOptions(full_state_dict=True, strict=strict)
-            set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
+            with self._phase("checkpoint load", "checkpoint_timeout"):
+                set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if state != _IN_SHARDS:  # sharded ones were loaded with the model in load_checkpoint
-                set_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state,
-                                         options=StateDictOptions(full_state_dict=True))
+                with self._phase("checkpoint load", "checkpoint_timeout"):
+                    set_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
+                                             state, options=StateDictOptions(full_state_dict=True))
 
     # ------------------------------------------------------------------ resuming mid-epoch
 
@@ -123,7 +131,8 @@ class ShardedCheckpoints:
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or hasattr(dataloader, "load_state_dict"):
             return dataloader
-        return ResumableLoader(dataloader, self._batches_done)
+        return ResumableLoader(dataloader, self._batches_done,
+                               skipping=lambda: self._phase("set-up: skipping to the resume point", "setup_timeout"))
 
     def _batches_done(self) -> int:
         trainer = self.lightning_module.trainer

@@ -23,9 +23,10 @@ class LayoutSteps:
     accumulation hooks. Each step marks progress for the hang watchdog (``lightning_3d.faults``)."""
 
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        self._progress(f"{method} started")  # the hang watchdog's clock (lightning_3d.faults)
+        phase = method.removesuffix("_step")  # "training", "validation", ...: the hang watchdog's phase
+        self._progress(f"{method} started", phase)  # (lightning_3d.faults), limited by hang_timeout
         output = self._run_step(method, *args, **kwargs)
-        self._progress(f"{method} done")
+        self._progress(f"{method} done", phase)
         return output
 
     def _run_step(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
-from lightning_3d.strategies.faults import FaultHandling
+from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
 from lightning_3d.strategies.steps import LayoutSteps
 from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
 from lightning_3d.strategies.checks import check_backend, check_model
@@ -70,9 +70,13 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     Arguments are those of :class:`~lightning_3d.parallel.config.ParallelConfig` (each documented there),
     plus Lightning's plumbing (accelerator, devices, cluster environment, checkpoint IO, precision plugin),
     ``process_group_backend`` ("gloo" on CPU, "nccl" on CUDA by default) and the collective ``timeout``,
-    and the fault watch (``lightning_3d.faults``): ``hang_timeout`` seconds without a step boundary end the
-    job with every rank's report of what it waits in (None: never), and when a rank raises, every other
-    rank is stopped within ``exit_timeout`` seconds.
+    and the fault watch (``lightning_3d.faults``), which times each phase of a run under its own limit, in
+    seconds (None: no limit), and when one is passed ends the job with every rank's report of the phase and
+    what it waits in: ``hang_timeout`` for a step and the time between two steps (training, validation,
+    ...); ``setup_timeout`` for the set-up before the first step (configure_model, sharding and
+    initialization, ``init_from``, restoring a checkpoint and skipping to its batch); ``checkpoint_timeout``
+    for loading or saving a checkpoint. When a rank raises, every other rank is stopped within
+    ``exit_timeout`` seconds.
     """
 
     strategy_name = "3d"
@@ -105,6 +109,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         hang_timeout: Optional[float] = 900.0,
         exit_timeout: float = 10.0,
     ) -> None:
+        setup_timeout: Optional[float] = None,
+        checkpoint_timeout: Optional[float] = None,
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -133,10 +139,12 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        if hang_timeout is not None and hang_timeout <= 0 or exit_timeout <= 0:
-            raise ValueError(f"hang_timeout ({hang_timeout}) and exit_timeout ({exit_timeout}) are seconds and must"
-                             " be positive (hang_timeout=None turns the hang watchdog off).")
-        self._hang_timeout, self._exit_timeout = hang_timeout, exit_timeout
+        self._fault_timeouts = dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout)))
+        for name, seconds in {**self._fault_timeouts, "exit_timeout": exit_timeout}.items():
+            if seconds is not None and seconds <= 0:
+                raise ValueError(f"{name} ({seconds}) is in seconds and must be positive (None turns the hang"
+                                 " watchdog off for its phase).")
+        self._exit_timeout = exit_timeout
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh = None
@@ -235,7 +243,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         store = restart_store(self._timeout)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id, **({"store": store} if store is not None else {}))
-        self._start_fault_watch(self._hang_timeout, self._exit_timeout)
+        self._start_fault_watch(self._exit_timeout)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
         self.lightning_module._device_mesh = self._device_mesh
@@ -260,13 +268,16 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         module = self.lightning_module
         first_setup = self._prepared_module is not module  # setup() runs again for validate()/test() after fit()
         if first_setup:
-            self._prepare(module)
+            with self._phase("set-up: preparing the model", "setup_timeout"):
+                self._prepare(module)
         self.model = self._data_parallel(module) if self._engine is None else module
         if self._engine is not None:  # when its stages reduce gradients over dp (lightning_3d.pipeline.grad_sync)
             self._engine.reduce_grads_per_microbatch = self.parallel_config.pipeline_reduce_grads == "per_microbatch"
         if first_setup and self.parallel_config.init_from:  # each rank reads its slices (a resumed fit then
             plan = self._model_plan                           # restores over them)
-            load_pretrained(module, self.parallel_config.init_from, plan.checkpoint_names, plan.tied_parameters)
+            with self._phase("set-up: loading init_from", "setup_timeout"):
+                load_pretrained(module, self.parallel_config.init_from, plan.checkpoint_names,
+                                plan.tied_parameters)
         # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
         # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
         # norm, so its two clip methods are replaced on this instance with global-norm ones.
