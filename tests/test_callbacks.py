@@ -73,6 +73,84 @@ def test_nan_guard_rolls_back_to_the_newest_checkpoint_with_a_lower_learning_rat
     assert results[0]["checksum"] == results[1]["checksum"]
 
 
+def _layouts_run(tmp_path, layouts: list[str]) -> list[dict]:
+    """nan_worker.py's fits, one per "dp,pp,tp,zero_stage" layout (same world size), in one launch."""
+    dp, pp, tp, _ = (int(x) for x in layouts[0].split(","))
+    torchrun(dp * pp * tp, str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), "layouts", *layouts,
+             rank_files=tmp_path)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(dp * pp * tp)]
+
+
+def _assert_skipped_then_rolled_back(tmp_path, results: list[dict], layout: str) -> None:
+    """nan_worker.py's layout fit: replica 1's NaN at step 1 (no checkpoint yet) is skipped, the one at step 3
+    rolls back to step 2's checkpoint; the reports name replica 1's ranks only, each with a parameter it holds."""
+    import re
+
+    from lightning_3d import ParallelDims
+
+    dp, pp, tp, _ = (int(x) for x in layout.split(","))
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp)
+    checkpoint = str(tmp_path / layout / "checkpoints" / "epoch=0-step=2.ckpt")
+    for rank, result in enumerate(r[layout] for r in results):
+        weights = result["at_start"]  # this rank's shards, at the start of each step
+        assert result["error"] is None and result["steps"] == 5, result
+        assert result["warnings"] == []  # every gradient was seen before the dp reduction
+        assert result["skipped"] == [1] and weights["1"] == weights["2"]  # the NaN step changed nothing
+        assert result["rollbacks"] == [[3, checkpoint]]
+        assert weights["3"] != weights["2"] and result["after_checksum"] == weights["2"]  # step 2's weights again
+        assert result["after_lr"] == pytest.approx(0.5 * result["base_lr"])
+        assert result["finite"], f"rank {rank} has non-finite parameters at the end"
+    printed = results[0][layout]["printed"]
+    assert [line.split(":")[0] for line in printed] == [
+        "NaNGuard skipped step 1 (no checkpoint to roll back to yet)", f"NaNGuard rolled back to {checkpoint} at step 3 (learning rates x 0.5)"]
+    replica_1 = {rank for rank in range(dims.world_size) if dims.coords(rank).dp == 1}
+    for line in printed:
+        named = {int(r): ((int(d), int(p), int(t)), param)
+                 for r, d, p, t, param in re.findall(r"rank (\d+) \(dp=(\d+), pp=(\d+), tp=(\d+)\): first at ([\w.]+)", line)}
+        assert named.keys() == replica_1, line  # replica 0's gradients only turned NaN in the dp reduction
+        for rank, (coords, param) in named.items():
+            c = dims.coords(rank)
+            assert coords == (c.dp, c.pp, c.tp), line
+            assert param in results[rank][layout]["names"], (rank, param)
+        assert line.count("first non-finite activation in model.blocks.1") == tp  # born in the last stage's block
+
+
+@pytest.mark.multiprocess
+def test_nan_guard_skips_and_rolls_back_under_zero_1_with_tp_and_zero_3_with_a_pipeline(tmp_path):
+    layouts = ["2,1,2,1", "2,2,1,3"]  # dp,pp,tp,zero_stage: fully_shard on (dp, tp); fully_shard per stage
+    results = _layouts_run(tmp_path, layouts)
+    for layout in layouts:
+        _assert_skipped_then_rolled_back(tmp_path, results, layout)
+
+
+@pytest.mark.multiprocess
+def test_nan_guard_skips_and_rolls_back_at_dp2_pp2_tp2(tmp_path):
+    results = _layouts_run(tmp_path, ["2,2,2,0"])  # FSDP2's replicate over dp, per stage, on DTensors
+    _assert_skipped_then_rolled_back(tmp_path, results, "2,2,2,0")
+
+
+def test_gradients_no_hook_saw_are_still_checked_and_the_guard_says_so(tmp_path):
+    import lightning as L
+    import torch
+
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    class ManualGradients(GPTLightningModule):
+        def backward(self, loss, *args, **kwargs):  # as an unknown wrapper computing gradients elsewhere would
+            for param in self.parameters():
+                param.grad = torch.zeros_like(param)
+            self.model.lm_head.weight.grad[0, 0] = float("nan")
+
+    guard = NaNGuard(action="skip")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[guard], default_root_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"at step 0, \d+ parameters have a gradient that no hook saw"):
+        trainer.fit(ManualGradients(config=GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8)),
+                    SyntheticDataModule(seq_len=8, batch_size=2))
+    assert guard.skipped_steps == [0, 1]
+
+
 def test_rollback_without_a_model_checkpoint_is_refused_at_the_start(tmp_path):
     import lightning as L
 
