@@ -19,6 +19,7 @@ from torch import nn
 from harness import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+from user_models import NanoGPTModule
 
 TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
 
@@ -85,6 +86,8 @@ CASES = {
                                                              virtual_pipeline_size=2), GPTLightningModule(config=TINY)),
     "batch_not_divisible_into_microbatches": lambda: (ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=4),
                                                       GPTLightningModule(config=TINY), SyntheticDataModule(seq_len=16, batch_size=6)),
+    "meta_init_of_a_model_that_inits_in_its_parent": lambda: (
+        ThreeDStrategy(model_init="meta"), NanoGPTModule(config=TINY)),
     "manual_optimization_under_pipeline": lambda: (ThreeDStrategy(pipeline_parallel_size=2),
                                                    ManualOptimization(config=TINY)),
     "batch_shape_changes_between_steps": lambda: (ThreeDStrategy(pipeline_parallel_size=2),

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, HFCausalLMModule, SyntheticDataModule
 from toy_model import ToyLightningModule
+from user_models import NanoGPTModule, UserLlamaModule
 
 TESTS_DIR = Path(__file__).parent
 SEED = 1234
@@ -43,6 +44,8 @@ class Case:
     module: str = "gpt"
     """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
     (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py),
+    "user_nanogpt" / "user_llama" (models built in configure_model that initialize themselves their own way,
+    user_models.py),
     "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
     the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too)."""
     dp: int = 1
@@ -126,7 +129,7 @@ class PaddedHFModule(HFCausalLMModule):
 
 
 MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
-           "toy": ToyLightningModule}
+           "toy": ToyLightningModule, "user_nanogpt": NanoGPTModule, "user_llama": UserLlamaModule}
 
 
 class ReferenceDataModule(SyntheticDataModule):

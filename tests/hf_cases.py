@@ -1,6 +1,7 @@
-"""The Hugging Face parity runs (Llama and GPT-2) and one shared launch per world size for all of them:
-``tests/test_hf_llama.py`` and ``tests/test_hf_gpt2.py`` each check their own cases, whichever runs first
-launches both sets (torchrun start-up dominates these tiny runs)."""
+"""The Hugging Face parity runs (Llama and GPT-2), the init runs of users' models (one of them a Llama), and
+one shared launch per world size for all of them: ``tests/test_hf_llama.py``, ``tests/test_hf_gpt2.py`` and
+``tests/test_user_model_init.py`` each check their own cases, whichever runs first launches every set
+(torchrun start-up dominates these tiny runs)."""
 
 from pathlib import Path
 
@@ -47,6 +48,24 @@ GPT2_CASES = {c.name: c for c in [
     gpt2_case("gpt2_2_2_2", 2, 2, 2),
 ]}
 
+
+def user_init_case(module, dp, pp, tp, **strategy):
+    """One step at learning rate 0 of a model that initializes itself its own way (tests/user_models.py):
+    the parameters after it are the initial ones, the loss and gradient norm are those at init."""
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    return Case(name=f"{module}_{dp}_{pp}_{tp}", module=module, strategy_kwargs=kwargs, dp=dp, steps=1,
+                learning_rate=0.0, model=dict(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+
+
+USER_INIT_CASES = {c.name: c for c in [
+    user_init_case("user_nanogpt", 2, 1, 1),
+    user_init_case("user_nanogpt", 1, 1, 2),
+    user_init_case("user_nanogpt", 1, 2, 1, policy="user_nanogpt"),
+    user_init_case("user_llama", 2, 1, 1),
+    user_init_case("user_llama", 1, 1, 2),
+    user_init_case("user_llama", 1, 2, 1),
+]}
+
 _RESULTS: dict[str, Result] = {}
 
 
@@ -54,5 +73,6 @@ def hf_results(tmp_path_factory) -> dict[str, Result]:
     """Every Hugging Face parity run's result by name, launched once per pytest session."""
     if not _RESULTS:
         out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
-        _RESULTS.update(launch_by_world_size([*LLAMA_CASES.values(), *GPT2_CASES.values()], out_dir, timeout=900))
+        cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values()]
+        _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
     return _RESULTS

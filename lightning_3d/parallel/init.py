@@ -13,6 +13,12 @@ Two ways there (``ParallelConfig.model_init``):
   tensors exist at a time. Every rank draws every module (even those on other pipeline stages) so the random
   stream, and the state it is left in, are the same on every rank and equal an eager build's.
 
+The meta way is taken only where it is proven to give the eager build's weights: the build on the meta
+device runs under a :class:`~lightning_3d.parallel.init_record.ConstructionRecord`, which watches every
+write and random draw and says whether replaying the resets, in the order construction ran them, redraws
+exactly those. Otherwise ``model_init="auto"`` builds the model again on the host as written (exact) and
+says why; ``model_init="meta"`` refuses, naming the tensor and the line of code.
+
 The meta way relies on one convention (PyTorch's own, used by FSDP's meta-device init): a module that owns
 parameters or buffers initializes exactly those in ``reset_parameters()``, and an eager build calls it once
 per module in construction order (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` and the reference GPT
@@ -41,6 +47,11 @@ class InitError(RuntimeError):
     """A model that the chosen init cannot handle; the message names the modules and the way out."""
 
 
+def is_on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built (at least in part) on the meta device and awaits initialization."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
 def modules_without_reset(model: nn.Module, init_module: InitModule | None = None,
                           params_loaded: bool = False) -> list[str]:
     """FQNs of modules that own parameters or buffers but have no ``reset_parameters()`` to replay (nor an
@@ -65,7 +76,7 @@ def check_replayable(model: nn.Module, init_module: InitModule | None = None, pa
 
 
 def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_module: InitModule | None = None,
-                params_loaded: bool = False) -> None:
+                params_loaded: bool = False, order: list[str] | None = None) -> None:
     """Initialize the materialized (possibly split and sharded) ``model`` from the meta ``skeleton``.
 
     ``skeleton`` is the unsharded model on the meta device with the same FQNs; it is used as scratch space
@@ -73,12 +84,14 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
     started from; the host generator ends in the state an eager build would leave it in. ``init_module``
     initializes the modules without ``reset_parameters()`` (``Plan.init_module``). ``params_loaded``: the
     parameters come from a file next (``init_from``), so of those modules only ones owning buffers are
-    initialized.
+    initialized. ``order``: the FQNs of the modules in the order construction reset them
+    (``ConstructionRecord.reset_order``; a module reset twice is replayed twice); the modules it leaves out,
+    or all without it, follow in ``named_modules()`` order.
     """
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     torch.set_rng_state(rng_state)
     with torch.no_grad():
-        for prefix, module in skeleton.named_modules():
+        for prefix, module in _replay_order(skeleton, order or []):
             own = _own_tensors(module)
             if not _to_replay(module, params_loaded):
                 continue
@@ -90,6 +103,13 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
                 if target is not None:  # None: it lives on another pipeline stage
                     _copy_slice(getattr(module, name), target)
                 _set_tensor(module, name, meta)
+
+
+def _replay_order(skeleton: nn.Module, order: list[str]) -> list[tuple[str, nn.Module]]:
+    modules = dict(skeleton.named_modules())
+    recorded = [(fqn, modules[fqn]) for fqn in order if fqn in modules]
+    listed = set(order)
+    return recorded + [(fqn, m) for fqn, m in modules.items() if fqn not in listed]
 
 
 def broadcast_from_rank0(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

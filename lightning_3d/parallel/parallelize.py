@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, replay_init
+from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, is_on_meta, replay_init
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
 from lightning_3d.parallel.tied import retie
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
@@ -36,7 +36,7 @@ class Prepared(NamedTuple):
 def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
                   init_rng_state: Tensor | None, stage_blocks: list[list[str]] | None = None,
                   stage_ids: list[int] = (), activation_checkpointing: str | None = None,
-                  params_loaded: bool = False) -> Prepared:
+                  params_loaded: bool = False, reset_order: list[str] | None = None) -> Prepared:
     """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
 
     Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
@@ -49,14 +49,15 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
        there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
        sharded regions; tied parameters (``plan.tied_parameters``) tied again where one rank holds both;
     2. activation checkpointing of the plan's blocks ("full" or "selective");
-    3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` (meta; only the
+    3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` in ``reset_order``
+       (meta; only the
        buffers when ``params_loaded``: ``init_from`` fills the parameters next), or keep rank 0's eagerly
        built weights, broadcast before any sharding (exact).
 
     Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced (the
     module, or each pipeline stage).
     """
-    on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    on_meta = is_on_meta(module)
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
     # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
     rank0 = _from_rank0({"init": init_rng_state if init_rng_state is not None else torch.get_rng_state(),
@@ -85,7 +86,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
 
     if on_meta:
         module.to_empty(device=device)
-        replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded)
+        replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded, reset_order)
     module.to(device)
     return Prepared("meta" if on_meta else "exact", stages, sharded_rng, tied_copies)
 

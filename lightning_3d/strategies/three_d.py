@@ -39,6 +39,8 @@ from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.fsdp_policies import (
     check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
+from lightning_3d.parallel.init import InitError, is_on_meta
+from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
 from lightning_3d.parallel.memory import memory_report, summarize_memory
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
@@ -150,6 +152,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self._device_mesh = None
         self._policy: Optional[Policy] = None
         self._init_rng_state: Optional[Tensor] = None
+        self._construction: Optional[ConstructionRecord] = None  # the meta build, watched (parallel.init_record)
+        self._before_build: Optional[ModuleAttributes] = None  # the LightningModule before configure_model()
         self._prepared_module: Optional[nn.Module] = None
         self._blocks: list[nn.Module] = []
         self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
@@ -256,9 +260,14 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         # A model built in configure_model() goes on the meta device unless the user asked for an exact build;
         # the host random state is kept so that setup() can replay the init from it.
+        # The build is watched (ConstructionRecord) so that setup() uses the meta route only where replaying
+        # the init is proven to give these weights, and can otherwise build again, as written, from here.
         on_meta = self.parallel_config.model_init != "exact" and empty_init is not False
         self._init_rng_state = torch.get_rng_state()
-        with torch.device("meta") if on_meta else nullcontext(), self.precision_plugin.tensor_init_context():
+        self._construction = ConstructionRecord() if on_meta else None
+        self._before_build = ModuleAttributes(self._lightning_module) if self._lightning_module is not None else None
+        with (torch.device("meta") if on_meta else nullcontext(), self.precision_plugin.tensor_init_context(),
+              self._construction or nullcontext()):
             yield
 
     @override
@@ -292,6 +301,15 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     def _prepare(self, module: pl.LightningModule) -> None:
         dims, config = self.parallel_dims, self.parallel_config
         plan = self._model_plan = self._plan(module)
+        reset_order = None
+        record, self._construction = self._construction, None
+        if record is not None and is_on_meta(module):
+            why = record.verdict(module, plan.init_module, params_loaded=config.init_from is not None)
+            if why is None:
+                reset_order = record.reset_order(module)
+            else:
+                self._build_as_written(module, why)
+                plan = self._model_plan = self._plan(module)
         stage_blocks, stage_ids = None, []
         if dims.pp > 1:
             if not module.automatic_optimization:
@@ -305,7 +323,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         init, stages, self._sharded_rng, tied_copies = prepare_model(module, plan, self.device_mesh, self.root_device,
                                                         self._init_rng_state, stage_blocks, stage_ids,
                                                         config.activation_checkpointing,
-                                                        params_loaded=config.init_from is not None)
+                                                        params_loaded=config.init_from is not None,
+                                                        reset_order=reset_order)
         rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
         self.precision_plugin.convert_module(module)
         self._blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: DP units
@@ -326,6 +345,28 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
             self._tied_gradients = TiedGradients(module, tied_copies, embedding_group(dims, self.coords))
         self._prepared_module = module
+
+    def _build_as_written(self, module: pl.LightningModule, why: str) -> None:
+        """The meta build cannot be initialized by replay (``why``): refuse under model_init="meta"; under
+        "auto", run configure_model() again on the host, from the attributes and random state it started
+        with, so the model gets the weights it was written to have (the exact route)."""
+        fix = ("Give the modules a reset_parameters() that initializes their own tensors, or use"
+               " model_init='auto' (builds on the host as written when replay cannot) or 'exact'.")
+        if self.parallel_config.model_init == "meta" or self._before_build is None:
+            raise InitError(f"model_init={self.parallel_config.model_init!r} builds the model on the meta device"
+                            f" and replays each module's reset_parameters(), which would give other weights than"
+                            f" the model as written: {why}. {fix}")
+        rank_zero_info(f"lightning_3d: model_init='auto' builds the model on the host as written (exact), since"
+                       f" replaying its init on the meta device would give other weights: {why}")
+        self._before_build.restore(module)
+        torch.set_rng_state(self._init_rng_state)
+        with self.precision_plugin.module_init_context():
+            module.configure_model()
+        if is_on_meta(module):
+            raise InitError(f"{type(module).__name__}.configure_model() built nothing new when called again from"
+                            " the state it started in, so the model stays on the meta device. Use"
+                            " model_init='exact', or give the modules reset_parameters() (see"
+                            " lightning_3d.parallel.init).")
 
     @property
     def _num_microbatches(self) -> int:

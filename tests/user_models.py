@@ -1,0 +1,157 @@
+"""Models written the way users write them, not the way our policies expect: the parity harness runs them as
+``Case(module="user_nanogpt")`` / ``"user_llama"``.
+
+* :class:`NanoGPT` follows nanoGPT: blocks in an ``nn.ModuleList``, the token embedding tied to the head, and
+  its init in the parent -- ``self.apply(self._init_weights)`` re-draws every Linear and Embedding with std
+  0.02, then the residual projections get std 0.02 / sqrt(2 * n_layer). Replaying ``reset_parameters()``
+  would give other weights (PyTorch's default Linear init).
+* :class:`UserLlamaModule` builds ``transformers.LlamaForCausalLM(config)`` in ``configure_model()``, the
+  ordinary Lightning way: Hugging Face initializes it in ``post_init()``, not in ``reset_parameters()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_3d.pipeline.split import DroppedBlock
+from lightning_3d.policies import Plan, PlanOptions, Policy, PolicyError, register_policy
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.q, self.k, self.v = (nn.Linear(n_embd, n_embd) for _ in range(3))
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (proj(x).view(B, T, self.n_head, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # scaled residual projections (GPT-2)
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class _NextTokenModule(L.LightningModule):
+    """The training step, loss and optimizer a user writes; subclasses build ``self.model``."""
+
+    def __init__(self, config, learning_rate: float = 1e-2, **_ignored) -> None:
+        super().__init__()
+        self.config = config  # the harness's GPTConfig: sizes only
+        self.learning_rate = learning_rate
+        self.model = None
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = F.cross_entropy(self.logits(tokens).flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+
+
+class NanoGPTModule(_NextTokenModule):
+    def configure_model(self):
+        if self.model is None:
+            c = self.config
+            self.model = NanoGPT(c.vocab_size, c.block_size, c.n_layer, c.n_embd, c.n_head)
+
+    def logits(self, tokens):
+        return self.model(tokens)
+
+
+class UserLlamaModule(_NextTokenModule):
+    def configure_model(self):
+        if self.model is None:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            c = self.config
+            self.model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=2 * c.n_embd,
+                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head // 2,
+                max_position_embeddings=c.block_size))
+
+    def logits(self, tokens):
+        return self.model(input_ids=tokens).logits
+
+
+@register_policy("user_nanogpt")
+class NanoGPTPolicy(Policy):
+    """A user's policy for :class:`NanoGPT` under pipeline parallelism, leaving its forward as written: a
+    stage runs what it holds (``Plan.stage_forward``), the tied embedding and head are summed across the first
+    and last stage."""
+
+    # No model_classes: policy="auto" keeps planning NanoGPT by structure; this one is asked for by name.
+
+    def plan(self, root: nn.Module, options: PlanOptions = PlanOptions()) -> Plan:
+        if options.tp > 1:
+            raise PolicyError("the user_nanogpt test policy plans pipelines only; use policy='auto' for tp")
+        return Plan(blocks=[f"model.h.{i}" for i in range(len(root.model.h))], pipeline_root="model",
+                    before=["model.wte", "model.wpe"], after=["model.ln_f", "model.lm_head"],
+                    tied_parameters=[("model.wte.weight", "model.lm_head.weight")], stage_forward=_nanogpt_stage)
+
+
+def _nanogpt_stage(stage: NanoGPT, x):
+    if stage.wte is not None:  # the first stage: x holds token ids
+        x = stage.wte(x) + stage.wpe(torch.arange(x.shape[1], device=x.device))
+    for block in stage.h:
+        if not isinstance(block, DroppedBlock):
+            x = block(x)
+    return stage.lm_head(stage.ln_f(x)) if stage.lm_head is not None else x
