@@ -10,21 +10,25 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from harness import run_to_end
+from lightning_3d.faults.watch import FaultWatch, Phase
 
 WORKER = str(Path(__file__).parent / "faults_worker.py")
 
 
 def _launch_failing(tmp_path: Path, where: str, rank: int, layout: tuple[int, int, int]) -> tuple[str, float]:
     """Run the job; returns torchrun's stderr and the seconds from the injected fault to the job's end."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nprocs = layout[0] * layout[1] * layout[2]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", WORKER,
            str(tmp_path), where, str(rank), ",".join(map(str, layout))]
     proc = run_to_end(cmd, env=env, timeout=240)
     ended = time.time()
     assert proc.returncode != 0, "the job was meant to fail"
+    ours = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("lightning_3d:"))
+    assert (tmp_path / "fault_time").exists(), f"the job ended before the injected fault:\n{ours}"
     fault_time = float((tmp_path / "fault_time").read_text())
     return proc.stderr, ended - fault_time
 
@@ -91,7 +95,7 @@ def test_slow_set_up_and_checkpoints_are_not_hangs_but_a_slow_step_is_reported_w
 def test_a_job_restarted_by_torchrun_resumes_from_its_newest_checkpoint_with_the_same_losses(tmp_path):
     from harness import Case, reference_for
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2",
            str(Path(__file__).parent / "restart_worker.py"), str(tmp_path)]
     proc = run_to_end(cmd, env=env, timeout=300)
@@ -107,3 +111,59 @@ def test_a_job_restarted_by_torchrun_resumes_from_its_newest_checkpoint_with_the
                                    steps=8))
     losses = [r["loss"] for r in first[:3] + second]
     assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, (losses, reference.losses)
+
+
+class GlitchingStore(dist.Store):
+    """An in-memory store whose reads fail for its first ``down_s`` seconds, as a network store does while its
+    host is briefly unreachable."""
+
+    def __init__(self, down_s: float) -> None:
+        super().__init__()
+        self.inner, self.up_at = dist.HashStore(), time.monotonic() + down_s
+
+    def _glitch(self) -> None:
+        if time.monotonic() < self.up_at:
+            raise RuntimeError("Connection reset by peer")
+
+    def check(self, keys):
+        self._glitch()
+        return self.inner.check(keys)
+
+    def get(self, key):
+        self._glitch()
+        return self.inner.get(key)
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+
+def _wait_for(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_failing_fault_store_is_reported_once_and_a_failure_published_after_it_recovers_is_seen(capfd):
+    store = GlitchingStore(down_s=0.5)  # 5 polls of 0.1 s
+    rank0 = FaultWatch(store, 0, 2, lambda r: f"rank {r}", Phase("training", None), exit_timeout_s=0.8)
+    exits = []
+    rank0._exit = lambda report, printed=False: exits.append(report)  # instead of ending this process
+    rank0.start()
+    try:
+        _wait_for(lambda: time.monotonic() > store.up_at + 0.3)
+        rank1 = FaultWatch(store, 1, 2, lambda r: f"rank {r}", Phase("training", None), exit_timeout_s=0.8)
+        rank1.store = rank0.store  # the same generation's keys (one watch per process in a real run)
+        rank1.announce_failure(ValueError("injected after the glitch"))
+        _wait_for(lambda: exits, seconds=5)
+    finally:
+        rank0.stop()
+    stderr = capfd.readouterr().err
+    assert exits == ["rank 0 stops: rank 1 failed: ValueError: injected after the glitch"], stderr
+    assert stderr.count("rank 0 cannot read the fault store (RuntimeError: Connection reset by peer)") == 1, stderr
+    assert "rank 0 reads the fault store again" in stderr, stderr
