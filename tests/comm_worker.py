@@ -30,7 +30,8 @@ PIPELINE = dict(pipeline_parallel_size=2, num_microbatches=2)
 ACCUMULATING = {  # name: ThreeDStrategy arguments at (dp, pp, tp) = (2, 2, 1), with accumulate_grad_batches=2
     "dp2_pp2_tp1_accumulate2": PIPELINE,
     "dp2_pp2_tp1_zero2_accumulate2": dict(PIPELINE, zero_stage=2),
-    "dp2_pp2_tp1_zero2_per_microbatch_accumulate2": dict(PIPELINE, zero_stage=2, pipeline_reduce_grads="per_microbatch"),
+    "dp2_pp2_tp1_zero2_per_microbatch_accumulate2": dict(PIPELINE, zero_stage=2,
+                                                         pipeline_reduce_grads="per_microbatch"),
 }
 
 

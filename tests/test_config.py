@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from lightning_3d.parallel import MESH_DIM_NAMES, ParallelConfig, ParallelConfigError, ParallelDims, RankCoords
-from lightning_3d.parallel.config import ACTIVATION_CHECKPOINTING, MODEL_INIT, PIPELINE_SCHEDULES, ZERO_STAGES
+from lightning_3d.parallel.config import (
+    ACTIVATION_CHECKPOINTING, MODEL_INIT, PIPELINE_REDUCE_GRADS, PIPELINE_SCHEDULES, ZERO_STAGES)
 from lightning_3d.policies.gpt import GPTPolicy
 
 # ------------------------------------------------------------------------------------------ ParallelConfig
@@ -49,6 +50,7 @@ def test_size_that_is_not_a_positive_int_is_rejected_naming_field_and_value(fiel
         ("zero_stage", 4, ZERO_STAGES),
         ("activation_checkpointing", "everything", ACTIVATION_CHECKPOINTING),
         ("model_init", "lazy", MODEL_INIT),
+        ("pipeline_reduce_grads", "per_block", PIPELINE_REDUCE_GRADS),
     ],
 )
 def test_unknown_choice_is_rejected_listing_the_choices(field, value, choices):
@@ -64,6 +66,17 @@ def test_virtual_pipeline_needs_an_interleaved_schedule():
     assert "pipeline_schedule='interleaved_1f1b'" in str(err.value)
     ParallelConfig(virtual_pipeline_size=2, pipeline_schedule="interleaved_1f1b")
     ParallelConfig(virtual_pipeline_size=2, pipeline_schedule="zero_bubble")
+
+
+def test_reducing_gradients_per_microbatch_needs_zero_a_pipeline_and_whole_backwards():
+    with pytest.raises(ParallelConfigError, match="zero_stage=0 and pipeline_parallel_size=2"):
+        ParallelConfig(pipeline_parallel_size=2, pipeline_reduce_grads="per_microbatch")
+    with pytest.raises(ParallelConfigError, match="zero_stage=3 and pipeline_parallel_size=1"):
+        ParallelConfig(zero_stage=3, pipeline_reduce_grads="per_microbatch")
+    with pytest.raises(ParallelConfigError, match="'zero_bubble' splits it"):
+        ParallelConfig(zero_stage=2, pipeline_parallel_size=2, pipeline_schedule="zero_bubble",
+                       virtual_pipeline_size=2, pipeline_reduce_grads="per_microbatch")
+    ParallelConfig(zero_stage=2, pipeline_parallel_size=2, pipeline_reduce_grads="per_microbatch")
 
 
 def test_sequence_parallel_needs_tensor_parallel():

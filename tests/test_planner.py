@@ -35,6 +35,31 @@ def test_zero_memory_matches_the_zero_papers_worked_example():
         assert sum(states.values()) / GB == pytest.approx(gb, abs=0.05), stage
 
 
+def test_zero_1_runs_as_2_and_3_under_the_pipeline_as_2_in_the_planner_as_in_the_strategy():
+    # lightning-3d runs zero_stage=1 as 2 (FSDP2 has no optimizer-only sharding) and 3 as 2 under the
+    # pipeline (parallel/data_parallel.apply_zero): the planner gives those the same memory and time.
+    model = ModelSpec.from_gpt_config(GPTConfig(n_layer=8, n_embd=256, n_head=4, block_size=64))
+    cluster = Cluster.preset("a100-40gb")
+    for pp, same in [(1, (1, 2)), (2, (1, 2)), (2, (2, 3))]:
+        layouts = [Layout(dp=4, pp=pp, num_microbatches=4, micro_batch_size=1, zero_stage=z) for z in same]
+        memory = [estimate_memory(model, layout, FP32, 0) for layout in layouts]
+        time = [estimate_step_time(model, layout, cluster, FP32) for layout in layouts]
+        assert memory[0] == memory[1] and time[0] == time[1], (pp, same)
+
+
+def test_reducing_per_microbatch_under_the_pipeline_trades_gradient_memory_for_reduce_scatters():
+    model = ModelSpec.from_gpt_config(GPTConfig(n_layer=8, n_embd=256, n_head=4, block_size=64))
+    cluster = Cluster.preset("a100-40gb")
+    per_step, per_microbatch = (Layout(dp=4, pp=2, num_microbatches=8, micro_batch_size=1, zero_stage=2,
+                                       pipeline_reduce_grads=when) for when in ("per_step", "per_microbatch"))
+    held = [estimate_memory(model, layout, FP32, 0) for layout in (per_step, per_microbatch)]
+    assert held[1].gathered < held[0].gathered and held[1].gradients == held[0].gradients
+    wire = [estimate_step_time(model, layout, cluster, FP32, dp_overlap=False).dp_communication
+            for layout in (per_step, per_microbatch)]
+    # 8 reduce-scatters of the gradients instead of 1, the all-gather of the parameters once: (8 + 1) / (1 + 1)
+    assert wire[1] == pytest.approx(wire[0] * 9 / 2)
+
+
 def korthikanti_model(**overrides):
     # Their setting: attention scores kept (no fused attention), dropout on, 2-byte activations.
     return ModelSpec(**{**dict(num_layers=8, hidden_size=4096, num_heads=32, vocab_size=51200, seq_length=2048,

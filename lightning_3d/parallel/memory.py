@@ -6,6 +6,7 @@ from typing import Callable, Iterable
 
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -31,6 +32,49 @@ def memory_report(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
 def _local_bytes(tensor: Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
+
+
+def step_gradient_bytes(stages: Iterable[nn.Module], per_microbatch: bool) -> int:
+    """The most gradient bytes this rank holds at once within a training step, for pipeline stages under ZeRO
+    (FSDP2 units: blocks and the stage). Local; no communication.
+
+    ``pipeline_reduce_grads="per_step"``: the whole gradients (gathered over dp) of every stage, until the
+    step's last backward. ``"per_microbatch"``: the dp shards, plus the stage unit's whole gradient (the head's
+    is computed first and reduced last) and one block's. Several stages on a rank (interleaving) add up: an
+    upper bound there.
+
+    Example::
+
+        step_gradient_bytes(strategy.pipeline_engine.stages.values(), per_microbatch=False)
+    """
+    total = 0
+    for stage in stages:
+        units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
+        whole = {unit: sum(_dp_gathered_bytes(p) for p in _own_parameters(unit)) for unit in units}
+        if not per_microbatch:
+            total += sum(whole.values())
+            continue
+        blocks = [whole[u] for u in units if u is not stage]
+        total += sum(_local_bytes(p) for p in stage.parameters()) + whole.get(stage, 0) + max(blocks, default=0)
+    return total
+
+
+def _own_parameters(unit: nn.Module) -> list[nn.Parameter]:
+    """The parameters an FSDP2 unit reduces itself: its own, less those of units nested in it."""
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    return [p for p in unit.parameters() if id(p) not in nested]
+
+
+def _dp_gathered_bytes(param: Tensor) -> int:
+    """Bytes of ``param`` gathered over "dp" (still split over "tp" where tensor parallelism splits it)."""
+    if not isinstance(param, DTensor):
+        return _local_bytes(param)
+    numel = param.numel()
+    mesh = param.device_mesh
+    for name, size, placement in zip(mesh.mesh_dim_names or (), mesh.shape, param.placements):
+        if name != "dp" and placement.is_shard():
+            numel //= size
+    return numel * param.element_size()
 
 
 def summarize_memory(report: dict[str, int], describe_rank: Callable[[int], str]) -> str:

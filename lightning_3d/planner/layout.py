@@ -35,6 +35,8 @@ class Layout:
     zero_stage: int = 0
     recompute: str | None = None
     """Activation checkpointing: None, "selective" (every second block, as lightning-3d does it) or "full"."""
+    pipeline_reduce_grads: str = "per_step"
+    """ZeRO under the pipeline: reduce-scatter once per step or per micro-batch (``ParallelConfig``'s field)."""
 
     def __post_init__(self) -> None:
         self.to_parallel_config()  # raises ParallelConfigError with the strategy's own message
@@ -60,7 +62,8 @@ class Layout:
             pipeline_schedule=self.schedule if pipelined else "1f1b",
             num_microbatches=self.num_microbatches if pipelined else None,
             virtual_pipeline_size=self.virtual_stages, sequence_parallel=self.sequence_parallel,
-            zero_stage=self.zero_stage, activation_checkpointing=self.recompute)
+            zero_stage=self.zero_stage, activation_checkpointing=self.recompute,
+            pipeline_reduce_grads=self.pipeline_reduce_grads)
 
     def describe(self) -> str:
         """A short name: ``dp2 tp2 pp2 1f1b m8 b2 sp z1 ac=selective``."""
@@ -71,7 +74,7 @@ class Layout:
         if self.sequence_parallel:
             parts.append("sp")
         if self.zero_stage:
-            parts.append(f"z{self.zero_stage}")
+            parts.append(f"z{self.zero_stage}" + ("(rs/mb)" if self.pipeline_reduce_grads == "per_microbatch" else ""))
         if self.recompute:
             parts.append(f"ac={self.recompute}")
         return " ".join(parts)

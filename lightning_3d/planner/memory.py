@@ -22,7 +22,11 @@ against what a CPU run saves):
     which recomputes only the attention scores);
   * every ZeRO stage runs on FSDP2, which keeps parameters, gradients and optimizer state as dp shards at
     rest; stage 1 runs as stage 2, which (like stage 3 with pp > 1) keeps each block's parameters gathered
-    from its forward to its backward, stage 3 alone regathers them per use.
+    from its forward to its backward, stage 3 alone regathers them per use;
+  * with pp > 1 a ZeRO stage holds its whole gradients (gathered over dp) from its first backward to the end
+    of the step, as ``torch.distributed.pipelining`` reduce-scatters once, after the last micro-batch;
+    ``pipeline_reduce_grads="per_microbatch"`` holds the shards plus the stage's root unit (embedding or
+    head) and one block whole (``step_gradient_bytes``).
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ class MemoryEstimate:
     activations: float
     """Saved for backward by the micro-batches in flight on this rank."""
     gathered: float
-    """Transient: parameters FSDP2 holds gathered during the step, the block that recompute rebuilds, and
-    autocast's bf16 copies of the weights."""
+    """Transient: parameters FSDP2 holds gathered during the step, gradients it holds whole beyond their
+    shards (ZeRO with pp > 1, ``step_gradient_bytes``), the block that recompute rebuilds, and autocast's bf16
+    copies of the weights."""
 
     @property
     def total(self) -> float:
@@ -122,6 +127,23 @@ def rank_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
     if pp_rank == layout.pp - 1:
         count += model.head_params(layout.pp).per_rank(layout.tp)
     return count
+
+
+def step_gradient_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
+    """The most gradient bytes pipeline rank ``pp_rank`` holds at once within a step (what a run logs as
+    "gradients in step", ``lightning_3d.parallel.memory.step_gradient_bytes``). Without ZeRO: whole
+    gradients. ZeRO without a pipeline: the shards (FSDP2 reduce-scatters each block's as its backward ends,
+    counted as the shards here). ZeRO with pp > 1: whole gradients until the step's last backward, or with
+    ``pipeline_reduce_grads="per_microbatch"`` the shards plus the root unit's and one block's whole."""
+    params = rank_parameters(model, layout, pp_rank)
+    whole = params * precision.grad_bytes
+    if layout.zero_stage == 0 or layout.dp == 1 or layout.pp == 1:
+        return whole / (layout.dp if layout.zero_stage else 1)
+    if layout.pipeline_reduce_grads == "per_step":
+        return whole
+    block = model.block_params().per_rank(layout.tp)
+    root = params - len(rank_blocks(model, layout, pp_rank)) * block  # embeddings, final norm, head
+    return whole / layout.dp + (root + block) * precision.grad_bytes
 
 
 def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, *, checkpointed: bool = False,
@@ -232,6 +254,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
         gathered = params * precision.param_bytes * (1 - 1 / layout.dp)  # every block gathered until backward
     elif layout.dp > 1 and zero == 3:
         gathered = 2 * block_params * precision.param_bytes  # the block in use and the one prefetched
+    gathered += step_gradient_bytes(model, layout, precision, pp_rank) - states["gradients"]
     if checkpointed_blocks(model, layout) & set(blocks):
         gathered += block_activation_bytes(model, layout, precision)  # one block rebuilt in backward
     gathered += autocast_weight_bytes(model, layout, precision, pp_rank)

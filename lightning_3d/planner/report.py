@@ -48,7 +48,7 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
     }
     if pipelined:
         strategy.update(pipeline_schedule=layout.schedule, num_microbatches=layout.num_microbatches,
-                        virtual_pipeline_size=layout.virtual_stages)
+                        virtual_pipeline_size=layout.virtual_stages, pipeline_reduce_grads=layout.pipeline_reduce_grads)
     gpt = _gpt_config(model)
     strategy["policy"] = "gpt" if gpt else "auto"
     lines = [

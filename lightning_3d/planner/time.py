@@ -127,8 +127,14 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     params = max(rank_parameters(model, layout, r) for r in range(p))
     grads = params * (dp_reduce_bytes or precision.grad_bytes)
     zero = 2 if layout.zero_stage == 1 else layout.zero_stage
-    dp_time = allreduce(grads if zero == 0 else (grads + params * precision.param_bytes) / 2, d, dp_bw)
-    exposed = max(0.0, dp_time - backward) if dp_overlap else dp_time
+    if zero and p > 1 and layout.pipeline_reduce_grads == "per_microbatch":
+        # A reduce-scatter of the stage's gradients in each micro-batch, each overlapping that backward.
+        scatter, gather = allreduce(grads, d, dp_bw) / 2, allreduce(params * precision.param_bytes, d, dp_bw) / 2
+        dp_time = m * scatter + gather
+        exposed = m * max(0.0, scatter - backward) + max(0.0, gather - backward) if dp_overlap else dp_time
+    else:
+        dp_time = allreduce(grads if zero == 0 else (grads + params * precision.param_bytes) / 2, d, dp_bw)
+        exposed = max(0.0, dp_time - backward) if dp_overlap else dp_time
     if zero == 3 and p == 1 and d > 1:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
         # prefetched during the previous block's compute.

@@ -41,7 +41,7 @@ from lightning_3d.parallel.fsdp_policies import (
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.init import InitError, is_on_meta
 from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
-from lightning_3d.parallel.memory import memory_report, summarize_memory
+from lightning_3d.parallel.memory import memory_report, step_gradient_bytes, summarize_memory
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
 from lightning_3d.parallel.tied import TiedGradients, embedding_group
@@ -406,6 +406,10 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         if not self._memory_logged and self.lightning_module.trainer.global_step == 1:
             self._memory_logged = True
             report = memory_report(self.lightning_module, self.optimizers)
+            if self._engine is not None and self.parallel_config.zero_stage and self.parallel_dims.dp > 1:
+                # Within a step a ZeRO stage holds more than its shards (lightning_3d.pipeline.grad_sync).
+                report["gradients_in_step"] = step_gradient_bytes(
+                    self._engine.stages.values(), self.parallel_config.pipeline_reduce_grads == "per_microbatch")
             rank_zero_info(f"lightning_3d: {summarize_memory(report, self._describe_rank)}")
 
     # ------------------------------------------------------------------ registration and teardown
