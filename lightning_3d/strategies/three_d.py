@@ -109,10 +109,10 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         hang_timeout: Optional[float] = 900.0,
-        exit_timeout: float = 10.0,
-    ) -> None:
         setup_timeout: Optional[float] = None,
         checkpoint_timeout: Optional[float] = None,
+        exit_timeout: float = 10.0,
+    ) -> None:
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -144,8 +144,8 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self._fault_timeouts = dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout)))
         for name, seconds in {**self._fault_timeouts, "exit_timeout": exit_timeout}.items():
             if seconds is not None and seconds <= 0:
-                raise ValueError(f"{name} ({seconds}) is in seconds and must be positive (None turns the hang"
-                                 " watchdog off for its phase).")
+                off = "" if name == "exit_timeout" else " (None turns the hang watchdog off for its phase)"
+                raise ValueError(f"{name} ({seconds}) is in seconds and must be positive{off}.")
         self._exit_timeout = exit_timeout
         self.num_nodes = 1
         self._parallel_dims: Optional[ParallelDims] = None
