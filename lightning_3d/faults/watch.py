@@ -15,8 +15,8 @@ key-value store every process group already has:
 * **hang**: the watch times phases (:class:`Phase`): set-up, a checkpoint's load or save, skipping to a
   resume point, and the steps (training, validation, ...), each with its own limit, since building or
   loading a large model legitimately takes far longer than a step. The strategy calls :meth:`enter` when
-  a phase begins and :meth:`progress` at every step boundary. If the current phase makes no progress
-  within its limit, the rank prints the phase and what it is waiting in (``faults.report``: the
+  a phase begins and at every step boundary (each restarts the clock). If the current phase makes no
+  progress within its limit, the rank prints the phase and what it is waiting in (``faults.report``: the
   collective, the pipeline action, its Python stack), tells the other ranks (they print theirs), and the
   job ends with those reports instead of waiting forever.
 
@@ -90,7 +90,7 @@ class FaultWatch:
         return self._where[0]
 
     def enter(self, phase: Phase, doing: str = "started") -> None:
-        """The rank begins ``phase``: its clock starts now, under the phase's limit."""
+        """The rank begins ``phase``, or moves on within it (``doing``): the clock restarts, under its limit."""
         self._where = (phase, doing, time.monotonic())
 
     @contextmanager
@@ -102,10 +102,6 @@ class FaultWatch:
             yield
         finally:
             self.enter(around, f"{phase.name} done")
-
-    def progress(self, doing: str) -> None:
-        """The rank moved on (called at step boundaries): restart the clock of the current phase."""
-        self.enter(self.phase, doing)
 
     # ------------------------------------------------------------------ a rank that raised
 
@@ -127,7 +123,7 @@ class FaultWatch:
                 return
         except Exception as error:  # noqa: BLE001 -- the store is gone (the rank hosting it ended)
             self._say(f"could not tell the other ranks of its failure ({type(error).__name__}: {error}): they"
-                      " stop at their collective timeout instead")
+                      " learn of it only when a collective or their hang watchdog times out")
             return
         _write_torchelastic_error(f"{self.describe(self.rank)} failed: {message}")
         print(f"lightning_3d: {self.describe(self.rank)} failed: {message}", file=sys.stderr, flush=True)
