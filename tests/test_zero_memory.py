@@ -19,11 +19,26 @@ DP = 4
 
 
 @pytest.fixture(scope="module")
-def per_rank(tmp_path_factory):
+def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_memory")
-    torchrun(DP, str(Path(__file__).parent / "zero_memory_worker.py"), str(out), timeout=300, rank_files=out)
+    proc = torchrun(DP, str(Path(__file__).parent / "zero_memory_worker.py"), str(out), timeout=300, rank_files=out)
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def per_rank(launched):
+    out, _ = launched
     return [{int(k) if k.isdigit() else k: v for k, v in json.loads((out / f"rank{r}.json").read_text()).items()}
             for r in range(DP)]
+
+
+def test_a_zero_stage_that_runs_as_another_says_so_at_set_up(launched):
+    # The worker runs zero_stage 0-3 at dp=4 without a pipeline, then 2 and 3 twice each at (2, 2, 1).
+    _, output = launched
+    assert output.count("lightning_3d: zero_stage=1 runs as ZeRO-2: FSDP2 has no optimizer-only sharding") == 1
+    assert output.count("lightning_3d: zero_stage=3 runs as ZeRO-2: under the pipeline") == 2
+    assert "zero_stage=2 runs as" not in output and "zero_stage=0 runs as" not in output
+    assert output.count("gradients in step") == 4  # the memory line of each pipelined run
 
 
 def test_sharded_bytes_are_one_dp_th_of_the_full_ones(per_rank):

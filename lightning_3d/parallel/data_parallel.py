@@ -75,10 +75,27 @@ def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, 
     gradients once, after the last micro-batch, then frees them: under the pipeline the three stages run
     alike.
     """
-    reshard = zero_stage == 3 and not pipeline_stage
+    reshard = zero_stage_that_runs(zero_stage, pipeline_stage)[0] == 3
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
                    offload_policy=offload_policy or OffloadPolicy())
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(module, **options)
     return module
+
+
+def zero_stage_that_runs(zero_stage: int, pipeline: bool) -> tuple[int, str]:
+    """The ZeRO stage :func:`apply_zero` runs for ``zero_stage`` (with or without a pipeline), and why it is
+    another one where it is ("" where not). The planner models the stage that runs.
+
+    Example::
+
+        zero_stage_that_runs(1, pipeline=False)  # (2, "FSDP2 has no optimizer-only sharding; ...")
+    """
+    if zero_stage == 1:
+        return 2, ("FSDP2 has no optimizer-only sharding; stage 2 also shards the gradients, so it holds no more"
+                   " memory and moves the same bytes")
+    if zero_stage == 3 and pipeline:
+        return 2, ("under the pipeline a stage keeps its parameters gathered from the first micro-batch's forward"
+                   " to the last one's backward, instead of gathering them again for each micro-batch")
+    return zero_stage, ""

@@ -35,6 +35,7 @@ import functools
 
 from dataclasses import dataclass, fields
 
+from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.model import ModelSpec, PlannerError
@@ -243,14 +244,15 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
     """Peak bytes on a GPU of pipeline rank ``pp_rank`` (any dp and tp rank: they hold the same amounts)."""
     params = rank_parameters(model, layout, pp_rank)
     # lightning-3d runs every ZeRO stage through FSDP2 (lightning_3d.parallel.data_parallel.apply_zero): at rest
-    # parameters, gradients and optimizer state are all dp shards, as in ZeRO-3; stages 1 and 2 differ from 3 in
-    # keeping the parameters gathered from forward to backward ("gathered" below).
-    zero = 2 if layout.zero_stage == 1 else layout.zero_stage
+    # parameters, gradients and optimizer state are all dp shards, as in ZeRO-3; stage 2 differs from 3 in
+    # keeping the parameters gathered from forward to backward ("gathered" below). Modelled: the stage that runs
+    # (1 runs as 2, and 3 as 2 under the pipeline).
+    zero = zero_stage_that_runs(layout.zero_stage, layout.pp > 1)[0]
     states = zero_model_state_bytes(params, layout.dp, 3 if zero else 0, precision)
     blocks = rank_blocks(model, layout, pp_rank)
     block_params = model.block_params().per_rank(layout.tp)
     gathered = 0.0
-    if layout.dp > 1 and (zero == 2 or (zero == 3 and layout.pp > 1)):
+    if layout.dp > 1 and zero == 2:
         gathered = params * precision.param_bytes * (1 - 1 / layout.dp)  # every block gathered until backward
     elif layout.dp > 1 and zero == 3:
         gathered = 2 * block_params * precision.param_bytes  # the block in use and the one prefetched

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import Precision, block_activation_bytes, checkpointed_blocks, rank_blocks, rank_parameters
@@ -126,7 +127,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     # parameters under ZeRO: the same bytes), overlapped with the last micro-batch's backward.
     params = max(rank_parameters(model, layout, r) for r in range(p))
     grads = params * (dp_reduce_bytes or precision.grad_bytes)
-    zero = 2 if layout.zero_stage == 1 else layout.zero_stage
+    zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
     if zero and p > 1 and layout.pipeline_reduce_grads == "per_microbatch":
         # A reduce-scatter of the stage's gradients in each micro-batch, each overlapping that backward.
         scatter, gather = allreduce(grads, d, dp_bw) / 2, allreduce(params * precision.param_bytes, d, dp_bw) / 2
@@ -135,7 +136,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     else:
         dp_time = allreduce(grads if zero == 0 else (grads + params * precision.param_bytes) / 2, d, dp_bw)
         exposed = max(0.0, dp_time - backward) if dp_overlap else dp_time
-    if zero == 3 and p == 1 and d > 1:
+    if zero == 3 and d > 1:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
         # prefetched during the previous block's compute.
         gathers = allreduce(params * precision.param_bytes, d, dp_bw)  # two all-gathers: one all-reduce's bytes

@@ -35,7 +35,7 @@ from lightning_3d.strategies.steps import LayoutSteps
 from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_3d.parallel.data_parallel import apply_data_parallel
+from lightning_3d.parallel.data_parallel import apply_data_parallel, zero_stage_that_runs
 from lightning_3d.parallel.fsdp_policies import (
     check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
@@ -252,6 +252,11 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(f"lightning_3d: {self._parallel_dims}, policy={self._policy.name or self._policy!r}")
+        zero = self.parallel_config.zero_stage
+        runs, why = zero_stage_that_runs(zero, self._parallel_dims.pp > 1)
+        if runs != zero and self._parallel_dims.dp > 1:  # (dp = 1: warn_about_no_ops says zero does nothing)
+            rank_zero_info(f"lightning_3d: zero_stage={zero} runs as ZeRO-{runs}: {why}"
+                           " (lightning_3d.parallel.data_parallel.apply_zero)")
 
     # ------------------------------------------------------------------ model
 
