@@ -71,9 +71,9 @@ def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, 
     Under pipeline parallelism (``pipeline_stage``) every stage takes ``reshard_after_forward=False``, as
     torchtitan does: a stage runs forward for several micro-batches before their backwards, and resharding
     after each would all-gather the stage's parameters once per micro-batch instead of once per step. The
-    schedule (``PipelineStage``) also keeps them gathered through the backwards and reduce-scatters the
-    gradients once, after the last micro-batch, then frees them: under the pipeline the three stages run
-    alike.
+    schedule also keeps them gathered through the backwards and reduce-scatters the gradients once, after
+    the last micro-batch (or per micro-batch, ``lightning_3d.pipeline.grad_sync``), then frees them: under
+    the pipeline the three stages run alike. :func:`zero_stage_that_runs` says which stage runs.
     """
     reshard = zero_stage_that_runs(zero_stage, pipeline_stage)[0] == 3
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
