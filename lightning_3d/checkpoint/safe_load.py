@@ -57,20 +57,24 @@ def torch_load(path: str | Path, *, what: str, opt_out: str = "", **kwargs: Any)
         try:
             return torch.load(path, weights_only=True, **kwargs)
         except pickle.UnpicklingError as err:
+            if "Weights only load failed" not in str(err):  # a damaged file, not a refused one: torch's error says so
+                raise
             # torch's own message advises allow-listing whatever it met, io.open included: name it, advise less
+            unsafe = _globals_in(path)
+            holds = f"asks to build {unsafe}" if unsafe else f"holds what a weights-only load refuses ({_reason(err)})"
             raise UnsafeCheckpointError(
-                f"Refused to read {what} {str(path)!r}: it asks to build {_globals_in(path) or _reason(err)},"
-                " which is neither a tensor, a plain value nor a type lightning_3d allows, and reading it would"
-                " run code from the file. If the file comes from a source you trust and names a type of yours,"
-                f" allow that type with torch.serialization.add_safe_globals([YourType]) before loading{opt_out};"
-                " for weights, prefer a safetensors file (lightning-3d convert writes one)."
+                f"Refused to read {what} {str(path)!r}: it {holds}, which is neither a tensor, a plain value nor"
+                " a type lightning_3d allows, and reading it could run code from the file. If the file comes from"
+                " a source you trust and names a type of yours, allow that type with"
+                f" torch.serialization.add_safe_globals([YourType]) before loading{opt_out}; for weights, prefer a"
+                " safetensors file (lightning-3d convert writes one)."
             ) from None
 
 
 def _reason(err: Exception) -> str:
     """The line of torch's long weights-only message that says what it refused."""
     lines = [line.strip() for line in str(err).splitlines()]
-    return next((line for line in lines if "Unsupported" in line), lines[0] if lines else "objects")
+    return next((line for line in lines if "Unsupported" in line), lines[0] if lines else "")
 
 
 def _globals_in(path: str | Path) -> str:
