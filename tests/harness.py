@@ -297,7 +297,7 @@ def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = N
 
     With ``rank_files`` (the folder where each rank writes ``rank{N}.json`` when its work is done): a rank that
     gloo aborted on its way out (``GLOO_EXIT_ABORT``) after every file was written is a warning, not a failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
     proc = run_to_end(cmd, env=env, timeout=timeout, cwd=cwd)
     written = rank_files is not None and all((rank_files / f"rank{r}.json").exists() for r in range(nprocs))
@@ -338,7 +338,7 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
         str(TESTS_DIR / "parity_worker.py"), str(cases_file), str(out_dir),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = run_to_end(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:

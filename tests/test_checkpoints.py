@@ -28,7 +28,7 @@ def _launch(nprocs: int, jobs: list[dict], out: Path, expect_failure: bool = Fal
     (out / "jobs.json").write_text(json.dumps(jobs))
     args = [str(TESTS_DIR / "ckpt_worker.py"), str(out / "jobs.json"), str(out)]
     if expect_failure:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
         proc = run_to_end(cmd, env=env, timeout=300)
         assert proc.returncode != 0, "the launch was expected to die"

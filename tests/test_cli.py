@@ -15,7 +15,7 @@ CONFIGS = sorted((ROOT / "example_configs").glob("*.yaml"))
 
 
 def _cli(*args, timeout=300, cwd=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "lightning_3d", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
@@ -149,7 +149,7 @@ def test_torchrun_world_that_disagrees_with_the_config_fails_on_every_rank_befor
     """4 processes for a config that asks for dp=2 x pp=2 x tp=2 = 8: each rank says so in one line and
     exits, without a traceback and before the process group exists (so no rank can wait for another)."""
     config = ROOT / "example_configs" / "gpt_tiny_3d_cpu.yaml"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # torchrun stops the other ranks once it sees one fail; checking every 5 s instead of 0.1 s lets each
     # rank reach the check and report on its own, as each would on a cluster.
     proc = run_to_end([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",

@@ -58,7 +58,6 @@ def _job_env(slurm_conf: Path, **extra: str) -> dict[str, str]:
         # emulated nodes' names do not resolve, their address is this host's.
         "MASTER_ADDR": "127.0.0.1",
         "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
         **extra,
     }
 

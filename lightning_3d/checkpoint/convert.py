@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -88,7 +89,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, tuple]:
 
 def _read(checkpoint: Path, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.empty(shape, dtype=dtype)
-    dcp.load({key: tensor}, storage_reader=CheckedReader(checkpoint), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it "assumes" one process even when asked for one with no_dist=True, as here.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        dcp.load({key: tensor}, storage_reader=CheckedReader(checkpoint), no_dist=True)
     return tensor
 
 

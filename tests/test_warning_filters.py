@@ -1,0 +1,42 @@
+"""The tests' warning rules (warning_filters.py): a warning from lightning_3d code -- ours, or a deprecation
+torch or Lightning reports at our call -- fails the test that provokes it, here and in the ranks it launches."""
+
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from harness import torchrun
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.dims import ParallelDims
+from lightning_3d.parallel.fsdp_policies import warn_about_no_ops
+
+NO_OP_ZERO = "zero_stage=2 shards over the data-parallel ranks, but dp=1"
+
+
+def test_a_warning_of_ours_is_an_error_in_the_test_process():
+    with pytest.raises(UserWarning, match=NO_OP_ZERO):
+        warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), torch.device("cpu"))
+
+
+def test_a_deprecation_reported_at_our_call_is_an_error():
+    # What torch's @deprecated does when lightning_3d.strategies.three_d calls a deprecated function.
+    with pytest.raises(FutureWarning, match="old_api is deprecated"):
+        warnings.warn_explicit("old_api is deprecated", FutureWarning, "three_d.py", 1,
+                               module="lightning_3d.strategies.three_d")
+
+
+@pytest.mark.multiprocess
+def test_a_warning_of_ours_fails_a_launched_rank(tmp_path):
+    script = tmp_path / "warns.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from lightning_3d.parallel.config import ParallelConfig
+        from lightning_3d.parallel.dims import ParallelDims
+        from lightning_3d.parallel.fsdp_policies import warn_about_no_ops
+
+        warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), torch.device("cpu"))
+    """))
+    with pytest.raises(AssertionError, match=f"UserWarning: {NO_OP_ZERO}"):
+        torchrun(1, str(script), timeout=120)
