@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_3d.pipeline.split import PLACEHOLDERS
 from lightning_3d.parallel.kv_heads import ReplicatedKVHeads
 from lightning_3d.policies.base import Plan, PolicyError
 
@@ -24,7 +25,8 @@ def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> N
     initialized later (``lightning_3d.parallel.init``)."""
     # Patterns expanded here to the modules this rank holds: parallelize_module would also expand a "*" over
     # the placeholders of blocks other pipeline stages hold, and warn for each.
-    present = {fqn: style for pattern, style in plan.tp_plan.items() for fqn in match_modules(root, pattern)}
+    present = {fqn: style for pattern, style in plan.tp_plan.items() for fqn in match_modules(root, pattern)
+               if not isinstance(root.get_submodule(fqn), PLACEHOLDERS)}
     parallelize_module(root, tp_mesh, present)
     held = {fqn for fqn, _ in root.named_modules()}
     for fqn, attributes in plan.attribute_fixes.items():

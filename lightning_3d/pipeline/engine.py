@@ -49,6 +49,7 @@ from torch.distributed.pipelining import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_3d.parallel.config import ParallelConfigError
+from lightning_3d.pipeline.as_written import StageForward
 from lightning_3d.pipeline.grad_sync import GradSyncStage
 from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
 from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
@@ -95,6 +96,8 @@ class PipelineEngine:
         for index, stage in stages.items():
             if index < num_stages - 1:
                 stage.register_forward_hook(_require_tensor_output(index))
+        forwards = [stage.forward for stage in stages.values() if isinstance(stage.forward, StageForward)]
+        self._as_written_inputs = forwards[0].inputs if forwards else None  # shared by this rank's stages
 
     @property
     def has_first_stage(self) -> bool:
@@ -145,12 +148,16 @@ class PipelineEngine:
         self._check_fixed_shapes(batch, train)
         microbatches = split_batch(batch, self.num_microbatches)
         explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
-        if not self.has_first_stage:
+        if not self.has_first_stage and self._as_written_inputs is None:
             inputs, kwargs = (), {}
         elif explicit:
             inputs, kwargs = tuple(self.module.pipeline_inputs(batch)), {}
         else:
             inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs)
+        if self._as_written_inputs is not None:  # every stage rebuilds the model call from the tensors it gets
+            self._as_written_inputs.spec = tree_flatten((inputs, kwargs))[1]
+            if not self.has_first_stage:
+                inputs, kwargs = (), {}
         results: list[Any] = []
         logs: list[list[tuple]] = []
 

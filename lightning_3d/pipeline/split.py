@@ -18,7 +18,8 @@ from functools import partial
 
 from torch import nn
 
-from lightning_3d.policies.base import Plan, PolicyError
+from lightning_3d.pipeline.as_written import InputSpec, PassThroughBlock, Shell, StageForward
+from lightning_3d.policies.base import Plan, PolicyError, join_fqn
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,38 @@ def split_options(module: nn.Module, plan: Plan, split: str | list[list[str]]) -
         return sum(p.numel() for fqn in fqns for p in module.get_submodule(fqn).parameters())
 
     return {"costs": ([count([b]) for b in plan.blocks], count(plan.before), count(plan.after))}
+
+
+def check_splittable(module: nn.Module, plan: Plan) -> None:
+    """Raise, naming what was found, if ``plan`` cannot cut ``module`` into pipeline stages: no blocks, no
+    pipeline root, or parameters held directly by the root or on the way to the blocks (no one stage owns
+    them)."""
+    if not plan.blocks or plan.pipeline_root is None:
+        found = ", ".join(f"{fqn} ({type(m).__name__})" for fqn, m in module.named_children()) or "none"
+        what = "no repeated blocks" if not plan.blocks else "blocks but no pipeline_root"
+        raise PolicyError(
+            f"pipeline_parallel_size > 1 cuts the model into stages of blocks, but the plan for"
+            f" {type(module).__name__} has {what}. policy='auto' looks for a ModuleList, ModuleDict or"
+            f" Sequential of same-class layers inside a child of the LightningModule; the children found: {found}."
+            " Keep the repeated layers in such a list, or register a policy that names them (Plan.blocks,"
+            " pipeline_root, before, after), or use pipeline_parallel_size=1."
+        )
+    ancestors = {plan.pipeline_root} | {
+        fqn.rpartition(".")[0] for name in [*plan.blocks, *plan.before, *plan.after]
+        for fqn in _prefixes(name) if fqn.startswith(plan.pipeline_root)}
+    direct = [join_fqn(a, n) for a in sorted(ancestors) if a for n, _ in
+              module.get_submodule(a).named_parameters(recurse=False)]
+    if direct:
+        raise PolicyError(
+            f"Under pipeline parallelism every parameter must belong to one stage, but {direct} are held directly"
+            f" by {plan.pipeline_root!r} or a module on the way to its blocks, which every stage runs. Move them"
+            " into a submodule (e.g. an nn.Embedding for a position table), or use pipeline_parallel_size=1."
+        )
+
+
+def _prefixes(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def stage_ids_of(pp_rank: int, pp: int, virtual: int) -> list[int]:
@@ -111,6 +144,7 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
     root_name = plan.pipeline_root
     root = module.get_submodule(root_name)
     num_stages = len(stage_blocks)
+    inputs = InputSpec()  # shared by this rank's stages that run the forward as written
     split = [*plan.blocks, *plan.before, *plan.after]
     stages = []
     for stage_id in stage_ids:
@@ -120,15 +154,19 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
         keep |= set(plan.after) if stage_id == num_stages - 1 else set()
         for fqn in split:
             if fqn not in keep:
-                _remove(stage, _relative(fqn, root_name))
+                _remove(stage, _relative(fqn, root_name), plan.forward_as_written)
         _share_the_rest(stage, root, [_relative(fqn, root_name) for fqn in split])
-        if plan.stage_forward is not None:
-            # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
+        # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
+        if plan.forward_as_written:
+            held = [_relative(b, root_name) for b in stage_blocks[stage_id]]
+            stage.forward = StageForward(stage, held[0], held[-1], is_first=stage_id == 0,
+                                         is_last=stage_id == num_stages - 1, inputs=inputs)
+        elif plan.stage_forward is not None:
             stage.forward = partial(plan.stage_forward, stage)
         stages.append(stage)
     # The union: the root, emptied, then given each local stage's modules (the same objects).
     for fqn in split:
-        _remove(root, _relative(fqn, root_name))
+        _remove(root, _relative(fqn, root_name), plan.forward_as_written)
     for stage in stages:
         for fqn in split:
             relative = _relative(fqn, root_name)
@@ -166,9 +204,10 @@ def _parent(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 def _get(module: nn.Module, fqn: str) -> nn.Module | None:
     parent, name = _parent(module, fqn)
     if isinstance(parent, nn.ModuleDict):
-        return parent[name] if name in parent else None
-    child = getattr(parent, name, None)
-    return None if isinstance(child, DroppedBlock) else child
+        child = parent[name] if name in parent else None
+    else:
+        child = getattr(parent, name, None)
+    return None if isinstance(child, PLACEHOLDERS) else child
 
 
 class DroppedBlock(nn.Module):
@@ -180,14 +219,24 @@ class DroppedBlock(nn.Module):
                            " skip lightning_3d.pipeline.split.DroppedBlock entries")
 
 
+PLACEHOLDERS = (DroppedBlock, PassThroughBlock, Shell)
+"""What holds the place of a module another stage runs."""
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def held_modules(module: nn.Module, fqns: list[str]) -> dict[str, nn.Module]:
     """FQN -> module, for the modules named in ``fqns`` that this rank holds (not those of other stages)."""
     named = dict(module.named_modules())
-    return {fqn: named[fqn] for fqn in fqns if fqn in named and not isinstance(named[fqn], DroppedBlock)}
+    return {fqn: named[fqn] for fqn in fqns if fqn in named and not isinstance(named[fqn], PLACEHOLDERS)}
 
 
-def _remove(module: nn.Module, fqn: str) -> None:
+def _remove(module: nn.Module, fqn: str, as_written: bool = False) -> None:
     parent, name = _parent(module, fqn)
+    if as_written:  # the forward still calls it: a placeholder takes its place (pipeline.as_written)
+        child = _get(module, fqn)
+        if child is not None:  # (a union root: _put gives it back what this rank holds)
+            _put(module, fqn, PassThroughBlock() if isinstance(parent, CONTAINERS) else Shell(child))
+        return
     if isinstance(parent, nn.ModuleDict):
         if name in parent:
             del parent[name]

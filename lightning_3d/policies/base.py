@@ -41,8 +41,9 @@ class Plan:
     """The repeated blocks (transformer layers) in execution order: the units pipeline stages are cut from
     and activation checkpointing wraps."""
     pipeline_root: str | None = None
-    """The module whose forward the pipeline splits (the model ``training_step`` calls, e.g. "model"); its
-    forward must skip submodules that are None and blocks that are missing (see ``models.GPT``)."""
+    """The module whose forward the pipeline splits (the model ``training_step`` calls, e.g. "model"). Unless
+    ``forward_as_written`` or ``stage_forward`` is given, its forward must skip submodules that are None and
+    blocks that are missing (see ``models.GPT``)."""
     before: list[str] = field(default_factory=list)
     """Modules that run before the first block (embeddings): only the first pipeline stage keeps them."""
     after: list[str] = field(default_factory=list)
@@ -71,6 +72,10 @@ class Plan:
     pipeline root that holds this stage's modules (the others are None, or a ``DroppedBlock`` inside a
     ModuleList); the inputs are the arguments of the user's model call on the first stage and the previous
     stage's outputs elsewhere. Returns a tensor or a tuple of tensors. None: the root's own forward."""
+    forward_as_written: bool = False
+    """Each pipeline stage runs the pipeline root's own, unchanged forward (``lightning_3d.pipeline.as_written``):
+    other stages' blocks pass their input through, their embeddings and head are shells without parameters.
+    What "auto" plans for a model it has no policy for; ``stage_forward`` is then not used."""
     init_module: Callable[[nn.Module], None] | None = None
     """Initializes one module's own parameters and buffers in place, for the modules of a model built on the
     meta device that have no ``reset_parameters()`` (Hugging Face models: their ``_init_weights``); see

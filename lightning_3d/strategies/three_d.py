@@ -46,7 +46,7 @@ from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
 from lightning_3d.parallel.tied import TiedGradients, embedding_group
 from lightning_3d.pipeline.engine import PipelineEngine
-from lightning_3d.pipeline.split import assign_blocks, held_modules, split_options, stage_ids_of
+from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, stage_ids_of
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
 
@@ -322,6 +322,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
                     "pipeline_parallel_size > 1 runs backward inside the pipeline schedule, which manual"
                     " optimization (self.manual_backward) cannot drive. Use automatic optimization, or pp=1."
                 )
+            check_splittable(module, plan)
             stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
                                          **split_options(module, plan, config.pipeline_split))
             stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)

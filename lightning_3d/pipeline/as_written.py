@@ -1,0 +1,131 @@
+"""Pipeline stages that run the model's own forward, unchanged (``Plan.forward_as_written``).
+
+For a model no policy was written for -- blocks in an ``nn.ModuleList`` and ``for block in self.blocks: x =
+block(x)`` -- every stage calls the pipeline root's own ``forward`` with the model's own inputs. In a stage
+(a copy of the root, ``pipeline.split``):
+
+* the blocks other stages hold are :class:`PassThroughBlock` placeholders that return their first input;
+* the modules before the blocks (embeddings) on later stages, and after them (final norm, head) on earlier
+  stages, are :class:`Shell` s: they hold no parameters, work out the shape of their output on a meta-device
+  copy and return zeros of that shape;
+* a pre-hook on the stage's first block replaces that block's input with the activation received from the
+  previous stage, and on every stage but the last a hook on its last block ends the forward there: the stage
+  sends that block's output on, followed by the model's inputs (token ids, masks), which every stage needs to
+  run the forward as written (positions, masks and rotary tables are made by the model, on each stage).
+
+Whatever the forward computes around the blocks on a stage that does not hold them (an embedding sum, a
+mask) is thrown away at the swap, so it costs a little and changes nothing. :class:`InputSpec` carries the
+structure of the model call (``args``/``kwargs``) from the engine, which captures it on every rank, to the
+stages that rebuild it from the tensors they receive.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+
+
+class PassThroughBlock(nn.Module):
+    """Holds the place of a block another stage runs: returns its first input (which the stage's first
+    block then replaces with the activation it receives). Owns nothing."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(v for v in kwargs.values() if isinstance(v, Tensor))
+
+
+class Shell(nn.Module):
+    """Holds the place of a module (an embedding, the head) another stage runs: returns zeros of the shape
+    and dtype that module would return, worked out on a meta-device copy (not a submodule: this stage holds
+    none of its parameters)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "meta_module", meta_copy(module))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        devices = [x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+        device = devices[0] if devices else torch.device("cpu")
+        on_meta = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, (args, kwargs))
+        with torch.no_grad():
+            output = self.meta_module(*on_meta[0], **on_meta[1])
+        return tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype, device=device) if isinstance(x, Tensor)
+                        else x, output)
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device (nothing allocated)."""
+    memo = {id(t): _on_meta(t) for t in [*module.parameters(), *module.buffers()]}
+    return copy.deepcopy(module, memo)
+
+
+def _on_meta(tensor: Tensor) -> Tensor:
+    meta = torch.empty_like(tensor, device="meta")
+    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+class InputSpec:
+    """The structure of the model call's ``(args, kwargs)`` in the current step, tensors as leaves (set by
+    the engine on every rank, read by this rank's stages)."""
+
+    def __init__(self) -> None:
+        self.spec: TreeSpec | None = None
+
+
+class StageForward:
+    """``forward`` of one stage: the pipeline root's own, between this stage's first and last block."""
+
+    def __init__(self, stage: nn.Module, first_block: str, last_block: str, *, is_first: bool, is_last: bool,
+                 inputs: InputSpec) -> None:
+        self.stage, self.first_block, self.last_block = stage, first_block, last_block
+        self.is_first, self.is_last, self.inputs = is_first, is_last, inputs
+
+    def __call__(self, *received: Tensor, **kwargs: Any) -> Any:
+        if self.is_first:
+            args, activation = received, None
+        else:  # the previous stage's output, then the model's inputs (see the module doc)
+            activation, *leaves = received
+            args, kwargs = tree_unflatten(leaves, self.inputs.spec)
+        # The modules in the blocks' slots now (activation checkpointing may have wrapped them since the split).
+        first, last = self.stage.get_submodule(self.first_block), self.stage.get_submodule(self.last_block)
+        handles = []
+        if activation is not None:  # first, before any other pre-hook (FSDP's casts the input it gets)
+            handles.append(first.register_forward_pre_hook(_ReplaceInput(activation), with_kwargs=True,
+                                                           prepend=True))
+        if not self.is_last:  # last, after FSDP's post-forward hook has run
+            handles.append(last.register_forward_hook(_end_stage))
+        try:
+            return type(self.stage).forward(self.stage, *args, **kwargs)
+        except _StageEnd as end:
+            return (end.output, *[x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)])
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _ReplaceInput:
+    def __init__(self, activation: Tensor) -> None:
+        self.activation = activation
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self.activation, *args[1:]), kwargs
+        name = next(k for k, v in kwargs.items() if isinstance(v, Tensor))
+        return args, {**kwargs, name: self.activation}
+
+
+class _StageEnd(Exception):
+    def __init__(self, output: Tensor) -> None:
+        super().__init__("the stage's last block has run")
+        self.output = output
+
+
+def _end_stage(module: nn.Module, args: Any, output: Any) -> None:
+    tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor)]
+    if not tensors:
+        raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; under pipeline parallelism a"
+                        " block must return its output activation as a tensor (or a tuple starting with it).")
+    raise _StageEnd(tensors[0])

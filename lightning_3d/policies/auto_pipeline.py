@@ -1,0 +1,52 @@
+"""The pipeline part of the "auto" plan: where the blocks sit, and what runs before and after them.
+
+For a model no policy was written for, the blocks are the longest list of same-class layers
+(``auto.repeated_blocks``). Then, by structure:
+
+* the **pipeline root** is the LightningModule's child that holds them (the model ``training_step`` calls);
+* on the path from the root down to the blocks' container, the children with parameters registered
+  **before** that path are the first stage's (embeddings), those registered **after** it the last stage's
+  (final norm, output head); children without parameters (dropout, a rotary embedding's buffers) are shared
+  by every stage;
+* parameters that are one tensor under two names (an input embedding tied to the head) are **tied**;
+* each stage runs the model's own forward (``Plan.forward_as_written``, ``lightning_3d.pipeline.as_written``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_3d.policies.base import join_fqn
+
+
+def pipeline_parts(root: nn.Module, blocks: list[str]) -> dict:
+    """``Plan`` fields for running ``blocks`` of ``root`` (the LightningModule) as pipeline stages; empty
+    when the blocks are not inside a child of ``root`` (nothing for ``training_step`` to call)."""
+    container = blocks[0].rpartition(".")[0] if blocks else ""
+    path = container.split(".") if container else []
+    if len(path) < 2:
+        return {}
+    before: list[str] = []
+    after: list[str] = []
+    for depth in range(1, len(path)):
+        parent = ".".join(path[:depth])
+        names = [name for name, _ in root.get_submodule(parent).named_children()]
+        on_path = names.index(path[depth])
+        for index, name in enumerate(names):
+            fqn = join_fqn(parent, name)
+            if index != on_path and _has_parameters(root.get_submodule(fqn)):
+                (before if index < on_path else after).append(fqn)
+    return dict(pipeline_root=path[0], before=before, after=after, tied_parameters=tied_parameters(root),
+                forward_as_written=True)
+
+
+def tied_parameters(root: nn.Module) -> list[tuple[str, str]]:
+    """Pairs of names that are one parameter, the first name (``named_parameters()``'s) first."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+    return [(fqns[0], other) for fqns in names.values() for other in fqns[1:]]
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
