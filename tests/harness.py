@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, HFCausalLMModule, SyntheticDataModule
 from toy_model import ToyLightningModule
-from user_models import NanoGPTModule, UserLlamaModule
+from user_models import LlamaStyleModule, NanoGPTModule, UserLlamaModule
 
 TESTS_DIR = Path(__file__).parent
 SEED = 1234
@@ -44,8 +44,8 @@ class Case:
     module: str = "gpt"
     """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
     (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py),
-    "user_nanogpt" / "user_llama" (models built in configure_model that initialize themselves their own way,
-    user_models.py),
+    "user_nanogpt" / "user_llama" / "user_llama_style" (models written without lightning_3d in mind, built in
+    configure_model, user_models.py),
     "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
     the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too)."""
     dp: int = 1
@@ -76,6 +76,8 @@ class Result:
     """``grad_norm/global`` as GradNormMonitor logged it, per step."""
     model_parameters: int = 0
     """The whole model's parameter count as ThroughputMonitor saw it (for its MFU)."""
+    rank_parameter_bytes: list[int] = field(default_factory=list)
+    """Bytes of parameters each global rank holds after training (its shards, of its stages)."""
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -129,7 +131,8 @@ class PaddedHFModule(HFCausalLMModule):
 
 
 MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
-           "toy": ToyLightningModule, "user_nanogpt": NanoGPTModule, "user_llama": UserLlamaModule}
+           "toy": ToyLightningModule, "user_nanogpt": NanoGPTModule, "user_llama": UserLlamaModule,
+           "user_llama_style": LlamaStyleModule}
 
 
 class ReferenceDataModule(SyntheticDataModule):
@@ -252,8 +255,18 @@ def run_distributed(case: Case) -> Result | None:
     if case.save_checkpoint:
         trainer.save_checkpoint(case.save_checkpoint)
     params = gather_full_state(module)
-    result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, _model_parameters(trainer))
+    result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, _model_parameters(trainer),
+                    _parameter_bytes_per_rank(module))
     return result if dist.get_rank() == 0 else None
+
+
+def _parameter_bytes_per_rank(module: torch.nn.Module) -> list[int]:
+    from torch.distributed.tensor import DTensor
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, local)
+    return per_rank
 
 
 def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
-"""The Hugging Face parity runs (Llama and GPT-2), the init runs of users' models (one of them a Llama), and
-one shared launch per world size for all of them: ``tests/test_hf_llama.py``, ``tests/test_hf_gpt2.py`` and
-``tests/test_user_model_init.py`` each check their own cases, whichever runs first launches every set
-(torchrun start-up dominates these tiny runs)."""
+"""The Hugging Face parity runs (Llama and GPT-2), the runs of users' models (their init; pipelines of their
+forward as written), and one shared launch per world size for all of them: ``tests/test_hf_llama.py``,
+``tests/test_hf_gpt2.py``, ``tests/test_user_model_init.py`` and ``tests/test_pipeline_as_written.py`` each
+check their own cases, whichever runs first launches every set (torchrun start-up dominates these tiny
+runs)."""
 
 from pathlib import Path
 
@@ -60,10 +61,29 @@ def user_init_case(module, dp, pp, tp, **strategy):
 USER_INIT_CASES = {c.name: c for c in [
     user_init_case("user_nanogpt", 2, 1, 1),
     user_init_case("user_nanogpt", 1, 1, 2),
-    user_init_case("user_nanogpt", 1, 2, 1, policy="user_nanogpt"),
+    user_init_case("user_nanogpt", 1, 2, 1),
     user_init_case("user_llama", 2, 1, 1),
     user_init_case("user_llama", 1, 1, 2),
     user_init_case("user_llama", 1, 2, 1),
+]}
+
+
+def as_written_case(name, module, dp, pp, tp=1, steps=3, **strategy):
+    """A user's model under a pipeline with policy="auto": each stage runs its forward as written."""
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, steps=steps, learning_rate=0.1,
+                model=dict(n_layer=4, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+
+
+AS_WRITTEN_CASES = {c.name: c for c in [
+    as_written_case("nanogpt_pp2_gpipe", "user_nanogpt", 1, 2, pipeline_schedule="gpipe"),
+    as_written_case("nanogpt_pp2_1f1b", "user_nanogpt", 1, 2, pipeline_schedule="1f1b", num_microbatches=4),
+    as_written_case("nanogpt_pp2_interleaved", "user_nanogpt", 1, 2, pipeline_schedule="interleaved_1f1b",
+                    virtual_pipeline_size=2),
+    as_written_case("nanogpt_pp2_zero_bubble", "user_nanogpt", 1, 2, pipeline_schedule="zero_bubble",
+                    virtual_pipeline_size=2),
+    as_written_case("llama_style_pp2", "user_llama_style", 1, 2),
+    as_written_case("nanogpt_dp2_pp2_zero3", "user_nanogpt", 2, 2, zero_stage=3),
 ]}
 
 _RESULTS: dict[str, Result] = {}
@@ -73,6 +93,7 @@ def hf_results(tmp_path_factory) -> dict[str, Result]:
     """Every Hugging Face parity run's result by name, launched once per pytest session."""
     if not _RESULTS:
         out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
-        cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values()]
+        cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(),
+                 *AS_WRITTEN_CASES.values()]
         _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
     return _RESULTS

@@ -7,6 +7,11 @@
   would give other weights (PyTorch's default Linear init).
 * :class:`UserLlamaModule` builds ``transformers.LlamaForCausalLM(config)`` in ``configure_model()``, the
   ordinary Lightning way: Hugging Face initializes it in ``post_init()``, not in ``reset_parameters()``.
+* :class:`LlamaStyleLM` follows Meta's reference Llama: blocks called with a mask, RMSNorm weights made by
+  ``torch.ones`` (no ``reset_parameters()``), untied head.
+
+None of them is written for lightning_3d: under pipeline parallelism ``policy="auto"`` runs their forward as
+written.
 """
 
 from __future__ import annotations
@@ -17,9 +22,6 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from lightning_3d.pipeline.split import DroppedBlock
-from lightning_3d.policies import Plan, PlanOptions, Policy, PolicyError, register_policy
 
 
 class CausalSelfAttention(nn.Module):
@@ -136,26 +138,74 @@ class UserLlamaModule(_NextTokenModule):
         return self.model(input_ids=tokens).logits
 
 
-@register_policy("user_nanogpt")
-class NanoGPTPolicy(Policy):
-    """A user's policy for :class:`NanoGPT` under pipeline parallelism, leaving its forward as written: a
-    stage runs what it holds (``Plan.stage_forward``), the tied embedding and head are summed across the first
-    and last stage."""
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
 
-    # No model_classes: policy="auto" keeps planning NanoGPT by structure; this one is asked for by name.
-
-    def plan(self, root: nn.Module, options: PlanOptions = PlanOptions()) -> Plan:
-        if options.tp > 1:
-            raise PolicyError("the user_nanogpt test policy plans pipelines only; use policy='auto' for tp")
-        return Plan(blocks=[f"model.h.{i}" for i in range(len(root.model.h))], pipeline_root="model",
-                    before=["model.wte", "model.wpe"], after=["model.ln_f", "model.lm_head"],
-                    tied_parameters=[("model.wte.weight", "model.lm_head.weight")], stage_forward=_nanogpt_stage)
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _nanogpt_stage(stage: NanoGPT, x):
-    if stage.wte is not None:  # the first stage: x holds token ids
-        x = stage.wte(x) + stage.wpe(torch.arange(x.shape[1], device=x.device))
-    for block in stage.h:
-        if not isinstance(block, DroppedBlock):
-            x = block(x)
-    return stage.lm_head(stage.ln_f(x)) if stage.lm_head is not None else x
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, mask):
+        B, T, _ = x.shape
+        q, k, v = (w(x).view(B, T, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attention = Attention(dim, n_heads)
+        self.w1, self.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x, mask):
+        h = x + self.attention(self.attention_norm(x), mask)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class LlamaStyleLM(nn.Module):
+    """Meta's reference Llama layout (tok_embeddings, layers, norm, output), untied, its blocks called with a
+    mask the forward builds from the causal structure and the caller's padding mask."""
+
+    def __init__(self, vocab_size: int, n_layer: int, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads) for _ in range(n_layer))
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens, padding_mask):
+        T = tokens.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        mask = causal & padding_mask.bool()[:, None, None, :]  # (B, 1, T, T): attend to earlier, unpadded
+        mask = mask | torch.eye(T, dtype=torch.bool, device=tokens.device)  # a padded row still sees itself
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.output(self.norm(h))
+
+
+class LlamaStyleModule(_NextTokenModule):
+    """Calls the model with a padding mask: every other sequence ends in 3 padding positions."""
+
+    def configure_model(self):
+        if self.model is None:
+            c = self.config
+            self.model = LlamaStyleLM(c.vocab_size, c.n_layer, c.n_embd, c.n_head)
+
+    def logits(self, tokens):
+        padding_mask = torch.ones_like(tokens)
+        padding_mask[::2, -3:] = 0
+        return self.model(tokens, padding_mask)

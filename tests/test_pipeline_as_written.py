@@ -1,0 +1,125 @@
+"""A user's model pipelines as written: ``policy="auto"`` finds its blocks, root, embeddings and head, and each
+stage runs the model's own, unchanged forward (``lightning_3d.pipeline.as_written``).
+
+The models (tests/user_models.py) were written without lightning_3d in mind: nanoGPT (blocks in a ModuleList,
+``x = wte(idx) + wpe(arange)``, tied embedding and head) and Meta's reference Llama layout (blocks called with
+a mask the forward builds from the caller's padding mask)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_3d.pipeline.as_written import PassThroughBlock, Shell
+from lightning_3d.pipeline.split import check_splittable, split_stages
+from lightning_3d.policies import PlanOptions, PolicyError
+from lightning_3d.policies.auto import AutoPolicy
+from user_models import LlamaStyleLM, NanoGPT
+
+
+def wrapped(model: nn.Module) -> nn.Module:
+    """The model as a LightningModule holds it (``self.model``)."""
+    return nn.ModuleDict({"model": model})
+
+
+def test_auto_finds_root_embeddings_head_and_tied_weights_by_structure():
+    plan = AutoPolicy().plan(wrapped(NanoGPT(64, 16, 4, 32, 4)), PlanOptions())
+    assert plan.pipeline_root == "model" and plan.forward_as_written
+    assert plan.blocks == [f"model.h.{i}" for i in range(4)]
+    assert plan.before == ["model.wte", "model.wpe"] and plan.after == ["model.ln_f", "model.lm_head"]
+    assert plan.tied_parameters == [("model.wte.weight", "model.lm_head.weight")]
+
+    plan = AutoPolicy().plan(wrapped(LlamaStyleLM(64, 2, 32, 4)), PlanOptions())
+    assert (plan.before, plan.after, plan.tied_parameters) == (["model.tok_embeddings"],
+                                                               ["model.norm", "model.output"], [])
+
+
+@pytest.mark.parametrize("build, call", [
+    (lambda: NanoGPT(64, 16, 4, 32, 4), lambda model, tokens: model(tokens)),
+    (lambda: LlamaStyleLM(64, 4, 32, 4), lambda model, tokens: model(tokens, (tokens > 3).long())),
+], ids=["nanogpt", "llama_style_with_mask"])
+def test_two_stages_chained_in_one_process_give_the_models_own_output(build, call):
+    torch.manual_seed(0)
+    model = build()
+    tokens = torch.randint(0, 64, (2, 16))
+    expected = call(model, tokens)
+    root = wrapped(copy.deepcopy(model))
+    plan = AutoPolicy().plan(root, PlanOptions())
+    first, second = split_stages(root, plan, [plan.blocks[:2], plan.blocks[2:]], [0, 1])
+    captured = {}
+    call(_Capture(captured), tokens)  # what the engine does: the model call's structure, for every stage
+    first.forward.inputs.spec = tree_flatten((captured["args"], captured["kwargs"]))[1]
+    sent = first(*captured["args"], **captured["kwargs"])
+    assert isinstance(sent, tuple) and sent[0].shape == (2, 16, 32)  # the activation, then the model's inputs
+    assert torch.equal(second(*sent), expected)
+    # Each stage holds only its own parameters; the others' places are parameterless placeholders.
+    held = {name for name, _ in first.named_parameters()}
+    assert not any(name.startswith(("h.2", "h.3", "layers.2", "layers.3", "lm_head", "output")) for name in held)
+    assert any(isinstance(m, (PassThroughBlock, Shell)) for m in second.modules())
+
+
+class _Capture(nn.Module):
+    def __init__(self, captured):
+        super().__init__()
+        self.captured = captured
+
+    def forward(self, *args, **kwargs):
+        self.captured.update(args=args, kwargs=kwargs)
+
+
+class NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+
+
+class RootPositions(nn.Module):
+    """Holds a position table as a bare parameter on the root, which every stage runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(16, 32))
+        self.h = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+
+def test_a_model_that_cannot_be_cut_fails_naming_what_was_found():
+    root = wrapped(NoBlocks())
+    with pytest.raises(PolicyError, match=r"no repeated blocks.*model \(NoBlocks\)"):
+        check_splittable(root, AutoPolicy().plan(root, PlanOptions()))
+    root = wrapped(RootPositions())
+    with pytest.raises(PolicyError, match=r"\['model.pos'\] are held directly by 'model'"):
+        check_splittable(root, AutoPolicy().plan(root, PlanOptions()))
+
+
+# ----------------------------------------------------------------------------------------- the user's view
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pytest.importorskip("transformers")  # the shared launch also runs the Hugging Face cases
+    from hf_cases import hf_results
+
+    return hf_results(tmp_path_factory)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["nanogpt_pp2_gpipe", "nanogpt_pp2_1f1b", "nanogpt_pp2_interleaved",
+                                  "nanogpt_pp2_zero_bubble", "llama_style_pp2", "nanogpt_dp2_pp2_zero3"])
+def test_a_users_model_trains_as_in_one_process_under_every_schedule(runs, name):
+    from harness import assert_parity, reference_for
+    from hf_cases import AS_WRITTEN_CASES
+
+    case = AS_WRITTEN_CASES[name]
+    reference = reference_for(case)
+    # SGD (tests/user_models.py): a parameter's error is about lr x steps x its gradient's rounding error,
+    # 0.1 x 3 x ~1e-7 here; 1e-5 leaves a wide margin and a wrong stage or schedule misses it by far.
+    assert_parity(runs[name], reference, loss_atol=1e-5, param_atol=1e-5)
+    per_rank = runs[name].rank_parameter_bytes
+    total = sum(t.nbytes for t in reference.params.values())  # the tied weight counted under both names
+    if case.strategy_kwargs["data_parallel_size"] == 1:
+        # No rank holds another stage's parameters: the stages' bytes add up to the model, the tied
+        # embedding and head once per end.
+        assert sum(per_rank) == total, (per_rank, total)
+    assert max(per_rank) < 0.75 * total, (per_rank, total)
