@@ -14,9 +14,15 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_3d.pipeline.as_written import PassThroughBlock, Shell
 from lightning_3d.pipeline.split import check_splittable, split_stages
-from lightning_3d.policies import PlanOptions, PolicyError
+from lightning_3d.policies import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.auto import AutoPolicy
+from lightning_3d.policies.auto_pipeline import with_pipeline
 from user_models import LlamaStyleLM, NanoGPT
+
+
+def planned(root: nn.Module, options: PlanOptions) -> Plan:
+    """What the strategy plans for ``root``: the "auto" plan, completed for a pipeline."""
+    return with_pipeline(root, AutoPolicy().plan(root, options))
 
 
 def wrapped(model: nn.Module) -> nn.Module:
@@ -25,13 +31,13 @@ def wrapped(model: nn.Module) -> nn.Module:
 
 
 def test_auto_finds_root_embeddings_head_and_tied_weights_by_structure():
-    plan = AutoPolicy().plan(wrapped(NanoGPT(64, 16, 4, 32, 4)), PlanOptions())
+    plan = planned(wrapped(NanoGPT(64, 16, 4, 32, 4)), PlanOptions())
     assert plan.pipeline_root == "model" and plan.forward_as_written
     assert plan.blocks == [f"model.h.{i}" for i in range(4)]
     assert plan.before == ["model.wte", "model.wpe"] and plan.after == ["model.ln_f", "model.lm_head"]
     assert plan.tied_parameters == [("model.wte.weight", "model.lm_head.weight")]
 
-    plan = AutoPolicy().plan(wrapped(LlamaStyleLM(64, 2, 32, 4)), PlanOptions())
+    plan = planned(wrapped(LlamaStyleLM(64, 2, 32, 4)), PlanOptions())
     assert (plan.before, plan.after, plan.tied_parameters) == (["model.tok_embeddings"],
                                                                ["model.norm", "model.output"], [])
 
@@ -46,7 +52,7 @@ def test_two_stages_chained_in_one_process_give_the_models_own_output(build, cal
     tokens = torch.randint(0, 64, (2, 16))
     expected = call(model, tokens)
     root = wrapped(copy.deepcopy(model))
-    plan = AutoPolicy().plan(root, PlanOptions())
+    plan = planned(root, PlanOptions())
     first, second = split_stages(root, plan, [plan.blocks[:2], plan.blocks[2:]], [0, 1])
     captured = {}
     call(_Capture(captured), tokens)  # what the engine does: the model call's structure, for every stage
@@ -87,10 +93,10 @@ class RootPositions(nn.Module):
 def test_a_model_that_cannot_be_cut_fails_naming_what_was_found():
     root = wrapped(NoBlocks())
     with pytest.raises(PolicyError, match=r"no repeated blocks.*model \(NoBlocks\)"):
-        check_splittable(root, AutoPolicy().plan(root, PlanOptions()))
+        check_splittable(root, planned(root, PlanOptions()))
     root = wrapped(RootPositions())
     with pytest.raises(PolicyError, match=r"\['model.pos'\] are held directly by 'model'"):
-        check_splittable(root, AutoPolicy().plan(root, PlanOptions()))
+        check_splittable(root, planned(root, PlanOptions()))
 
 
 # ----------------------------------------------------------------------------------------- the user's view

@@ -17,13 +17,11 @@ warning names the weight-holding modules left that way. Sequence parallelism nee
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
-from lightning_3d.policies.auto_pipeline import pipeline_parts
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule, join_fqn
 from lightning_3d.policies.registry import register_policy, registered_policies
 
@@ -51,11 +49,6 @@ class AutoPolicy(Policy):
             log.info("policy='auto' uses policy=%r for %s", policy.name, type(root).__name__)
             return policy.plan(root, options)
         blocks = repeated_blocks(root)
-        # Stages run the model's own forward between the blocks found (pipeline.as_written).
-        return replace(self._structural_plan(root, blocks, options), **pipeline_parts(root, blocks))
-
-    @staticmethod
-    def _structural_plan(root: nn.Module, blocks: list[str], options: PlanOptions) -> Plan:
         if not blocks:
             log.warning(
                 "policy='auto' found no repeated blocks in %s. Register a policy"

@@ -1,6 +1,7 @@
 """The pipeline part of the "auto" plan: where the blocks sit, and what runs before and after them.
 
-For a model no policy was written for, the blocks are the longest list of same-class layers
+For a plan that names only its blocks -- what "auto" gives for a model no policy was written for, or a user's
+policy for tensor parallelism -- the blocks are the longest list of same-class layers
 (``auto.repeated_blocks``). Then, by structure:
 
 * the **pipeline root** is the LightningModule's child that holds them (the model ``training_step`` calls);
@@ -14,9 +15,20 @@ For a model no policy was written for, the blocks are the longest list of same-c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
-from lightning_3d.policies.base import join_fqn
+from lightning_3d.policies.base import Plan, join_fqn
+
+
+def with_pipeline(root: nn.Module, plan: Plan) -> Plan:
+    """``plan`` as it is if it says how to pipeline (a root, or a ``stage_forward``); else, for a plan that
+    names only its blocks ("auto" for a model it has no policy for, or a user's policy), the same plan with
+    stages that run the model's own forward between those blocks."""
+    if plan.pipeline_root is not None or plan.stage_forward is not None or not plan.blocks:
+        return plan
+    return replace(plan, **pipeline_parts(root, plan.blocks))
 
 
 def pipeline_parts(root: nn.Module, blocks: list[str]) -> dict:

@@ -49,6 +49,7 @@ from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, stage_ids_of
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan, PlanOptions
+from lightning_3d.policies.auto_pipeline import with_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +383,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         config = self.parallel_config
         options = PlanOptions(tp=self.parallel_dims.tp, sequence_parallel=config.sequence_parallel,
                               vocab_parallel_loss=config.vocab_parallel_loss)
-        return self._policy.plan(module, options)
+        return with_pipeline(module, self._policy.plan(module, options))
 
     def _data_parallel(self, module: nn.Module) -> nn.Module:
         """DP over the module Lightning calls, or over one pipeline stage."""
