@@ -5,13 +5,21 @@ For an unknown model, inside each repeated block (the longest list of same-class
 * **attention** -- a module with separate query/key/value/output ``nn.Linear`` children, by their usual names
   (``q_proj/k_proj/v_proj/o_proj``, ``q/k/v/o``, ``query/key/value/out``, ``wq/wk/wv/wo``, ``out_proj``):
   q, k, v column-wise (heads split over tp), output row-wise. Its integer head-count and width attributes
-  (``num_heads``, ``n_head``, ``num_attention_heads``, ``num_key_value_heads``, ``n_kv_head``, ``embed_dim``,
-  ``hidden_size``) are divided by tp, since such modules often reshape by them.
+  (``HEAD_ATTRIBUTES``: ``num_heads``, ``n_heads``, ``n_kv_heads``, ``embed_dim``, ...) are divided by tp, since
+  such modules often reshape by them; per-head sizes (``head_dim``) stay.
 * **MLP** -- a module whose ``nn.Linear`` children are widening ones (``C -> H``: up, gate) and exactly one
   narrowing one (``H -> C``): the widening ones column-wise, the narrowing one row-wise.
 
 Everything else -- embeddings, the output head, norms, a fused qkv projection -- stays replicated, and one
-warning names the weight-holding modules left that way. Sequence parallelism needs a model-specific policy.
+warning names the weight-holding modules left that way.
+
+**Sequence parallelism** (``sequence_parallel=True``): between the attention and MLP the hidden states stay
+split along the sequence, as in the reference GPT's policy: the LayerNorm/RMSNorm layers of each block
+outside those two run on sequence shards, each region gathers its input and its row-wise layer
+reduce-scatters its output. The residual stream is split entering the first block and gathered leaving the
+last (so the final norm and the head, whatever they are, see every position). A block that holds other
+weights between the regions is refused: they could mix positions. Parameter-free code there (a token shift)
+cannot be seen, so it must act on each position alone.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ from __future__ import annotations
 import logging
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_3d.parallel.hidden_states import HiddenStates
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule, join_fqn
 from lightning_3d.policies.registry import register_policy, registered_policies
 
@@ -34,8 +43,14 @@ ATTENTION_NAMES = [
     ("query", "key", "value", "out"),
     ("wq", "wk", "wv", "wo"),
 ]
-HEAD_ATTRIBUTES = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head",
-                   "embed_dim", "hidden_size")
+# Head counts and widths an attention module may reshape by, as model codebases name them: Hugging Face
+# (num_heads, num_attention_heads, num_key_value_heads, num_kv_heads, embed_dim, hidden_size; BERT's
+# all_head_size, T5's inner_dim), nanoGPT (n_head, n_embd), Meta's Llama reference and torchtitan (n_heads,
+# n_kv_heads, n_local_heads, n_local_kv_heads). Per-head sizes (head_dim, head_size) and ratios (n_rep,
+# num_key_value_groups) are the same on every rank and stay.
+HEAD_ATTRIBUTES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
+                   "n_kv_head", "n_kv_heads", "n_local_heads", "n_local_kv_heads", "embed_dim", "hidden_size",
+                   "n_embd", "all_head_size", "inner_dim")
 
 
 @register_policy("auto")
@@ -56,12 +71,7 @@ class AutoPolicy(Policy):
             )
         if options.tp == 1:
             return Plan(blocks=blocks)
-        if options.sequence_parallel:
-            raise PolicyError(
-                f"policy='auto' cannot apply sequence parallelism to {type(root).__name__}: it needs to know the"
-                " model's norms and residual stream. Register a policy for the model, or sequence_parallel=False."
-            )
-        return structural_tp_plan(root, blocks, options.tp)
+        return structural_tp_plan(root, blocks, options.tp, options.sequence_parallel)
 
     @staticmethod
     def known_policy(root: nn.Module) -> Policy | None:
@@ -86,24 +96,73 @@ def repeated_blocks(root: nn.Module) -> list[str]:
     return best
 
 
-def structural_tp_plan(root: nn.Module, blocks: list[str], tp: int) -> Plan:
+def structural_tp_plan(root: nn.Module, blocks: list[str], tp: int, sequence_parallel: bool = False) -> Plan:
+    # Between the regions (attention, MLP) the hidden states are whole on every tp rank, or with sequence
+    # parallelism split along the sequence (dim 1): the row-wise layers then reduce-scatter instead of
+    # all-reduce, and the regions all-gather their input.
+    between = Shard(1) if sequence_parallel else Replicate()
     tp_plan: dict[str, ParallelStyle] = {}
     fixes: dict[str, dict[str, int]] = {}
+    sharded_rng: list[str] = []
     for block in blocks:
+        regions = []
         for name, module in root.get_submodule(block).named_modules():
             fqn = join_fqn(block, name)
-            attention = _attention_styles(module)
-            styles = attention or _mlp_styles(module)
+            attention = _attention_styles(module, between)
+            styles = attention or _mlp_styles(module, between)
             if styles is None:
                 continue
-            # The region's input stays a replicated DTensor inside it: one gradient reduction for all of
-            # its column-wise layers, at the boundary.
-            tp_plan[fqn] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+            regions.append(fqn)
+            # The region's input becomes a replicated DTensor inside it: one gradient reduction for all of
+            # its column-wise layers, at the boundary. Only the hidden states: other inputs (a mask, a rotary
+            # table) pass as they are.
+            tp_plan[fqn] = HiddenStates(input=(between, Replicate()), use_local_output=False)
             tp_plan.update({join_fqn(fqn, child): style for child, style in styles.items()})
             if attention:
                 fixes[fqn] = _per_rank_sizes(module, tp)
+        if sequence_parallel:
+            norms, dropouts = sequence_parallel_parts(root, block, regions)
+            tp_plan.update({norm: SequenceParallel(use_local_output=True) for norm in norms})
+            sharded_rng += dropouts
+    if sequence_parallel and blocks:
+        # The residual stream is cut along the sequence entering the first block (a local slice) and
+        # gathered leaving the last, so whatever runs after the blocks (final norm, head) sees every position.
+        first, last = blocks[0], blocks[-1]
+        tp_plan[first] = HiddenStates(input=(Replicate(), Shard(1)))
+        tp_plan[last] = HiddenStates(input=(Replicate(), Shard(1)) if first == last else None,
+                                     output=(Shard(1), Replicate()))
     _warn_replicated(root, tp_plan)
-    return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes)
+    return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng)
+
+
+def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> tuple[list[str], list[str]]:
+    """The norms of ``block`` outside its tp regions, which run on sequence shards, and its dropout layers
+    there, which then draw on each tp rank's own stream. Anything else with weights between the regions could
+    mix positions, so it refuses."""
+    norms, dropouts, unknown = [], [], []
+    for name, module in root.get_submodule(block).named_modules():
+        fqn = join_fqn(block, name)
+        if any(fqn == r or fqn.startswith(r + ".") for r in regions):
+            continue
+        if _is_norm(module):
+            norms.append(fqn)
+        elif isinstance(module, nn.Dropout) and module.p > 0:
+            dropouts.append(fqn)
+        elif any(True for _ in module.parameters(recurse=False)) and not any(fqn.startswith(n + ".") for n in norms):
+            unknown.append(f"{fqn} ({type(module).__name__})")
+    if unknown:
+        found = ", ".join(regions) or "none"
+        raise PolicyError(
+            f"policy='auto' cannot keep the hidden states of {block} split along the sequence: besides the"
+            f" attention and MLP it split over tp ({found}) and LayerNorm/RMSNorm layers, it holds {', '.join(unknown)},"
+            " which may mix positions. Register a policy for the model, or sequence_parallel=False."
+        )
+    return norms, dropouts
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A LayerNorm or RMSNorm (PyTorch's, or a model's own class of that name): each position on its own."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
 
 
 def _per_rank_sizes(attention: nn.Module, tp: int) -> dict[str, int]:
@@ -119,15 +178,16 @@ def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
     return {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
 
 
-def _attention_styles(module: nn.Module) -> dict[str, ParallelStyle] | None:
+def _attention_styles(module: nn.Module, output: Placement) -> dict[str, ParallelStyle] | None:
     linears = _linear_children(module)
     for q, k, v, o in ATTENTION_NAMES:
         if all(name in linears for name in (q, k, v, o)):
-            return {q: ColwiseParallel(), k: ColwiseParallel(), v: ColwiseParallel(), o: RowwiseParallel()}
+            return {q: ColwiseParallel(), k: ColwiseParallel(), v: ColwiseParallel(),
+                    o: RowwiseParallel(output_layouts=output)}
     return None
 
 
-def _mlp_styles(module: nn.Module) -> dict[str, ParallelStyle] | None:
+def _mlp_styles(module: nn.Module, output: Placement) -> dict[str, ParallelStyle] | None:
     linears = _linear_children(module)
     if len(linears) < 2 or len(linears) != sum(1 for _ in module.children()) - _activations(module):
         return None
@@ -138,7 +198,7 @@ def _mlp_styles(module: nn.Module) -> dict[str, ParallelStyle] | None:
     hidden = linears[narrowing[0]].in_features
     if any(linears[n].out_features != hidden for n in widening):
         return None
-    return {**{n: ColwiseParallel() for n in widening}, narrowing[0]: RowwiseParallel()}
+    return {**{n: ColwiseParallel() for n in widening}, narrowing[0]: RowwiseParallel(output_layouts=output)}
 
 
 def _activations(module: nn.Module) -> int:

@@ -44,6 +44,7 @@ from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttribut
 from lightning_3d.parallel.memory import memory_report, step_gradient_bytes, summarize_memory
 from lightning_3d.parallel.parallelize import prepare_model
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
+from lightning_3d.parallel.shape_check import check_shapes_at_first_call
 from lightning_3d.parallel.tied import TiedGradients, embedding_group
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, stage_ids_of
@@ -285,6 +286,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         if first_setup:
             with self._phase("set-up: preparing the model", "setup_timeout"):
                 self._prepare(module)
+            check_shapes_at_first_call(module, self._model_plan, self.parallel_dims, self.coords)  # at each block's 1st call
         self.model = self._data_parallel(module) if self._engine is None else module
         if self._engine is not None:  # when its stages reduce gradients over dp (lightning_3d.pipeline.grad_sync)
             self._engine.reduce_grads_per_microbatch = self.parallel_config.pipeline_reduce_grads == "per_microbatch"
