@@ -36,18 +36,20 @@ class GradientChecks:
         self._names: dict[tuple[int, str], str] = {}  # (id(module), parameter's name in it) -> name
         self._module_hooks = []
         for module_name, module in root.named_modules():
-            for local, param in module.named_parameters(recurse=False):
+            held = list(module.named_parameters(recurse=False))
+            for local, param in held:
                 name = first_name.setdefault(id(param), f"{module_name}.{local}" if module_name else local)
                 self._names[(id(module), local)] = name
                 self._hook(param, name)
-            if any(True for _ in module.parameters(recurse=False)):
+            if held:
                 # prepend=False: runs after FSDP2's own pre-forward hook (prepended), which swaps its tensors in.
                 self._module_hooks.append(module.register_forward_pre_hook(self._hook_module_tensors))
 
     def _hook_module_tensors(self, module: nn.Module, args) -> None:
         for local, tensor in module.named_parameters(recurse=False):
             name = self._names.get((id(module), local))
-            if name is not None:  # None: a parameter added after training started, not watched
+            if name is not None:  # None: a copy of the module (pipeline shape inference), or a parameter
+                # added after training started
                 self._hook(tensor, name)
 
     def _hook(self, tensor: torch.Tensor, name: str) -> None:
