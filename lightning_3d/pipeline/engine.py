@@ -2,21 +2,26 @@
 
 Per step, on the ranks of one pipeline (one pp group):
 
-1. **First stage** -- runs ``training_step(batch)`` once with the pipeline root (the model ``training_step``
-   calls, e.g. ``self.model``) replaced by a stub that captures its inputs and stops: those are the inputs
-   the schedule cuts into micro-batches. Code in ``training_step`` before the model call therefore runs once
-   more than on one device.
+1. **Every stage** -- runs ``training_step(micro-batch i)`` for each micro-batch with the pipeline root (the
+   model ``training_step`` calls, e.g. ``self.model``) replaced by a stand-in that captures its inputs and
+   stops: the first stage feeds those inputs to the schedule, the others learn the call's structure. Code in
+   ``training_step`` before the model call therefore runs once more than on one device; random draws there
+   (token masking) are replayed from the same random state on the last stage (``random_replay.py``).
 2. **Every stage** -- ``torch.distributed.pipelining`` runs its schedule (GPipe, 1F1B, interleaved 1F1B,
    interleaved zero-bubble): forward and backward of each micro-batch, activations sent between stages.
-3. **Last stage** -- the schedule's loss function runs ``training_step(micro-batch i)`` with the stub now
-   returning stage output ``i``, so the user's own code computes the loss. Its ``self.log`` calls are
-   recorded, not sent (a collective there, like ``sync_dist=True``, would hang the other stages).
-4. **Every stage** -- the last stage broadcasts the mean loss and the logged values (each averaged over the
-   micro-batches) to its pp group; every rank returns that loss and replays those ``self.log`` calls, so
-   every rank logs the single-process value and ``sync_dist=True`` is a collective that all ranks join.
+3. **Last stage** -- the schedule's loss function runs ``training_step(micro-batch i)`` with the stand-in now
+   returning stage output ``i``, so the user's own code computes the loss and updates its metrics. Its
+   ``self.log`` calls are recorded, not sent (a collective there, like ``sync_dist=True``, would hang the
+   other stages); patterns that cannot run this way (the model called twice, a collective with other
+   stages) are found here, at the first step (``step_checks.py``).
+4. **Every stage** -- the last stage broadcasts the step's results to its pp group: the return value and the
+   logged values combined over the micro-batches as one process computes them for the whole batch
+   (``step_results.py``: by ``reduce_fx``), and the state its torchmetrics objects gained (``step_metrics.py``).
+   Every rank returns that value and replays those ``self.log`` calls, so every rank logs one process's value
+   and ``sync_dist=True`` is a collective that all ranks join.
 
 The schedule has already run backward, so the strategy skips Lightning's. Evaluation steps use the same path
-with forward-only schedules.
+with forward-only schedules, one per batch shape (the last, smaller batch of a validation set).
 
 **The explicit hook**, for a module whose step cannot be intercepted this way (it calls the model more than
 once, or runs code before the call that must not run twice): define both
@@ -30,7 +35,6 @@ interception; ``self.log`` inside ``pipeline_loss`` is handled as above).
 
 from __future__ import annotations
 
-import statistics
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, Iterator
@@ -52,6 +56,10 @@ from lightning_3d.parallel.config import ParallelConfigError
 from lightning_3d.pipeline.as_written import StageForward
 from lightning_3d.pipeline.grad_sync import GradSyncStage
 from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
+from lightning_3d.pipeline.random_replay import RandomState, replayed
+from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
+from lightning_3d.pipeline.step_metrics import StepMetrics
+from lightning_3d.pipeline.step_results import MetricRef, combine_logs, combine_outputs, detached
 from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
 
 SCHEDULES = {
@@ -69,7 +77,8 @@ class PipelineEngine:
     def __init__(self, *, module: nn.Module, root_name: str, stages: dict[int, nn.Module], num_stages: int,
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
                  device: torch.device, loss_context: Callable[[], Any] = nullcontext,
-                 random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None) -> None:
+                 random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
         self.module = module
         self.root_name = root_name
         self.stages = stages  # stage index -> this rank's module for it
@@ -87,10 +96,15 @@ class PipelineEngine:
         per step (``pipeline/grad_sync.py``; ``ParallelConfig.pipeline_reduce_grads``)."""
         self._train_stages: list[GradSyncStage] = []
         self._sync_grads = True
-        self._schedules: dict[bool, Any] = {}  # train / eval -> schedule (over the same stages)
-        self._loss_fns: dict[bool, _CurrentLoss] = {}
+        # (train, batch shapes) -> schedule over the same modules: one for training, one per evaluation shape
+        self._schedules: dict[tuple, Any] = {}
+        self._loss_fns: dict[tuple, _CurrentLoss] = {}
+        self._microbatches: dict[tuple, int] = {}  # (train, batch shapes) -> its number of micro-batches
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
-        self._batch_shapes: dict[bool, list[tuple]] = {}  # train / eval -> the first batch's tensor shapes
+        self._train_shapes: list[tuple] | None = None  # the first training batch's tensor shapes
+        self._pp_ranks = dist.get_process_group_ranks(pp_group)
+        self._first_stage_rank = self._pp_ranks[0]  # stage 0 is on pp rank 0 (interleaved schedules too)
+        self._metrics = StepMetrics(module, dp_group)
         self.timeline: PipelineTimeline | None = None
         """Set (by ``PipelineMonitor``) before the first step to build timed stages (``pipeline/timeline.py``)."""
         for index, stage in stages.items():
@@ -114,7 +128,10 @@ class PipelineEngine:
         :meth:`add_step_grads` (called from the strategy's backward), as if computed there.
 
         ``sync_grads=False`` (an accumulation micro-step) leaves data-parallel stages' gradients unreduced, in
-        FSDP2, until a step with True (``pipeline/grad_sync.py``); ``finish_grads`` then waits for that step."""
+        FSDP2, until a step with True (``pipeline/grad_sync.py``); ``finish_grads`` then waits for that step.
+
+        Returns what the step returned, combined over the micro-batches (``pipeline/step_results.py``): the
+        loss, or the dict with it and the step's other keys."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         previous = [p.grad for p in params]
         for p in params:
@@ -141,86 +158,128 @@ class PipelineEngine:
             **step_kwargs: Any) -> Any:
         """Run ``module.<method>(batch, *args)`` as one pipelined step, on every rank of the pipeline.
 
-        Returns, on every rank: for training, the step's loss (mean over micro-batches); for validation and
-        test, the mean of what the step returned if that is a loss (a scalar tensor or a dict with "loss"),
-        else None; for ``predict_step``, its outputs concatenated over the micro-batches.
+        Returns, on every rank, what the step returned, combined over the micro-batches: for training the loss
+        (or the step's dict with it); for validation and test the same (None if the step returned nothing);
+        for ``predict_step``, its outputs concatenated over the micro-batches.
         ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
-        self._check_fixed_shapes(batch, train)
-        microbatches = split_batch(batch, self.num_microbatches)
+        key, num_microbatches = self._shape_key(batch, train)
+        microbatches = split_batch(batch, num_microbatches)
         explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
-        if not self.has_first_stage and self._as_written_inputs is None:
-            inputs, kwargs = (), {}
-        elif explicit:
-            inputs, kwargs = tuple(self.module.pipeline_inputs(batch)), {}
+        replay: list[RandomState | None] = [None] * num_microbatches
+        if explicit:
+            stage_inputs = self.has_first_stage or self._as_written_inputs is not None
+            inputs, kwargs = (tuple(self.module.pipeline_inputs(batch)) if stage_inputs else ()), {}
         else:
-            inputs, kwargs = self._capture_inputs(method, batch, *args, **step_kwargs)
+            inputs, kwargs, replay = self._capture_inputs(method, microbatches, *args, **step_kwargs)
         if self._as_written_inputs is not None:  # every stage rebuilds the model call from the tensors it gets
             self._as_written_inputs.spec = tree_flatten((inputs, kwargs))[1]
-            if not self.has_first_stage:
-                inputs, kwargs = (), {}
+        if not self.has_first_stage:
+            inputs, kwargs = (), {}
         results: list[Any] = []
         logs: list[list[tuple]] = []
+        errors: list[str] = []
+        self._metrics.begin()
 
         def loss_fn(output: Tensor, index: Tensor) -> Tensor:
             i = int(index.reshape(-1)[0])
-            with self._root_returning(output), self._recording_logs() as recorded:
-                if explicit:
-                    result = self.module.pipeline_loss(output, microbatches[i])
-                else:
-                    result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
+            calls = ModelCalls(method, self.root_name)
+            try:
+                with self._root_returning(output, calls), self._recording_logs() as recorded, \
+                        replayed(replay[i], self.device), CollectiveWatch(method, self._pp_ranks):
+                    if explicit:
+                        result = self.module.pipeline_loss(output, microbatches[i])
+                    else:
+                        result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
+            except StepPatternError as found:  # every rank raises it after the schedule (step_checks.py)
+                errors.append(str(found))
+                return _placeholder_loss(output)
             logs.append(recorded)
             loss = _loss_of(result)
             if train and loss is None:
                 raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under pipeline"
                                 f" parallelism; got {type(result).__name__}")
-            results.append(result if method == "predict_step" else loss.detach() if loss is not None else None)
+            results.append(detached(result))
             # Forward-only schedules keep what the loss function returns but never differentiate it.
             return loss * loss_scale if train else torch.zeros(())
 
-        schedule = self._schedule(train, loss_fn)
-        targets = torch.arange(self.num_microbatches, device=self.device)
+        schedule = self._schedule(key, num_microbatches, loss_fn)
+        targets = torch.arange(num_microbatches, device=self.device)
         with self.loss_context():
             if train:
                 schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
             else:
                 schedule.eval(*inputs, target=targets, **kwargs)
-        return self._share_results(method, results, logs)
+        return self._share_results(method, results, logs, errors)
 
-    def _check_fixed_shapes(self, batch: Any, train: bool) -> None:
-        """A schedule sizes its send/receive buffers at its first step: later batches must have the same
-        shapes. Every rank of the pipeline sees the same batch, so all of them raise here, before sending."""
+    def _shape_key(self, batch: Any, train: bool) -> tuple[tuple, int]:
+        """The schedule for this batch and its number of micro-batches. A schedule sizes its send/receive
+        buffers at its first step: training batches must all have the first one's shapes; evaluation gets a
+        schedule per batch shape (the last, smaller batch of a validation set), with as many micro-batches as
+        divide its size, at most ``num_microbatches``. Every rank of the pipeline sees the same batch, so all
+        of them decide alike, before sending anything."""
         shapes = [tuple(x.shape) for x in tree_flatten(batch)[0] if isinstance(x, Tensor)]
-        first = self._batch_shapes.setdefault(train, shapes)
-        if shapes != first:
-            raise ValueError(
-                f"Under pipeline parallelism every {'training' if train else 'evaluation'} batch must have the"
-                f" shapes of the first one, {first}, because the stages exchange fixed-size buffers; this batch"
-                f" has {shapes}. Use drop_last=True and a fixed sequence length (pad), or pipeline_parallel_size=1."
-            )
+        if train:
+            self._train_shapes = self._train_shapes or shapes
+            if shapes != self._train_shapes:
+                raise ValueError(
+                    f"Under pipeline parallelism every training batch must have the shapes of the first one,"
+                    f" {self._train_shapes}, because the stages exchange fixed-size buffers; this batch has"
+                    f" {shapes}. Use drop_last=True and a fixed sequence length (pad), or pipeline_parallel_size=1."
+                )
+            return (True,), self.num_microbatches
+        key = (False, *shapes)
+        if key not in self._microbatches:
+            size = next((s[0] for s in shapes if s), self.num_microbatches)
+            self._microbatches[key] = max(m for m in range(1, self.num_microbatches + 1) if size % m == 0)
+        return key, self._microbatches[key]
 
     # ------------------------------------------------------------------ the user's step, intercepted
 
-    def _capture_inputs(self, method: str, batch: Any, *args: Any, **step_kwargs: Any) -> tuple[tuple, dict]:
-        with _swapped(self.module, self.root_name, _CaptureInputs()), self._recording_logs():
-            try:
-                getattr(self.module, method)(batch, *args, **step_kwargs)
-            except _ModelInputs as captured:
-                inputs, kwargs = captured.args, captured.kwargs
-            else:
-                raise RuntimeError(
-                    f"{method} never called self.{self.root_name}(...): under pipeline parallelism the first"
-                    " stage takes the inputs of that call. Call the model once per step."
-                )
-        leaves = tree_flatten((inputs, kwargs))[0]
+    def _capture_inputs(self, method: str, microbatches: list[Any], *args: Any,
+                        **step_kwargs: Any) -> tuple[tuple, dict, list[RandomState | None]]:
+        """The inputs of the model call, captured per micro-batch on every rank (``pipeline/random_replay.py``).
+        If the step draws random numbers before the call, every rank starts from the first stage's random state
+        and the random state each capture started from is returned, for the last stage to replay."""
+        start = RandomState.now(self.device)
+        captured, states = self._capture_each(method, microbatches, *args, **step_kwargs)
+        if RandomState.now(self.device).same_as(start):  # nothing drawn before the model call
+            return (*captured, [None] * len(microbatches))
+        # Every rank of the pipeline runs the same step on the same batch, so all of them get here together.
+        shared = [start]
+        dist.broadcast_object_list(shared, src=self._first_stage_rank, group=self.pp_group)
+        if not self.has_first_stage:
+            shared[0].restore(self.device)
+            captured, states = self._capture_each(method, microbatches, *args, **step_kwargs)
+        return (*captured, states)
+
+    def _capture_each(self, method: str, microbatches: list[Any], *args: Any,
+                      **step_kwargs: Any) -> tuple[tuple[tuple, dict], list[RandomState]]:
+        per_microbatch, states = [], []
+        with _swapped(self.module, self.root_name, _CaptureInputs(self._root())), self._recording_logs():
+            for microbatch in microbatches:
+                states.append(RandomState.now(self.device))
+                try:
+                    getattr(self.module, method)(microbatch, *args, **step_kwargs)
+                except _ModelInputs as captured:
+                    per_microbatch.append((captured.args, captured.kwargs))
+                else:
+                    raise RuntimeError(
+                        f"{method} never called self.{self.root_name}(...): under pipeline parallelism the first"
+                        " stage takes the inputs of that call. Call the model once per step."
+                    )
+        leaves = tree_flatten(per_microbatch[0])[0]
         if not leaves or not all(isinstance(x, Tensor) for x in leaves):
             raise TypeError(f"self.{self.root_name}(...) must be called with tensors under pipeline parallelism;"
                             f" got {[type(x).__name__ for x in leaves]}")
-        return inputs, kwargs
+        return _concatenate(per_microbatch), states
+
+    def _root(self) -> nn.Module:
+        return self.module.get_submodule(self.root_name)
 
     @contextmanager
-    def _root_returning(self, output: Tensor) -> Iterator[None]:
+    def _root_returning(self, output: Tensor, calls: ModelCalls) -> Iterator[None]:
         returned = output if self.stage_output is None else self.stage_output(output)
-        with _swapped(self.module, self.root_name, _ReturnOutput(returned)):
+        with _swapped(self.module, self.root_name, _ReturnOutput(self._root(), returned, calls)):
             yield
 
     @contextmanager
@@ -235,28 +294,34 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ results to every rank
 
-    def _share_results(self, method: str, results: list[Any], logs: list[list[tuple]]) -> Any:
+    def _share_results(self, method: str, results: list[Any], logs: list[list[tuple]], errors: list[str]) -> Any:
         payload = [None]
         if self.has_last_stage:
-            if method == "predict_step":
-                value = _concatenate(results)
-            elif results and all(r is not None for r in results):
-                value = float(torch.stack([r.float() for r in results]).mean())
-            else:
-                value = None
-            payload = [{"value": value, "logs": _average_logs(logs)}]
+            payload = [{"errors": errors} if errors else {
+                "value": _concatenate(results) if method == "predict_step" else combine_outputs(results),
+                "logs": combine_logs(logs, self._metrics.names()),
+                "metrics": self._metrics.step_states(),
+            }]
         dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.pp_group)
-        for name, value, args, kwargs in payload[0]["logs"]:
+        shared = payload[0]
+        if "errors" in shared:
+            raise StepPatternError(shared["errors"][0])
+        self._metrics.end(shared["metrics"])
+        for name, value, args, kwargs in shared["logs"]:
+            if isinstance(value, MetricRef):
+                value = self.module.get_submodule(value.fqn)
             self.module.log(name, value, *args, **kwargs)
-        value = payload[0]["value"]
+        value = shared["value"]
         if method == "predict_step" or value is None:
             return value
-        return torch.tensor(value, device=self.device)
+        if isinstance(value, dict):
+            return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in value.items()}
+        return value.to(self.device) if isinstance(value, Tensor) else value
 
     # ------------------------------------------------------------------ schedules
 
-    def _schedule(self, train: bool, loss_fn: Callable) -> Any:
-        key = train
+    def _schedule(self, key: tuple, num_microbatches: int, loss_fn: Callable) -> Any:
+        train = key[0]
         if key not in self._schedules:
             make_stage = GradSyncStage if self.timeline is None else partial(TimedPipelineStage, timeline=self.timeline)
             stages = [
@@ -268,12 +333,14 @@ class PipelineEngine:
                 self._train_stages = stages
             for stage in stages:
                 isolate_metadata_inference(stage, self.random_state)
+            multi = self.schedule_name in MULTI_STAGE
             cls = SCHEDULES[self.schedule_name]
-            first = stages if self.schedule_name in MULTI_STAGE else stages[0]
+            if not train and not multi and num_microbatches < self.num_stages:
+                cls = ScheduleGPipe  # forward only, any count (1F1B needs one micro-batch per stage)
             # A training schedule calls its loss function once more the first time it runs, on placeholder
             # outputs, to infer the shapes of the gradients it will send (backward of shape inference).
             self._loss_fns[key] = _CurrentLoss(shape_inference_call=train)
-            self._schedules[key] = cls(first, self.num_microbatches, loss_fn=self._loss_fns[key])
+            self._schedules[key] = cls(stages if multi else stages[0], num_microbatches, loss_fn=self._loss_fns[key])
         self._loss_fns[key].current = loss_fn
         if train:
             for stage in self._train_stages:
@@ -304,9 +371,13 @@ class _CurrentLoss:
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
         if self._shape_inference_pending:
             self._shape_inference_pending = False
-            local = output.to_local() if isinstance(output, DTensor) else output
-            return local.float().sum() * 0.0  # reaches every input, as the real loss does
+            return _placeholder_loss(output)
         return self.current(output, target)
+
+
+def _placeholder_loss(output: Tensor) -> Tensor:
+    local = output.to_local() if isinstance(output, DTensor) else output
+    return local.float().sum() * 0.0  # reaches every input, as the real loss does
 
 
 class _ModelInputs(Exception):
@@ -315,18 +386,35 @@ class _ModelInputs(Exception):
         self.args, self.kwargs = args, kwargs
 
 
-class _CaptureInputs(nn.Module):
+class _StandIn(nn.Module):
+    """Takes the pipeline root's place while the user's step runs; attribute access (``self.model.config``)
+    reaches the real root, kept outside the module tree so its parameters are not counted twice."""
+
+    def __init__(self, real: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_real"), name)
+
+
+class _CaptureInputs(_StandIn):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise _ModelInputs(args, kwargs)
 
 
-class _ReturnOutput(nn.Module):
-    def __init__(self, output: Any) -> None:
-        super().__init__()
-        self.output = output
+class _ReturnOutput(_StandIn):
+    def __init__(self, real: nn.Module, output: Any, calls: ModelCalls) -> None:
+        super().__init__(real)
+        object.__setattr__(self, "_output", output)
+        object.__setattr__(self, "_calls", calls)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.output
+        self._calls.called()
+        return self._output
 
 
 @contextmanager
@@ -372,15 +460,3 @@ def _concatenate(outputs: list[Any]) -> Any:
     joined = [torch.cat(leaves) if isinstance(leaves[0], Tensor) and leaves[0].dim() > 0 else list(leaves)
               for leaves in zip(*(f[0] for f in flat))]
     return tree_unflatten(joined, spec)
-
-
-def _average_logs(per_microbatch: list[list[tuple]]) -> list[tuple]:
-    """One ``self.log`` call per name: its value averaged over micro-batches (the mean over the whole batch,
-    since micro-batches are the same size), the other arguments from the last call."""
-    merged: dict[str, tuple] = {}
-    values: dict[str, list[float]] = {}
-    for recorded in per_microbatch:
-        for name, value, args, kwargs in recorded:
-            merged[name] = (name, None, args, kwargs)
-            values.setdefault(name, []).append(float(value.detach() if isinstance(value, Tensor) else value))
-    return [(name, statistics.fmean(values[name]), args, kwargs) for name, (_, _, args, kwargs) in merged.items()]

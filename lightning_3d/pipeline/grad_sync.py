@@ -47,6 +47,11 @@ class GradSyncStage(PipelineStage):
         return grads, None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if not self.has_backward:
+            # A forward-only (evaluation) step: the schedule still ends with this, which would scale -- and
+            # under FSDP2 reduce -- the gradients that training accumulated so far (validation inside an
+            # accumulation window: val_check_interval=3, accumulate_grad_batches=2).
+            return None
         if self.sync_grads or not isinstance(self.submod, FSDPModule):
             return super().perform_reduce_grad(grad_scale_factor)
         # An accumulation micro-step: what the parent does, with sync off -- each FSDP2 group ends its backward

@@ -18,6 +18,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_3d.parallel.dims import ParallelDims
+
 
 class ProcessesAndCollectives:
     """Strategy hooks (mixed into ``ThreeDStrategy``): the launcher (``devices=N`` starts the processes
@@ -27,6 +29,10 @@ class ProcessesAndCollectives:
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
+            # About to start num_nodes * devices processes: a layout that cannot be cut from them fails here,
+            # at Trainer(...), in seconds, instead of in every process started (minutes for 64 of them).
+            # Under torchrun / srun the processes exist already; each checks in setup_environment.
+            ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
@@ -56,9 +62,21 @@ class ProcessesAndCollectives:
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Union[Tensor, Any]:
+        # Lightning syncs logged values (sync_dist=True) here. Every tensor- and pipeline-parallel rank of a
+        # replica logs the same value (the pipeline engine replays the last stage's), so the default group is
+        # the data-parallel one: over every rank, reduce_fx="sum" would count a value tp * pp times.
+        if group is None and self._device_mesh is not None:
+            group = self._device_mesh["dp"].get_group()
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Over every rank (ModelCheckpoint, EarlyStopping): not the data-parallel default of reduce().
+        count = self.reduce(torch.tensor(int(decision), device=self.root_device), group=_group.WORLD,
+                            reduce_op=ReduceOp.SUM)
+        return bool(count == self.world_size) if all else bool(count)
 
 
 def restart_store(timeout: timedelta) -> Optional[dist.Store]:

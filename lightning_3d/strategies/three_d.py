@@ -33,6 +33,7 @@ from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
 from lightning_3d.strategies.steps import LayoutSteps
 from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
+from lightning_3d.strategies.threads import set_threads_per_rank
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel, zero_stage_that_runs
@@ -49,8 +50,8 @@ from lightning_3d.parallel.tied import TiedGradients, embedding_group
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, stage_ids_of
 from lightning_3d.policies import Policy, resolve_policy
-from lightning_3d.policies.base import Plan, PlanOptions
 from lightning_3d.policies.auto_pipeline import with_pipeline
+from lightning_3d.policies.base import Plan, PlanOptions
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +234,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        set_threads_per_rank(self.num_processes)  # ranks on one host share its CPUs (strategies/threads.py)
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         if self.parallel_config.init_from:
@@ -349,7 +351,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
                 last_stage_rank=dims.rank(self.coords._replace(pp=dims.pp - 1)),
                 loss_context=self._loss_context,
                 random_state=partial(preserved_random_state, self._sharded_rng, self.root_device),
-                stage_output=plan.stage_output,
+                stage_output=plan.stage_output, dp_group=self.device_mesh["dp"].get_group(),
             )
         if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
             self._tied_gradients = TiedGradients(module, tied_copies, embedding_group(dims, self.coords))

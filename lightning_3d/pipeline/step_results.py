@@ -1,0 +1,93 @@
+"""What the last stage's per-micro-batch runs of the user's step become: one process's results for the batch.
+
+One process runs ``training_step`` once per batch: each ``self.log`` call logs one value for the whole
+batch, and the step returns one loss (or dict). Under the pipeline the last stage runs the step once per
+micro-batch (equal slices of the batch); here those runs are combined into what the one call would have given:
+
+* ``self.log`` values by their ``reduce_fx``: the mean of the micro-batches' values for "mean" (a mean over
+  equal slices is the mean over the batch), their sum for "sum", max for "max", min for "min". Lightning then
+  aggregates the batches of an epoch (``on_epoch=True``) and syncs (``sync_dist=True``) as it always does.
+* a torchmetrics ``Metric`` logged as an object travels as :class:`MetricRef` (its name in the module): every
+  rank logs its own copy of that metric, whose state ``step_metrics.StepMetrics`` keeps equal to the last
+  stage's.
+* the step's return value: floating-point scalars (the loss, means) averaged, integer scalars (counts)
+  summed, tensors with a batch dimension concatenated, anything else from the last micro-batch; a dict keeps
+  its keys and reaches ``on_train_batch_end`` on every rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+# reduce_fx as Lightning accepts it (strings or the torch functions) -> how micro-batch values combine
+_COMBINE: dict[Any, Callable[[list[float]], float]] = {
+    "mean": statistics.fmean, "avg": statistics.fmean, torch.mean: statistics.fmean,
+    "sum": sum, torch.sum: sum,
+    "max": max, torch.max: max,
+    "min": min, torch.min: min,
+}
+
+
+@dataclass(frozen=True)
+class MetricRef:
+    """A logged torchmetrics Metric, by its name in the LightningModule (each rank logs its own copy)."""
+
+    fqn: str
+
+
+def combine_logs(per_microbatch: list[list[tuple]], metric_names: dict[int, str]) -> list[tuple]:
+    """One ``self.log`` call per name, as one process logging the whole batch would make it (module doc).
+    ``metric_names`` maps ``id(metric)`` to its name in the module, for Metric objects logged as values."""
+    calls: dict[str, tuple] = {}
+    values: dict[str, list] = {}
+    for recorded in per_microbatch:
+        for name, value, args, kwargs in recorded:
+            calls[name] = (args, kwargs)  # the arguments of the last call (Lightning refuses calls that differ)
+            values.setdefault(name, []).append(value)
+    combined = []
+    for name, (args, kwargs) in calls.items():
+        seen = values[name]
+        if isinstance(seen[-1], Metric):
+            if id(seen[-1]) not in metric_names:
+                raise TypeError(f"self.log({name!r}, ...) logged a torchmetrics {type(seen[-1]).__name__} that is"
+                                " not an attribute of the LightningModule; under pipeline parallelism a logged"
+                                " Metric must be one (e.g. self.accuracy = Accuracy(...) in __init__).")
+            combined.append((name, MetricRef(metric_names[id(seen[-1])]), args, kwargs))
+            continue
+        reduce_fx = kwargs.get("reduce_fx", "mean")
+        numbers = [float(v.detach() if isinstance(v, Tensor) else v) for v in seen]
+        combine = _COMBINE.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx)
+        value = combine(numbers) if combine is not None else float(reduce_fx(torch.tensor(numbers)))
+        combined.append((name, value, args, kwargs))
+    return combined
+
+
+def combine_outputs(results: list[Any]) -> Any:
+    """The step's return values over the micro-batches as one return value for the batch (module doc)."""
+    if not results or any(r is None for r in results):
+        return None
+    flat = [tree_flatten(r) for r in results]
+    spec = flat[0][1]
+    if any(f[1] != spec for f in flat):
+        return results[-1]
+    return tree_unflatten([_combine_leaf(list(leaves)) for leaves in zip(*(f[0] for f in flat))], spec)
+
+
+def _combine_leaf(leaves: list[Any]) -> Any:
+    if not all(isinstance(x, Tensor) for x in leaves):
+        return leaves[-1]
+    if leaves[0].dim() == 0:  # a float is a mean over its micro-batch (the loss), an integer a count
+        stacked = torch.stack([x.detach() for x in leaves])
+        return stacked.mean() if stacked.is_floating_point() else stacked.sum()
+    return torch.cat([x.detach() for x in leaves])
+
+
+def detached(result: Any) -> Any:
+    return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, result)
