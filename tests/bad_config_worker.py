@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from harness import end_process_group
@@ -63,6 +64,46 @@ class ManualOptimization(GPTLightningModule):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.automatic_optimization = False
+
+
+class HeadsAttention(nn.Module):
+    """Keeps its head count as ``heads``, a name policy="auto" cannot know to divide by tp."""
+
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (w(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+
+
+class HeadsBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attention = nn.LayerNorm(32), HeadsAttention()
+
+    def forward(self, x):
+        return x + self.attention(self.norm(x))
+
+
+class HeadsLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.layers, self.head = nn.Embedding(64, 32), nn.ModuleList(HeadsBlock() for _ in range(2)), nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+class HeadsModel(GPTLightningModule):
+    def configure_model(self):
+        self.model = HeadsLM()
 
 
 class EagerModel(GPTLightningModule):
@@ -115,6 +156,7 @@ CASES = {
     "explicit_split_names_a_missing_block": lambda: (
         ThreeDStrategy(pipeline_parallel_size=2, pipeline_split=[["model.blocks.0"], ["model.blocks.7"]]),
         GPTLightningModule(config=TINY)),
+    "tp_shapes_a_head_count_auto_does_not_know": lambda: (ThreeDStrategy(tensor_parallel_size=2), HeadsModel(config=TINY)),
     "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
     "resume_from_a_missing_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
                                                  {"ckpt_path": "no/such/last.ckpt"}),

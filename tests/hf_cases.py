@@ -1,6 +1,7 @@
 """The Hugging Face parity runs (Llama and GPT-2), the runs of users' models (their init; pipelines of their
-forward as written), and one shared launch per world size for all of them: ``tests/test_hf_llama.py``,
-``tests/test_hf_gpt2.py``, ``tests/test_user_model_init.py`` and ``tests/test_pipeline_as_written.py`` each
+forward as written; sequence parallelism from "auto"), and one shared launch per world size for all of them:
+``tests/test_hf_llama.py``, ``tests/test_hf_gpt2.py``, ``tests/test_user_model_init.py``,
+``tests/test_pipeline_as_written.py`` and ``tests/test_auto_sequence_parallel.py`` each
 check their own cases, whichever runs first launches every set (torchrun start-up dominates these tiny
 runs)."""
 
@@ -86,6 +87,14 @@ AS_WRITTEN_CASES = {c.name: c for c in [
     as_written_case("nanogpt_dp2_pp2_zero3", "user_nanogpt", 2, 2, zero_stage=3),
 ]}
 
+# Sequence parallelism that policy="auto" plans by structure, for a model it has no policy for (issue 17
+# item 7): tests/test_auto_sequence_parallel.py.
+AUTO_SP_CASES = {c.name: c for c in [
+    as_written_case("nanogpt_tp2_sp", "user_nanogpt", 1, 1, 2, sequence_parallel=True),
+    as_written_case("nanogpt_dp2_tp2_sp", "user_nanogpt", 2, 1, 2, sequence_parallel=True),
+    as_written_case("nanogpt_dp2_pp2_tp2_sp", "user_nanogpt", 2, 2, 2, sequence_parallel=True),
+]}
+
 _RESULTS: dict[str, Result] = {}
 
 
@@ -94,6 +103,6 @@ def hf_results(tmp_path_factory) -> dict[str, Result]:
     if not _RESULTS:
         out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
         cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(),
-                 *AS_WRITTEN_CASES.values()]
+                 *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values()]
         _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
     return _RESULTS

@@ -17,6 +17,8 @@ any micro-batch. The modules before and after the blocks (embeddings, head) are 
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -72,7 +74,9 @@ class _FirstCall:
         self.handle.remove()
         failure = _fake_forward(block, args, kwargs)
         if failure is not None:
-            raise ShardedShapeError(self._explain(block, *failure)) from failure[1]
+            # Not chained: the fault report (lightning_3d.faults) names an exception's first cause, which
+            # would be the bare shape error again; its line in the model's code is in the message instead.
+            raise ShardedShapeError(self._explain(block, *failure)) from None
 
     def _explain(self, block: nn.Module, inner: str, error: Exception) -> str:
         if isinstance(block.get_submodule(inner), nn.Linear) and inner:  # its caller holds the sizes
@@ -90,7 +94,7 @@ class _FirstCall:
         return (
             f"{fqn} ({type(failing).__name__}) cannot run on the shapes tensor parallelism gives it at layout"
             f" (dp, pp, tp) = ({d.dp}, {d.pp}, {d.tp}), on rank (dp={c.dp}, pp={c.pp}, tp={c.tp}):"
-            f" {type(error).__name__}: {error}\n"
+            f" {type(error).__name__}: {error}{_where(error)}\n"
             f"  its layers on this rank (in -> out features): {layers}\n"
             f"  its integer attributes: {attributes}\n"
             f"A head count or width that the module reshapes by, but that the policy did not divide by tp, fails"
@@ -138,6 +142,13 @@ def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exc
             sub._parameters.update(parameters)
             sub._buffers.clear()
             sub._buffers.update(buffers)
+
+
+def _where(error: Exception) -> str:
+    """`` (at FILE:LINE: CODE)`` of the innermost frame outside torch and lightning_3d: the model's line."""
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(ours)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
 
 
 def _fake(mode: fake_tensor.FakeTensorMode, value: Any) -> Any:

@@ -3,7 +3,8 @@
 For an unknown model, inside each repeated block (the longest list of same-class layers):
 
 * **attention** -- a module with separate query/key/value/output ``nn.Linear`` children, by their usual names
-  (``q_proj/k_proj/v_proj/o_proj``, ``q/k/v/o``, ``query/key/value/out``, ``wq/wk/wv/wo``, ``out_proj``):
+  (``q_proj/k_proj/v_proj/o_proj``, ``q/k/v/o``, ``query/key/value/out``, ``wq/wk/wv/wo``, ``out_proj``; or,
+  for the output, the one other ``nn.Linear``, such as nanoGPT's ``c_proj``):
   q, k, v column-wise (heads split over tp), output row-wise. Its integer head-count and width attributes
   (``HEAD_ATTRIBUTES``: ``num_heads``, ``n_heads``, ``n_kv_heads``, ``embed_dim``, ...) are divided by tp, since
   such modules often reshape by them; per-head sizes (``head_dim``) stay.
@@ -137,8 +138,8 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], tp: int, sequence_par
 
 def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> tuple[list[str], list[str]]:
     """The norms of ``block`` outside its tp regions, which run on sequence shards, and its dropout layers
-    there, which then draw on each tp rank's own stream. Anything else with weights between the regions could
-    mix positions, so it refuses."""
+    there, which then draw on each tp rank's own stream. Other weights between the regions are refused: on a
+    sequence shard they would get the gradient of this rank's positions only (and might mix positions)."""
     norms, dropouts, unknown = [], [], []
     for name, module in root.get_submodule(block).named_modules():
         fqn = join_fqn(block, name)
@@ -155,7 +156,8 @@ def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> 
         raise PolicyError(
             f"policy='auto' cannot keep the hidden states of {block} split along the sequence: besides the"
             f" attention and MLP it split over tp ({found}) and LayerNorm/RMSNorm layers, it holds {', '.join(unknown)},"
-            " which may mix positions. Register a policy for the model, or sequence_parallel=False."
+            " whose weights would see only this rank's positions. Register a policy for the model (see"
+            " policies/gpt.py), or sequence_parallel=False."
         )
     return norms, dropouts
 
@@ -181,9 +183,13 @@ def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
 def _attention_styles(module: nn.Module, output: Placement) -> dict[str, ParallelStyle] | None:
     linears = _linear_children(module)
     for q, k, v, o in ATTENTION_NAMES:
-        if all(name in linears for name in (q, k, v, o)):
-            return {q: ColwiseParallel(), k: ColwiseParallel(), v: ColwiseParallel(),
-                    o: RowwiseParallel(output_layouts=output)}
+        if all(name in linears for name in (q, k, v)):
+            rest = [name for name in linears if name not in (q, k, v)]
+            # The output projection by its usual name, or the one other Linear (nanoGPT's c_proj).
+            o = o if o in linears else (rest[0] if len(rest) == 1 else None)
+            if o is not None:
+                return {q: ColwiseParallel(), k: ColwiseParallel(), v: ColwiseParallel(),
+                        o: RowwiseParallel(output_layouts=output)}
     return None
 
 
