@@ -1,0 +1,51 @@
+"""Intra-op threads per rank: ranks that share one host's CPUs split them, unless the user chose a count.
+
+Each process's torch starts with one intra-op thread per CPU it may run on. Eight ranks on a 2-core machine
+then run 16 busy threads on 2 cores and a step takes ~2.5x as long as with one thread each (issue 18).
+torchrun (PyTorch 2.13) sets ``OMP_NUM_THREADS=1`` for its workers when it is unset and it starts more than
+one per node; Lightning's own launcher sets ``cpus // processes`` in the process that launches, but only
+there when the strategy starts no launcher in the others (ours starts none in processes that already exist,
+so its rank 1..n-1 kept torch's default). This module gives every rank the same rule.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+# What the user chose, read when lightning_3d is imported: before Lightning's launcher sets
+# OMP_NUM_THREADS in the process that launches (to the same count this module picks), and before
+# anything of ours runs. A torch.set_num_threads() call after this import changes the count from this one.
+_OMP_AT_IMPORT = os.environ.get("OMP_NUM_THREADS")
+_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """``max(1, CPUs this process may run on // ranks on this host)``, Lightning's count (torchrun picks 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
+
+
+def local_world_size(devices: int) -> int:
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else the devices per node Lightning was given (its
+    launcher starts that many here; under Slurm, devices must equal the tasks per node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", devices))
+
+
+def set_threads_per_rank(devices: int) -> Optional[int]:
+    """Give this rank its share of the host's CPUs, unless the user set a count (``OMP_NUM_THREADS``, also
+    torchrun's, or ``torch.set_num_threads`` after importing lightning_3d). Returns the count it set, or None."""
+    local_ranks = local_world_size(devices)
+    threads = threads_per_rank(local_ranks)
+    current = torch.get_num_threads()
+    # Changed since import to another count than ours: the user's call (Lightning's launcher picks ours).
+    chosen_by_user = _OMP_AT_IMPORT is not None or current not in (_THREADS_AT_IMPORT, threads)
+    if chosen_by_user:
+        return None
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # processes this rank starts (data loader workers) follow it
+    rank_zero_info(f"lightning_3d: {threads} intra-op thread(s) per rank ({len(os.sched_getaffinity(0))} CPUs"
+                   f" // {local_ranks} ranks on this host); set OMP_NUM_THREADS to choose another count")
+    return threads
