@@ -66,7 +66,7 @@ def test_a_run_started_from_a_hugging_face_directory_trains_as_one_process_that_
     cases, results, _ = runs
     reference = reference_for(cases[name])
     assert abs(results[name].losses[0] - reference.losses[0]) <= 1e-5  # the first step: the loaded weights
-    assert_parity(results[name], reference, param_atol=5e-5)  # 5e-5: see test_hf_llama.py
+    assert_parity(results[name], reference)
 
 
 @pytest.mark.multiprocess

@@ -87,9 +87,9 @@ class ToyPolicy(Policy):
 
 
 class ToyLightningModule(L.LightningModule):
-    def __init__(self, learning_rate: float = 1e-2, **_ignored) -> None:
+    def __init__(self, learning_rate: float = 1e-2, adam_eps: float = 1e-8, **_ignored) -> None:
         super().__init__()
-        self.learning_rate = learning_rate
+        self.learning_rate, self.adam_eps = learning_rate, adam_eps
         self.model = None
 
     def configure_model(self) -> None:
@@ -103,4 +103,4 @@ class ToyLightningModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate, eps=self.adam_eps)

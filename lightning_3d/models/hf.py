@@ -53,7 +53,8 @@ class HFCausalLMModule(NextTokenModule):
     """
 
     def __init__(self, model_type: str = "llama", config: dict[str, ConfigValue] | None = None, *, pretrained: str | None = None,
-                 learning_rate: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 10) -> None:
+                 learning_rate: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 10,
+                 adam_eps: float = 1e-8) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model_config = hf_config(model_type, config, pretrained)

@@ -12,7 +12,8 @@ from lightning_3d.models.gpt import GPT, GPTConfig
 
 class NextTokenModule(L.LightningModule):
     """Next-token prediction, written as for one device: the cross-entropy of :meth:`logits` against the
-    targets, logged as ``train_loss`` / ``val_loss``; AdamW with a linear warm-up over ``warmup_steps``.
+    targets, logged as ``train_loss`` / ``val_loss``; AdamW (``adam_eps``: the gradient size below which its
+    update turns linear in the gradient) with a linear warm-up over ``warmup_steps``.
     Subclasses build ``self.model`` and say how it gives logits."""
 
     def logits(self, tokens: Tensor) -> Tensor:
@@ -35,7 +36,8 @@ class NextTokenModule(L.LightningModule):
 
     def configure_optimizers(self):
         h = self.hparams
-        optimizer = torch.optim.AdamW(self.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=h.learning_rate, weight_decay=h.weight_decay,
+                                      eps=h.adam_eps)
         warmup = max(1, h.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -57,6 +59,7 @@ class GPTLightningModule(NextTokenModule):
         learning_rate: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 10,
+        adam_eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
