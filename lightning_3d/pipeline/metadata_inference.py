@@ -29,3 +29,19 @@ def isolate_metadata_inference(stage: PipelineStage, random_state: Callable[[], 
             return inference(*args, **kwargs)
 
     stage._forward_metadata_inference = run
+
+    # After inference PyTorch reshards the stage's FSDP2 modules and sets their gradients to None. An evaluation
+    # stage's inference can run inside an accumulation window (validation at val_check_interval=3 with
+    # accumulate_grad_batches=2, or the first evaluation batch of a new shape): the gradients accumulated so far
+    # must survive it. (PyTorch 2.13 names the clean-up _post_metadata_inference_cleanup.)
+    cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if cleanup is None:
+        return
+
+    def cleanup_keeping_grads() -> None:
+        grads = [(p, p.grad) for p in stage.submod.parameters()]
+        cleanup()
+        for param, grad in grads:
+            param.grad = grad
+
+    stage._post_metadata_inference_cleanup = cleanup_keeping_grads
