@@ -17,14 +17,37 @@ environment gives the ranks (see scripts/slurm/train.sbatch); the world size is 
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
 
 import lightning_3d  # noqa: F401  (registers strategy="3d")
+from lightning_3d.callbacks.progress import StepsProgressBar
 from lightning_3d.models import GPTLightningModule, HFCausalLMModule, SyntheticDataModule  # noqa: F401  (short class names)
+from lightning_3d.output import quiet_ranks
 from lightning_3d.parallel.config import ParallelConfigError
+
+
+class _CLI(LightningCLI):
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # Lightning's default Rich bar says "Epoch 0/-2" in a max_steps run; ours counts the steps. Only where
+        # the config asks for a bar and names none (Lightning refuses two, or one with the bar turned off).
+        config = (self.config_init[self.subcommand] if self.subcommand else self.config_init).get("trainer") or {}
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        wants_default_bar = config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks)
+        if _RICH_AVAILABLE and wants_default_bar and "callbacks" not in kwargs:
+            kwargs["callbacks"] = [*callbacks, StepsProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
 
 def build_cli(args: list[str] | None = None, *, run: bool = True) -> LightningCLI:
@@ -34,7 +57,7 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> LightningCL
         cli = build_cli(["--config", "example_configs/gpt_1b_8gpu.yaml", "--trainer.accelerator=cpu"], run=False)
         cli.trainer.strategy.parallel_config.tensor_parallel_size  # 2
     """
-    return LightningCLI(
+    return _CLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf", "prog": "lightning-3d"},
@@ -46,6 +69,11 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> LightningCL
 
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
+    # `python -m lightning_3d` finds the user's modules in the current directory (`--model mypkg.MyModule`);
+    # the console script's sys.path starts at its own bin/ folder instead, so the directory is added here.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    quiet_ranks()  # third-party warnings filtered, per-rank set-up lines from rank zero (lightning_3d.output)
     if argv[:1] == ["convert"]:  # not a Trainer subcommand: a checkpoint export (lightning_3d.checkpoint.convert)
         from lightning_3d.checkpoint.convert import main as convert
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import lightning as L
+import torch
 
 # What the launcher told this process, as the test wants to see it (absent ones are left out).
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
@@ -37,6 +38,7 @@ class RankProbe(L.Callback):
             "coords": strategy.coords._asdict(),
             "env": {k: os.environ[k] for k in LAUNCHER_VARIABLES if k in os.environ},
             "losses": self.losses,
+            "intra_op_threads": torch.get_num_threads(),
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

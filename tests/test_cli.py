@@ -163,3 +163,84 @@ def test_torchrun_world_that_disagrees_with_the_config_fails_on_every_rank_befor
     assert "Set data_parallel_size='auto' (-> 1)" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr  # Lightning's line as the group starts
     assert "ParallelConfigError" not in proc.stderr  # the name a traceback of the error would end with
+
+
+# ---------------------------------------------------------------------------------------------- a newcomer's run
+
+
+@pytest.mark.multiprocess
+def test_a_run_without_a_thread_count_splits_the_cpus_and_prints_each_line_once(tmp_path):
+    """The README's way in, with nothing set (issue 18): no OMP_NUM_THREADS, Lightning's launcher, 2 ranks.
+    Each rank gets its share of the CPUs (torch's default is all of them, per rank); Lightning's own pytree
+    deprecation warning and its per-rank set-up lines do not repeat per rank; the bar counts steps."""
+    from warning_filters import _our_modules
+
+    config = ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    # Our warnings still fail the run; the third-party ones the tests ignore (warning_filters.IGNORED) show.
+    env["PYTHONWARNINGS"] = ",".join(f"error::Warning:{name}" for name in _our_modules())
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    proc = run_to_end([sys.executable, "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.max_steps=2",
+                       "--trainer.limit_val_batches=0", "--trainer.logger=false",
+                       "--trainer.callbacks+=cli_probe.RankProbe", f"--trainer.callbacks.out_dir={tmp_path}"],
+                      env=env, timeout=300, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    from cli_probe import read_ranks
+
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    threads = [r["intra_op_threads"] for r in read_ranks(tmp_path, 2)]
+    problems = [  # all of them at once: one launch checks four things
+        *([f"intra-op threads per rank {threads}, expected {[share, share]}"] if threads != [share, share] else []),
+        *(["the thread count was not logged once"]
+          if out.count(f"lightning_3d: {share} intra-op thread(s) per rank") != 1 else []),
+        *(["Lightning's LeafSpec warning shown"] if "LeafSpec" in out else []),
+        *(["rank 1's set-up lines shown"] if "GLOBAL_RANK: 1" in out or "[rank: 1] Seed set to" in out else []),
+        *(["rank 0's set-up line missing"] if "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" not in out else []),
+        *(["the progress bar does not count steps"] if "step 2/2" not in out or "/-2" in out else []),
+    ]
+    assert not problems, (problems, out[-4000:])
+
+
+def test_console_script_finds_the_users_module_in_the_current_directory(tmp_path):
+    """`lightning-3d fit --model mypkg.MyModule` from the user's project folder, as `python -m` would."""
+    script = Path(sys.executable).parent / "lightning-3d"
+    if not script.exists():
+        pytest.skip(f"the console script is not installed next to {sys.executable}")
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text(
+        "from lightning_3d.models import GPTLightningModule\n\n\nclass MyModule(GPTLightningModule):\n    pass\n")
+    config = ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(script), "fit", "--config", str(config), "--model", "mypkg.MyModule", "--print_config"],
+                          env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert yaml.safe_load(proc.stdout)["model"]["class_path"] == "mypkg.MyModule"
+
+
+def test_a_layout_the_devices_cannot_hold_fails_before_any_process_starts(monkeypatch, capsys):
+    """dp 8 x tp 8 x pp 4 = 256 on devices=64: one line from the launching process, in seconds, and no
+    process started (were one started, the launcher's spawn below fails the test instead)."""
+    import time
+
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_3d.cli import main
+
+    def spawn(self):
+        raise AssertionError("the launcher started processes")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", spawn)
+    config = ROOT / "example_configs" / "gpt_tiny_3d_cpu.yaml"
+    # CPU seconds of this process (parsing and Trainer(...)): the machines running the suite are shared, so
+    # their wall time says more about the other jobs. Spawning 64 ranks took minutes.
+    start = time.process_time()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--trainer.devices=64", "--trainer.logger=false",
+              "--trainer.strategy.init_args.data_parallel_size=8", "--trainer.strategy.init_args.tensor_parallel_size=8",
+              "--trainer.strategy.init_args.pipeline_parallel_size=4"])
+    seconds = time.process_time() - start
+    assert str(exit_info.value.code).startswith(
+        "lightning-3d: error on rank 0: data_parallel_size (8) * pipeline_parallel_size (4) * tensor_parallel_size"
+        " (8) = 256, but the world size is 64"), exit_info.value.code
+    assert seconds < 5, f"took {seconds:.1f} CPU seconds"

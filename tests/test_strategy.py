@@ -136,3 +136,10 @@ def test_an_uncaught_config_error_ends_every_process(tmp_path):
     assert "world size is 2" in proc.stderr
     leftover = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"processes left behind: {leftover.stdout}"
+
+
+def test_a_layout_the_devices_cannot_hold_fails_at_trainer_construction():
+    """Lightning's launcher would start 64 processes for a layout of 256: Trainer(...) refuses it first."""
+    strategy = ThreeDStrategy(data_parallel_size=8, tensor_parallel_size=8, pipeline_parallel_size=4)
+    with pytest.raises(ParallelConfigError, match=r"\(8\) = 256, but the world size is 64"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=64, logger=False)

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
+from lightning_3d.output import quiet_ranks
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
@@ -234,6 +235,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        quiet_ranks()  # known third-party warnings off, Lightning's per-rank set-up lines from rank 0 (output.py)
         set_threads_per_rank(self.num_processes)  # ranks on one host share its CPUs (strategies/threads.py)
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
         self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
