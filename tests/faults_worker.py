@@ -26,7 +26,9 @@ from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModu
 
 OUT, WHERE, RANK = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 STEP = 2
-HANG_TIMEOUT = 3 if WHERE == "slow_phases" else 5
+# Short where a hang is the point; for a raising rank long, so that a slow step on a loaded host (8 ranks on
+# 2 cores) is not reported as a hang before the injected failure.
+HANG_TIMEOUT = {"slow_phases": 3, "hang": 5}.get(WHERE, 120)
 SLOW_S = 1.5 * HANG_TIMEOUT  # a slow phase (set-up, a checkpoint's save or load): longer than hang_timeout
 
 
