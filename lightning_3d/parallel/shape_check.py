@@ -12,13 +12,20 @@ Why at the first call and not at set-up: only then are the inputs known (the bat
 else the model hands its blocks: masks, rotary tables). Every stage of a pipeline checks the blocks it holds,
 on its own tp rank's shapes; the first block of a stage runs during the pipeline's metadata inference, before
 any micro-batch. The modules before and after the blocks (embeddings, head) are not checked.
+
+The check must leave no trace: it draws no random numbers (fake tensors do not), puts back every attribute
+the block's modules set on themselves, and gives the block deep copies of objects it may change in place (a
+key/value cache); a block given an object that cannot be copied, or whose forward needs data (``.item()``),
+is not checked.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -89,16 +96,15 @@ class _FirstCall:
             f"{name}={value}" + (" (per rank, set by the policy)" if name in fixed else "")
             for name, value in vars(failing).items() if type(value) is int and not name.startswith("_")
         ) or "none"
-        layers = ", ".join(_local_size(name, child) for name, child in failing.named_children()
-                           if _local_size(name, child)) or "none"
+        layers = ", ".join(filter(None, (_local_size(n, child) for n, child in failing.named_children()))) or "none"
         return (
             f"{fqn} ({type(failing).__name__}) cannot run on the shapes tensor parallelism gives it at layout"
             f" (dp, pp, tp) = ({d.dp}, {d.pp}, {d.tp}), on rank (dp={c.dp}, pp={c.pp}, tp={c.tp}):"
             f" {type(error).__name__}: {error}{_where(error)}\n"
             f"  its layers on this rank (in -> out features): {layers}\n"
             f"  its integer attributes: {attributes}\n"
-            f"A head count or width that the module reshapes by, but that the policy did not divide by tp, fails"
-            f" this way. Name it in the policy's attribute_fixes (policy='auto' divides {', '.join(HEAD_ATTRIBUTES)};"
+            f"Most often a head count or width that the module reshapes by, but that the policy did not divide by"
+            f" tp, fails this way. Name it in the policy's attribute_fixes (policy='auto' divides {', '.join(HEAD_ATTRIBUTES)};"
             f" per-head sizes such as head_dim stay), or reshape with -1 heads, or use another tensor_parallel_size"
             f" (1 always fits). Found by running {self.fqn}'s forward on fake tensors before its first real call."
         )
@@ -107,22 +113,27 @@ class _FirstCall:
 def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exception] | None:
     """Run ``block.forward`` on fake copies of the inputs: None if it ran (or cannot be checked), else the
     FQN inside ``block`` of the innermost module that was running, and the error."""
-    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)  # parameters stay real; reads only
-    running: list[str] = []  # FQNs of the modules inside ``block`` whose forward has started, not ended
-
-    def enter(name: str) -> None:
-        running.append(name)
-
+    try:
+        # Objects the forward may change in place (a key/value cache) are copied: the real call keeps its own.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the real call warns about the same things, once
+            args, kwargs = tree_map(_copy_object, (args, kwargs))
+    except Exception as err:  # noqa: BLE001  (an object that cannot be copied: no check rather than a wrong one)
+        log.debug("shape check of %s skipped: an input cannot be copied (%s)", type(block).__name__, err)
+        return None
+    running = [""]  # FQNs of the modules inside ``block`` whose forward has started, not ended
     hooks = []
     for name, sub in block.named_modules():
         if sub is not block:
-            hooks.append(sub.register_forward_pre_hook(lambda *_, name=name: enter(name), prepend=True))
+            hooks.append(sub.register_forward_pre_hook(lambda *_, name=name: running.append(name) and None,
+                                                       prepend=True))
             hooks.append(sub.register_forward_hook(lambda *_: running.pop() and None))  # not on error
     saved = [(sub, dict(vars(sub)), dict(sub._parameters), dict(sub._buffers)) for sub in block.modules()]
+    mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)  # parameters stay real; reads only
     try:
-        with mode, torch.no_grad():
+        with mode, torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             fake_args, fake_kwargs = tree_map(lambda x: _fake(mode, x), (args, kwargs))
-            running.append("")
             block.forward(*fake_args, **fake_kwargs)  # forward, not __call__: its pre-hooks have run
         return None
     except CANNOT_CHECK as err:
@@ -133,8 +144,8 @@ def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exc
     finally:
         for hook in hooks:
             hook.remove()
-        # Module code may assign to itself in forward (a cache, a buffer moved to the input's dtype): put
-        # back what the block held, so no fake tensor outlives the check.
+        # Module code may assign to itself in forward (a buffer moved to the input's dtype): put back what
+        # the block held, so no fake tensor outlives the check.
         for sub, attributes, parameters, buffers in saved:
             vars(sub).clear()
             vars(sub).update(attributes)
@@ -142,6 +153,12 @@ def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exc
             sub._parameters.update(parameters)
             sub._buffers.clear()
             sub._buffers.update(buffers)
+
+
+def _copy_object(value: Any) -> Any:
+    if value is None or isinstance(value, (Tensor, bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    return copy.deepcopy(value)
 
 
 def _where(error: Exception) -> str:
@@ -153,7 +170,7 @@ def _where(error: Exception) -> str:
 
 def _fake(mode: fake_tensor.FakeTensorMode, value: Any) -> Any:
     if isinstance(value, Tensor) and not isinstance(value, DTensor):
-        return mode.from_tensor(value)
+        return mode.from_tensor(value.detach())  # (no_grad: its autograd history is not needed)
     return value  # DTensors (sequence-parallel inputs) are read through the mode like parameters
 
 
