@@ -163,7 +163,9 @@ def test_srun_task_count_that_disagrees_with_the_config_fails_on_every_rank(slur
 def test_sbatch_template_trains_on_the_allocation_it_gets(slurm_conf, tmp_path):
     """scripts/slurm/train.sbatch as a user submits it; `--gpus-per-node=0` drops its GPU request on this CPU
     cluster. devices and num_nodes come from the allocation (2 x 2), not from the config (8 x 1)."""
-    env = _job_env(slurm_conf)  # train.sbatch derives MASTER_PORT from the job id
+    # train.sbatch derives MASTER_PORT from the job id; PYTHON: the interpreter running these tests, which may
+    # be a venv's called by path (not first on PATH).
+    env = _job_env(slurm_conf, PYTHON=sys.executable)
     cmd = ["sbatch", "--wait", "--gpus-per-node=0", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1",
            "--time=10", f"--output={tmp_path / 'job.out'}", str(ROOT / "scripts" / "slurm" / "train.sbatch"),
            str(CONFIG), f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
