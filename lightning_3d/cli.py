@@ -2,6 +2,7 @@
 
     lightning-3d fit --config example_configs/gpt_tiny_dp_cpu.yaml
     lightning-3d fit --config my.yaml --trainer.max_steps 20 --print_config
+    lightning-3d fit --config example_configs/gpt_tiny_3d_cpu.yaml --dry_run   # layout, stages, memory; no run
     lightning-3d convert checkpoints/last.ckpt model.safetensors --strip-prefix model.
     lightning-3d plan --fit-config example_configs/gpt_1b_8gpu.yaml --gpu h100 --global-batch-size 32
 
@@ -36,6 +37,28 @@ from lightning_3d.parallel.config import ParallelConfigError
 
 
 class _CLI(LightningCLI):
+    @override
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--dry_run", action="store_true",
+                            help="Print the layout, the blocks per stage, each rank's estimated memory and the"
+                            " warnings this run would give, then exit without starting a process.")
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        # The trainer, model and data exist (and Trainer(...) has checked the layout against the processes it
+        # would start): the dry run reads them instead of calling trainer.fit (lightning_3d.dry_run).
+        if self.config[subcommand].get("dry_run"):
+            from lightning_3d.dry_run import dry_run
+            from lightning_3d.planner.model import PlannerError
+            from lightning_3d.policies.base import PolicyError
+
+            try:  # a layout error (ParallelConfigError) goes to main(), which reports it as a real run does
+                print(dry_run(self.trainer, self.model, self.datamodule))
+            except (PolicyError, PlannerError, FileNotFoundError) as err:  # a rank's traceback in a real run
+                sys.exit(f"lightning-3d: error (dry run): {type(err).__name__}: {err}")
+            return
+        super()._run_subcommand(subcommand)
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         # Lightning's default Rich bar says "Epoch 0/-2" in a max_steps run; ours counts the steps. Only where

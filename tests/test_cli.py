@@ -244,3 +244,73 @@ def test_a_layout_the_devices_cannot_hold_fails_before_any_process_starts(monkey
         "lightning-3d: error on rank 0: data_parallel_size (8) * pipeline_parallel_size (4) * tensor_parallel_size"
         " (8) = 256, but the world size is 64"), exit_info.value.code
     assert seconds < 5, f"took {seconds:.1f} CPU seconds"
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+
+
+@pytest.fixture
+def no_process_starts(monkeypatch):
+    """Starting a rank or a process group fails the test: Lightning's launcher, torch.distributed, Popen."""
+    import torch.distributed
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    def started(*args, **kwargs):
+        raise AssertionError("the dry run started a process or a process group")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", started)
+    monkeypatch.setattr(torch.distributed, "init_process_group", started)
+    monkeypatch.setattr(subprocess, "Popen", started)
+
+
+def _dry_run(*args: str, capsys) -> tuple[str, object, float]:
+    """``lightning-3d fit --config gpt_tiny_3d_cpu.yaml ARGS --dry_run`` in this process: what it printed, its
+    exit code (None: it returned) and its CPU seconds (the suite's machines are shared; wall time says more
+    about the other jobs)."""
+    import time
+
+    from lightning_3d.cli import main
+
+    config = ROOT / "example_configs" / "gpt_tiny_3d_cpu.yaml"
+    start = time.process_time()
+    try:
+        main(["fit", "--config", str(config), "--trainer.logger=false", *args])
+        code = None
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return capsys.readouterr().out, code, time.process_time() - start
+
+
+def test_dry_run_prints_the_layout_stages_and_memory_per_rank_without_starting_a_process(no_process_starts, capsys):
+    out, code, seconds = _dry_run("--dry_run", capsys=capsys)
+    assert code is None, code
+    assert "dp=2 x pp=2 x tp=2 = 8 ranks, 8 per node x 1 node(s), on cpu" in out, out
+    assert "stage 0 on ranks 0-3: 2 blocks model.blocks.0-1 + model.tok_emb" in out, out
+    assert "stage 1 on ranks 4-7: 2 blocks model.blocks.2-3 + model.ln_f, model.lm_head" in out, out
+    # One row per pipeline rank: parameters, gradients, optimizer, activations, transient, total (MiB). The
+    # planner's model of this GPT (4 blocks of ~50k parameters, plus embeddings or head, split over tp=2): each
+    # rank holds about half of its stage's ~105k parameters, 4 bytes each in fp32 -> ~0.2 MiB; AdamW 8 bytes.
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in out.splitlines()
+            if line.strip().startswith(("0-3 ", "4-7 "))}
+    assert set(rows) == {"0-3", "4-7"}, out
+    for ranks, (params, grads, optimizer, activations, transient, total) in rows.items():
+        assert 0.15 < params < 0.25 and grads == params and optimizer == pytest.approx(2 * params, abs=0.011), out
+        assert activations > 0 and total == pytest.approx(params + grads + optimizer + activations + transient,
+                                                          abs=0.03), out
+    assert rows["0-3"][3] > rows["4-7"][3], "1F1B keeps more micro-batches in flight on the first stage"
+    assert seconds < 10, f"took {seconds:.1f} CPU seconds"
+
+
+def test_dry_run_of_a_layout_the_devices_cannot_hold_gives_the_real_runs_error(no_process_starts, capsys):
+    """dp * pp * tp must be the world: the dry run exits with the very line a real run gives."""
+    bad = ["--trainer.devices=6"]  # pp 2 * tp 2 = 4 does not divide 6
+    _, dry, _ = _dry_run(*bad, "--dry_run", capsys=capsys)
+    _, real, _ = _dry_run(*bad, capsys=capsys)  # a real run: fails at Trainer(...), before its launcher starts
+    assert dry == real and str(dry).startswith(
+        "lightning-3d: error on rank 0: pipeline_parallel_size (2) * tensor_parallel_size (2) = 4 does not divide"
+        " the world size 6"), (dry, real)
+    # What a rank finds in set-up (the policy's plan): reported by the dry run, in one line, before any rank.
+    _, code, _ = _dry_run("--trainer.strategy.init_args.tensor_parallel_size=8",
+                          "--trainer.strategy.init_args.pipeline_parallel_size=1", "--dry_run", capsys=capsys)
+    assert str(code).startswith("lightning-3d: error (dry run): PolicyError: GPTConfig does not fit the layout:"
+                                " n_head (4) is not divisible by tensor_parallel_size (8)"), code
