@@ -153,6 +153,9 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
                     sequence_parallel=config.sequence_parallel, zero_stage=config.zero_stage,
                     recompute=config.activation_checkpointing, pipeline_reduce_grads=config.pipeline_reduce_grads)
     estimates = [estimate_memory(spec, layout, precision, r) for r in range(dims.pp)]
+    if dims.pp > 1 and config.pipeline_split != "blocks":  # the planner splits by count (planner.memory.rank_blocks)
+        notes.append(f"the memory estimate splits the blocks evenly by count, not by pipeline_split"
+                     f"={config.pipeline_split!r} as the stages above")
     lines = [f"memory per rank (MiB; planner's model of {spec.num_parameters():,} parameters, {precision.name},"
              f" {m} micro-batch(es) of {micro} x {spec.seq_length} tokens):",
              f"  {'ranks':<12}{'parameters':>11}{'gradients':>11}{'optimizer':>11}{'activations':>13}"
@@ -197,8 +200,9 @@ def _memory_per_rank(device: torch.device, per_node: int) -> Optional[float]:
 
 
 def _hparam(datamodule: Any, name: str) -> Optional[int]:
-    value = getattr(getattr(datamodule, "hparams", None) or {}, "get", lambda _: None)(name)
-    return value if value is not None else getattr(datamodule, name, None)
+    """A data module's saved hyperparameter (``save_hyperparameters()``), else its attribute, else None."""
+    hparams = getattr(datamodule, "hparams", None) or {}
+    return hparams.get(name, getattr(datamodule, name, None))
 
 
 def _ranks(dims: ParallelDims, pp_rank: int) -> str:
