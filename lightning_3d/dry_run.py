@@ -32,9 +32,9 @@ from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, estimate_mem
 from lightning_3d.planner.model import ModelSpec, PlannerError
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.policies import Policy, resolve_policy
-from lightning_3d.policies.auto_pipeline import with_pipeline
-from lightning_3d.policies.base import Plan, PlanOptions
+from lightning_3d.policies.base import Plan
 from lightning_3d.strategies.checks import check_backend, check_model
+from lightning_3d.strategies.three_d import plan_model
 from lightning_3d.strategies.threads import local_world_size, threads_per_rank
 
 MIB = 2**20
@@ -95,9 +95,7 @@ def _plan_on_meta(module: pl.LightningModule, policy: Policy, config: ParallelCo
     built in ``__init__`` is already there)."""
     with torch.device("meta"):
         module.configure_model()
-    options = PlanOptions(tp=dims.tp, sequence_parallel=config.sequence_parallel,
-                          vocab_parallel_loss=config.vocab_parallel_loss)
-    return with_pipeline(module, policy.plan(module, options))
+    return plan_model(policy, module, config, dims.tp)
 
 
 def _settings(config: ParallelConfig, dims: ParallelDims) -> str:

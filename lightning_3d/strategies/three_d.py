@@ -386,10 +386,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         return self.parallel_config.num_microbatches or self.parallel_dims.pp
 
     def _plan(self, module: nn.Module) -> Plan:
-        config = self.parallel_config
-        options = PlanOptions(tp=self.parallel_dims.tp, sequence_parallel=config.sequence_parallel,
-                              vocab_parallel_loss=config.vocab_parallel_loss)
-        return with_pipeline(module, self._policy.plan(module, options))
+        return plan_model(self._policy, module, self.parallel_config, self.parallel_dims.tp)
 
     def _data_parallel(self, module: nn.Module) -> nn.Module:
         """DP over the module Lightning calls, or over one pipeline stage."""
@@ -443,3 +440,11 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:
+    """The policy's plan for ``module`` under ``config`` at tensor-parallel size ``tp``, completed for a
+    pipeline where it names only its blocks (``policies.auto_pipeline``). Also what the dry run shows."""
+    options = PlanOptions(tp=tp, sequence_parallel=config.sequence_parallel,
+                          vocab_parallel_loss=config.vocab_parallel_loss)
+    return with_pipeline(module, policy.plan(module, options))
