@@ -12,7 +12,7 @@ from harness import torchrun
 # 16 tokens per data-parallel rank, fp32; the third training batch is measured (DDP rebuilds its buckets,
 # with a broadcast, in the second).
 L, C, T, V, B, FP32 = 2, 32, 16, 64, 4, 4
-LOSS_SYNC = 4  # train_loss is logged with sync_dist=True: one fp32 all-reduce over the world
+LOSS_SYNC = 4  # train_loss is logged with sync_dist=True: one fp32 all-reduce over dp (the ranks with other data)
 
 
 def activation_bytes(batch: int) -> int:
@@ -73,8 +73,8 @@ def expected(layout: str, rank: int) -> dict[str, int]:
     return {
         "tp": tp_bytes(tp=tp, microbatches=microbatches, sp=sp, **where),
         "pp_p2p": pp_p2p_bytes(pp=pp, microbatches=microbatches),
-        # the gradient all-reduce of every parameter this rank holds, plus the loss sync when world == dp
-        "dp": (FP32 * local_parameters(tp=tp, **where) if dp > 1 else 0) + (LOSS_SYNC if dp == 4 else 0),
+        # the gradient all-reduce of every parameter this rank holds, plus the loss sync over dp
+        "dp": (FP32 * local_parameters(tp=tp, **where) + LOSS_SYNC) if dp > 1 else 0,
     }
 
 
@@ -110,7 +110,8 @@ def test_accumulation_under_the_pipeline_reduces_over_dp_once_per_optimizer_step
         one_reduction = FP32 * local_parameters(tp=1, blocks=1, first=stage == 0, last=stage == 1)
         for name in ("dp2_pp2_tp1_accumulate2", "dp2_pp2_tp1_zero2_accumulate2"):  # all-reduce; reduce-scatter
             reduced = dp_bytes_per_batch(result[name], REDUCTIONS)
-            assert reduced == [0, one_reduction, 0, one_reduction], (rank, name, reduced)
+            syncs = [LOSS_SYNC] * 4  # every batch's train_loss sync_dist
+            assert reduced == [a + b for a, b in zip(syncs, [0, one_reduction, 0, one_reduction])], (rank, name, reduced)
 
 
 @pytest.mark.multiprocess
@@ -121,7 +122,7 @@ def test_reducing_per_microbatch_costs_one_reduce_scatter_per_microbatch(measure
         stage = rank // 2
         one_reduction = FP32 * local_parameters(tp=1, blocks=1, first=stage == 0, last=stage == 1)
         per_step, per_microbatch = (result[f"dp2_pp2_tp1_zero2{mode}_accumulate2"] for mode in ("", "_per_microbatch"))
-        assert dp_bytes_per_batch(per_microbatch, REDUCTIONS) == [2 * one_reduction] * 4, rank
+        assert dp_bytes_per_batch(per_microbatch, REDUCTIONS) == [2 * one_reduction + LOSS_SYNC] * 4, rank
         assert dp_bytes_per_batch(per_microbatch, ALL_GATHERS) == dp_bytes_per_batch(per_step, ALL_GATHERS), rank
 
 
