@@ -43,20 +43,13 @@ def test_auto_refuses_sequence_parallel_for_weights_between_the_regions_it_found
         AutoPolicy().plan(nn.ModuleDict({"model": LlamaStyleLM(64, 2, 32, 4)}), SP)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    pytest.importorskip("transformers")  # the shared launch also runs the Hugging Face cases
-    from hf_cases import hf_results
-
-    return hf_results(tmp_path_factory)
-
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["nanogpt_tp2_sp", "nanogpt_dp2_tp2_sp", "nanogpt_dp2_pp2_tp2_sp"])
-def test_auto_sequence_parallel_trains_as_in_one_process(runs, name):
+def test_auto_sequence_parallel_trains_as_in_one_process(shared_runs, name):
     from harness import assert_parity, reference_for
     from hf_cases import AUTO_SP_CASES
 
     # SGD (tests/user_models.py): a parameter's error is about lr x steps x its gradient's rounding error,
     # 0.1 x 3 x ~1e-7; 1e-5 leaves a wide margin, and a wrong split or a missing reduction misses it by far.
-    assert_parity(runs[name], reference_for(AUTO_SP_CASES[name]), loss_atol=1e-5, param_atol=1e-5)
+    assert_parity(shared_runs[name], reference_for(AUTO_SP_CASES[name]), loss_atol=1e-5, param_atol=1e-5)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import assert_parity, launch, reference_for
-from hf_cases import GPT2_CASES, GPT2_SIZES, NO_DROPOUT, gpt2_case, hf_results
+from hf_cases import GPT2_CASES, GPT2_SIZES, NO_DROPOUT, gpt2_case
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy
 from lightning_3d.policies.hf_gpt2 import Conv1DColwise, Conv1DRowwise
 
@@ -133,15 +133,11 @@ def test_strided_shard_is_three_boxes_for_checkpoints(fake_world):
 CASES = GPT2_CASES
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return hf_results(tmp_path_factory)
-
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
-def test_gpt2_trains_as_the_single_process_hf_model(runs, name):
-    result, reference = runs[name], reference_for(CASES[name])
+def test_gpt2_trains_as_the_single_process_hf_model(shared_runs, name):
+    result, reference = shared_runs[name], reference_for(CASES[name])
     print(f"{name}: max |loss diff| {max(abs(a - b) for a, b in zip(result.losses, reference.losses)):.2e}")
     (result, ours), (reference, theirs) = _key_biases_apart(result), _key_biases_apart(reference)
     assert_parity(result, reference)

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
 
 from harness import assert_parity, reference_for  # noqa: E402
-from hf_cases import LLAMA, LLAMA_CASES, hf_results  # noqa: E402
+from hf_cases import LLAMA, LLAMA_CASES  # noqa: E402
 from lightning_3d.models import GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_3d.parallel.kv_heads import ReplicatedKVHeads  # noqa: E402
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy  # noqa: E402
@@ -19,17 +19,13 @@ from lightning_3d.policies.auto import AutoPolicy  # noqa: E402
 from lightning_3d.policies.hf_common import stage_input  # noqa: E402
 from lightning_3d.policies.llama import LlamaPolicy  # noqa: E402
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return hf_results(tmp_path_factory)
-
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(LLAMA_CASES))
-def test_llama_trains_as_the_single_process_model(runs, name):
+def test_llama_trains_as_the_single_process_model(shared_runs, name):
     case = LLAMA_CASES[name]
     # The harness's tolerances: well-conditioned by its Adam eps (harness.ADAM_EPS says why and how much).
-    assert_parity(runs[name], reference_for(case))
+    assert_parity(shared_runs[name], reference_for(case))
 
 
 def _llama(**sizes):

@@ -148,22 +148,15 @@ def test_configure_model_can_run_again_from_the_attributes_it_started_with():
 # ----------------------------------------------------------------------------------------- the user's view
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from hf_cases import hf_results
-
-    return hf_results(tmp_path_factory)
-
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["user_nanogpt_2_1_1", "user_nanogpt_1_1_2", "user_nanogpt_1_2_1",
                                   "user_llama_2_1_1", "user_llama_1_1_2", "user_llama_1_2_1"])
-def test_first_step_loss_and_initial_weights_equal_one_process(runs, name):
+def test_first_step_loss_and_initial_weights_equal_one_process(shared_runs, name):
     from harness import assert_parity, reference_for
     from hf_cases import USER_INIT_CASES
 
     case = USER_INIT_CASES[name]
     # Learning rate 0: the parameters after the step are the initial ones, copied, not computed: equal exactly.
     # The loss is computed, on shards under tp: 1e-5 as every parity case (a wrong init moves it by ~0.1).
-    assert_parity(runs[name], reference_for(case), loss_atol=1e-5, param_atol=0.0)
+    assert_parity(shared_runs[name], reference_for(case), loss_atol=1e-5, param_atol=0.0)

@@ -88,6 +88,7 @@ class ConstructionRecord(TorchFunctionMode):
         names = {id(m): fqn or "<root>" for fqn, m in model.named_modules(remove_duplicate=False)}
         watched = {key for key, (_, is_buffer) in owners.items() if is_buffer or not params_loaded}
         written: set[int] = set()
+        own_keys: dict[int, set[int]] = {}  # module id -> its own tensors' storage keys (computed once)
         for event in self.events:
             if event.module is None:
                 if event.random and not params_loaded:
@@ -96,7 +97,9 @@ class ConstructionRecord(TorchFunctionMode):
                     return (f"{owners[event.target][0]} is written by {event.where} ({event.call}) outside"
                             f" reset_parameters()")
                 continue
-            own = {_key(t) for t in _own_tensors(event.module).values()}
+            own = own_keys.get(id(event.module))
+            if own is None:
+                own = own_keys[id(event.module)] = {_key(t) for t in _own_tensors(event.module).values()}
             foreign = sorted(owners[k][0] for k in event.tensors - own if k in owners)
             if foreign:
                 return (f"reset_parameters() of {names.get(id(event.module), type(event.module).__name__)} uses"
