@@ -16,17 +16,22 @@ block(x)`` -- every stage calls the pipeline root's own ``forward`` with the mod
 Whatever the forward computes around the blocks on a stage that does not hold them (an embedding sum, a
 mask) is thrown away at the swap, so it costs a little and changes nothing. :class:`InputSpec` carries the
 structure of the model call (``args``/``kwargs``) from the engine, which captures it on every rank, to the
-stages that rebuild it from the tensors they receive.
+stages that rebuild it from the tensors they receive. What would make that swap wrong -- control flow on the
+placeholders' values, code that changes the activation where two stages meet -- is refused at each stage's
+first call (``pipeline.placeholder_watch``).
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+
+from lightning_3d.pipeline.placeholder_watch import Handover, PlaceholderWatch
 
 
 class PassThroughBlock(nn.Module):
@@ -78,10 +83,12 @@ class InputSpec:
 class StageForward:
     """``forward`` of one stage: the pipeline root's own, between this stage's first and last block."""
 
-    def __init__(self, stage: nn.Module, first_block: str, last_block: str, *, is_first: bool, is_last: bool,
-                 inputs: InputSpec) -> None:
+    def __init__(self, stage: nn.Module, first_block: str, last_block: str, *, stage_id: int,
+                 previous_block: str | None, is_last: bool, inputs: InputSpec) -> None:
         self.stage, self.first_block, self.last_block = stage, first_block, last_block
-        self.is_first, self.is_last, self.inputs = is_first, is_last, inputs
+        self.stage_id, self.previous_block, self.is_last, self.inputs = stage_id, previous_block, is_last, inputs
+        self.is_first = previous_block is None
+        self.checked = self.is_first  # later stages check their first call (pipeline.placeholder_watch)
 
     def __call__(self, *received: Tensor, **kwargs: Any) -> Any:
         if self.is_first:
@@ -91,29 +98,44 @@ class StageForward:
             args, kwargs = tree_unflatten(leaves, self.inputs.spec)
         # The modules in the blocks' slots now (activation checkpointing may have wrapped them since the split).
         first, last = self.stage.get_submodule(self.first_block), self.stage.get_submodule(self.last_block)
+        handover, watch = self._first_call_checks()
         handles = []
         if activation is not None:  # first, before any other pre-hook (FSDP's casts the input it gets)
-            handles.append(first.register_forward_pre_hook(_ReplaceInput(activation), with_kwargs=True,
+            handles.append(first.register_forward_pre_hook(_ReplaceInput(activation, handover), with_kwargs=True,
                                                            prepend=True))
         if not self.is_last:  # last, after FSDP's post-forward hook has run
             handles.append(last.register_forward_hook(_end_stage))
         try:
-            return type(self.stage).forward(self.stage, *args, **kwargs)
+            with watch or nullcontext():
+                return type(self.stage).forward(self.stage, *args, **kwargs)
         except _StageEnd as end:
             return (end.output, *[x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)])
         finally:
             for handle in handles:
                 handle.remove()
+            if handover is not None:
+                handover.remove()
+
+    def _first_call_checks(self) -> tuple[Handover | None, PlaceholderWatch | None]:
+        if self.checked:
+            return None, None
+        self.checked = True
+        placeholders = [m for m in self.stage.modules() if isinstance(m, (PassThroughBlock, Shell))]
+        return (Handover(self.stage.get_submodule(self.previous_block), self.previous_block, self.first_block,
+                         self.stage_id),
+                PlaceholderWatch(self.stage, placeholders, self.first_block, self.stage_id))
 
 
 class _ReplaceInput:
-    def __init__(self, activation: Tensor) -> None:
-        self.activation = activation
+    def __init__(self, activation: Tensor, handover: Handover | None) -> None:
+        self.activation, self.handover = activation, handover
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        name = None if args else next(k for k, v in kwargs.items() if isinstance(v, Tensor))
+        if self.handover is not None:
+            self.handover.check(args[0] if args else kwargs[name])
         if args:
             return (self.activation, *args[1:]), kwargs
-        name = next(k for k, v in kwargs.items() if isinstance(v, Tensor))
         return args, {**kwargs, name: self.activation}
 
 

@@ -159,7 +159,8 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
         # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up on the instance.
         if plan.forward_as_written:
             held = [_relative(b, root_name) for b in stage_blocks[stage_id]]
-            stage.forward = StageForward(stage, held[0], held[-1], is_first=stage_id == 0,
+            previous = _relative(stage_blocks[stage_id - 1][-1], root_name) if stage_id > 0 else None
+            stage.forward = StageForward(stage, held[0], held[-1], stage_id=stage_id, previous_block=previous,
                                          is_last=stage_id == num_stages - 1, inputs=inputs)
         elif plan.stage_forward is not None:
             stage.forward = partial(plan.stage_forward, stage)
