@@ -11,6 +11,8 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch.distributed.pipelining import schedules
+from torch.overrides import TorchFunctionMode
 
 from harness import end_process_group
 from lightning_3d import ThreeDStrategy
@@ -18,6 +20,36 @@ from lightning_3d.callbacks import PipelineMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 
 MICROBATCHES = 4
+HOST_CONVERSIONS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy"}
+
+
+class HostConversions(TorchFunctionMode):
+    """Records every conversion of a tensor's values to Python (on CUDA each one waits for the device)."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_CONVERSIONS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def record_host_conversions_inside_schedules(seen: list, after_steps: int) -> None:
+    """From the ``after_steps + 1``-th schedule step on (the first ones infer shapes and check once), run every
+    pipeline schedule's step under :class:`HostConversions`."""
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = cls.step
+        calls = [0]
+
+        def step(self, *args, _original=original, _calls=calls, **kwargs):
+            _calls[0] += 1
+            if _calls[0] <= after_steps:
+                return _original(self, *args, **kwargs)
+            with HostConversions(seen):
+                return _original(self, *args, **kwargs)
+        cls.step = step
 
 
 def fit(out_dir: str, max_steps: int, **strategy_kwargs) -> tuple[L.Trainer, PipelineMonitor]:
@@ -35,6 +67,8 @@ def fit(out_dir: str, max_steps: int, **strategy_kwargs) -> tuple[L.Trainer, Pip
 
 
 def main(out_dir: str) -> None:
+    host_conversions: list[str] = []
+    record_host_conversions_inside_schedules(host_conversions, after_steps=1)
     # Zero-bubble first (its TensorBoard run is version_0), to check the weight-gradient actions are seen too.
     _, zero_bubble = fit(out_dir, 3, pipeline_schedule="zero_bubble", virtual_pipeline_size=2)
     trainer, monitor = fit(out_dir, 5, pipeline_schedule="1f1b")
@@ -46,6 +80,7 @@ def main(out_dir: str) -> None:
         "image_colors": sorted({tuple(p) for p in monitor.last_image.reshape(-1, 3).tolist()})
         if monitor.last_image is not None else [],
         "log_dir": trainer.logger.log_dir if dist.get_rank() == 0 else None,
+        "host_conversions_in_schedules": host_conversions,
     }
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     end_process_group()

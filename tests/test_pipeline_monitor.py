@@ -4,11 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import torchrun
 from lightning_3d.callbacks.pipeline_monitor import measured_bubble, theoretical_bubble
 from lightning_3d.callbacks.timeline_image import BACKGROUND, COLORS, draw_timeline
-from lightning_3d.pipeline.timeline import Action
+from lightning_3d.pipeline.timeline import Action, PipelineTimeline
 
 
 def test_theoretical_bubbles_of_the_schedules():
@@ -40,11 +41,51 @@ def test_the_timeline_picture_has_a_row_per_stage_and_shows_the_bubble():
     assert tuple(row0[4 + 50].tolist()) == COLORS["F"] and tuple(row1[4 + 250].tolist()) == COLORS["B"]
 
 
+class FakeCudaEvent:
+    """Stands in for torch.cuda.Event on a machine without a GPU: "records" the host clock (ms)."""
+
+    clock = [0.0]
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = None
+
+    def record(self) -> None:
+        self.at = self.clock[0]
+
+    def elapsed_time(self, end: "FakeCudaEvent") -> float:
+        return end.at - self.at
+
+
+def test_on_cuda_actions_are_timed_by_events_with_no_device_sync_between_them(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    timeline = PipelineTimeline(torch.device("cuda", 0))
+    timeline.start()
+    for kind, duration_ms in (("F", 30.0), ("B", 50.0)):
+        with timeline.action(0, kind, 0):
+            FakeCudaEvent.clock[0] += duration_ms
+        FakeCudaEvent.clock[0] += 10.0  # waiting between actions
+    assert len(syncs) == 1  # at start only: nothing stops the host between actions
+    (forward, backward) = timeline.stop()
+    assert len(syncs) == 2  # and once to read the events
+    assert forward[:3] == (0, "F", 0) and backward[:3] == (0, "B", 0)
+    assert forward.end - forward.start == pytest.approx(0.030) and backward.end - backward.start == pytest.approx(0.050)
+    assert backward.start - forward.end == pytest.approx(0.010)
+
+
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_monitor")
     torchrun(2, str(Path(__file__).parent / "pipeline_monitor_worker.py"), str(out), rank_files=out, timeout=300)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.multiprocess
+def test_a_pipelined_step_reads_no_tensor_value_on_the_host_inside_the_schedule(pipeline_run):
+    # On CUDA each such read (int(t), t.item(), if t:) would stop the host until the device catches up, in the
+    # middle of the schedule. Recorded on every rank, in every step but the first, zero-bubble and 1F1B.
+    assert [rank["host_conversions_in_schedules"] for rank in pipeline_run] == [[], []]
 
 
 @pytest.mark.multiprocess

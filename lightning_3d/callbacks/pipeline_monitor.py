@@ -57,8 +57,9 @@ class PipelineMonitor(L.Callback):
       orange (zero-bubble schedules), micro-batches in alternating shades, the bubble white.
 
     The engine builds timed pipeline stages only when this callback is present; the timelines reach rank 0
-    through one all-gather in which every rank takes part. On CUDA each timed action synchronizes the device
-    before and after (recorded steps only), so the picture shows device time. Without pipeline parallelism
+    through one all-gather in which every rank takes part. On CUDA each timed action is a pair of CUDA events
+    on the compute stream, read after the step (``pipeline/timeline.py``), so the picture shows device time
+    without serialising the schedule. Without pipeline parallelism
     there is nothing to watch: it says so once and does nothing.
 
     Example::

@@ -102,6 +102,7 @@ class PipelineEngine:
         self._microbatches: dict[tuple, int] = {}  # (train, batch shapes) -> its number of micro-batches
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
         self._train_shapes: list[tuple] | None = None  # the first training batch's tensor shapes
+        self._index_checked = False  # see _microbatch_index
         self._pp_ranks = dist.get_process_group_ranks(pp_group)
         self._first_stage_rank = self._pp_ranks[0]  # stage 0 is on pp rank 0 (interleaved schedules too)
         self._metrics = StepMetrics(module, dp_group)
@@ -181,7 +182,7 @@ class PipelineEngine:
         self._metrics.begin()
 
         def loss_fn(output: Tensor, index: Tensor) -> Tensor:
-            i = int(index.reshape(-1)[0])
+            i = self._microbatch_index(index)
             calls = ModelCalls(method, self.root_name)
             try:
                 with self._root_returning(output, calls), self._recording_logs() as recorded, \
@@ -210,6 +211,19 @@ class PipelineEngine:
             else:
                 schedule.eval(*inputs, target=targets, **kwargs)
         return self._share_results(method, results, logs, errors)
+
+    def _microbatch_index(self, target: Tensor) -> int:
+        """Which micro-batch the schedule hands the loss function. Its target is its slice of
+        ``arange(num_microbatches)``, a view whose offset in the storage is the index: read from the tensor's
+        metadata, so no value is copied from the device mid-schedule (a host sync on CUDA). The first call
+        checks that against the value, once, in case a torch version ever copies the slices."""
+        index = target.storage_offset()
+        if not self._index_checked:
+            self._index_checked = True
+            if index != int(target.reshape(-1)[0]):
+                raise RuntimeError("torch.distributed.pipelining no longer hands the loss function views of the"
+                                   " target; lightning_3d's engine must read the micro-batch index another way")
+        return index
 
     def _shape_key(self, batch: Any, train: bool) -> tuple[tuple, int]:
         """The schedule for this batch and its number of micro-batches. A schedule sizes its send/receive
@@ -278,6 +292,9 @@ class PipelineEngine:
 
     @contextmanager
     def _root_returning(self, output: Tensor, calls: ModelCalls) -> Iterator[None]:
+        last = self.stages[self.num_stages - 1]
+        if isinstance(last.forward, StageForward):  # the object the model returned, if not tensors
+            output = last.forward.model_output(output)
         returned = output if self.stage_output is None else self.stage_output(output)
         with _swapped(self.module, self.root_name, _ReturnOutput(self._root(), returned, calls)):
             yield

@@ -31,33 +31,55 @@ class Action(NamedTuple):
 
 
 class PipelineTimeline:
-    """Collects this rank's :class:`Action` s between :meth:`start` and :meth:`stop`."""
+    """Collects this rank's :class:`Action` s between :meth:`start` and :meth:`stop`.
+
+    On CUDA an action is a pair of CUDA events recorded on the current stream: they time what the device did,
+    not the kernel launches, without stopping the host between actions (a synchronize around each would
+    serialise compute with the send/recv streams and show a bubble that is not the real one). The device is
+    synchronized twice per recorded step: at :meth:`start`, to tie event times to the wall clock, and at
+    :meth:`stop`, to read them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.recording = False
         self.actions: list[Action] = []
+        self._cuda = device.type == "cuda"
+        self._origin: tuple[float, Any] | None = None  # (wall clock, CUDA event) at start
+        self._events: list[tuple[int, str, int, Any, Any]] = []
 
     def start(self) -> None:
-        self.actions = []
+        self.actions, self._events = [], []
         self.recording = True
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            self._origin = (time.time(), origin)
 
     def stop(self) -> list[Action]:
         self.recording = False
+        if self._cuda and self._origin is not None:
+            torch.cuda.synchronize(self.device)
+            wall, origin = self._origin
+            self.actions = [Action(stage, kind, microbatch, wall + origin.elapsed_time(begin) / 1e3,
+                                   wall + origin.elapsed_time(end) / 1e3)
+                            for stage, kind, microbatch, begin, end in self._events]
         return self.actions
 
     @contextmanager
     def action(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:
         if not self.recording:
             yield
-            return
-        if self.device.type == "cuda":  # kernels run asynchronously: time what the device did, not the launch
-            torch.cuda.synchronize(self.device)
-        start = time.time()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.actions.append(Action(stage, kind, microbatch, start, time.time()))
+        elif self._cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self._events.append((stage, kind, microbatch, begin, end))
+        else:
+            start = time.time()
+            yield
+            self.actions.append(Action(stage, kind, microbatch, start, time.time()))
 
 
 class TimedPipelineStage(GradSyncStage):
