@@ -120,9 +120,11 @@ class ShardedCheckpoints:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if state != _IN_SHARDS:  # sharded ones were loaded with the model in load_checkpoint
+                optimizer = getattr(optimizer, "_optimizer", optimizer)
                 with self._phase("checkpoint load", "checkpoint_timeout"):
-                    set_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer),
-                                             state, options=StateDictOptions(full_state_dict=True))
+                    set_optimizer_state_dict(self.lightning_module, optimizer,
+                                             _keyed_by_name(state, self.lightning_module, optimizer),
+                                             options=StateDictOptions(full_state_dict=True))
 
     # ------------------------------------------------------------------ resuming mid-epoch
 
@@ -183,6 +185,33 @@ class ShardedCheckpoints:
             import numpy
 
             numpy.random.set_state(state["numpy"])
+
+
+def _keyed_by_name(state: dict[str, Any], module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``state`` with parameters keyed by name, as torch's distributed state-dict functions read it.
+
+    ``optimizer.state_dict()`` -- what Lightning saves under one device or DDP -- keys each parameter by its
+    position in the optimizer's param groups. The optimizer built here by the same ``configure_optimizers``
+    holds the same parameters in the same order, group for group, unless pipeline stages split them over
+    ranks: then positions cannot be matched, and the error says how to resume instead."""
+    positions = [p for group in state["param_groups"] for p in group["params"]]
+    if all(isinstance(p, str) for p in positions):
+        return state
+    saved = [len(group["params"]) for group in state["param_groups"]]
+    held = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != held:
+        raise ValueError(
+            f"This single-file checkpoint's optimizer state names parameters by position, as torch's"
+            f" optimizer.state_dict() does: the process that saved it held {saved} parameters per param group,"
+            f" this rank's optimizer holds {held} (its pipeline stage's part), so they cannot be matched. Resume"
+            f" once with pipeline_parallel_size=1 (any dp and tp) and save: ThreeDStrategy's sharded checkpoint"
+            f" then loads at any layout. Or start from the weights only (ThreeDStrategy(init_from=...)).")
+    names = {param: name for name, param in module.named_parameters()}
+    name_of = {position: names[param] for group, ours in zip(state["param_groups"], optimizer.param_groups)
+               for position, param in zip(group["params"], ours["params"])}
+    return {"state": {name_of[position]: value for position, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[p] for p in group["params"]]}
+                             for group in state["param_groups"]]}
 
 
 def _describe(layout: dict[str, int]) -> str:
