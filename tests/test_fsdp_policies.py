@@ -70,3 +70,31 @@ def test_offload_on_cuda_adds_gloo_for_the_tensors_left_on_the_host():
 def test_zero_stage_outside_0_to_3_is_refused(stage):
     with pytest.raises(ParallelConfigError, match="zero_stage=.* is not supported; choose one of \\(0, 1, 2, 3\\)"):
         ThreeDStrategy(zero_stage=stage)
+
+
+def test_offload_on_one_rank_still_runs_fsdp2_and_trains_as_without_it(tmp_path):
+    # ZeRO-Offload on one GPU: dp=1 shards nothing, but offload must not switch itself off (on CUDA the
+    # FSDP2 wrapper is what keeps the state in host memory; on CPU the same wrapper runs with no offload).
+    import lightning as L
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    def fit(**strategy):
+        L.seed_everything(0, verbose=False)
+        module = GPTLightningModule(config=GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+        losses = []
+        record = type("Record", (L.Callback,), {"on_train_batch_end": lambda self, t, m, out, b, i:
+                                                 losses.append(float(out["loss"]))})()
+        L.Trainer(accelerator="cpu", devices=1, strategy=ThreeDStrategy(**strategy), max_steps=3, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path,
+                  callbacks=[record]).fit(module, SyntheticDataModule(vocab_size=64, seq_len=16, batch_size=4))
+        return module, losses
+
+    with pytest.warns(UserWarning, match="nothing is sharded. offload=True still keeps"):
+        offloaded, losses = fit(zero_stage=3, offload=True)
+    assert any(isinstance(m, FSDPModule) for m in offloaded.modules())
+    plain, expected = fit()
+    assert not any(isinstance(m, FSDPModule) for m in plain.modules())
+    assert losses == pytest.approx(expected, rel=1e-6)

@@ -59,7 +59,7 @@ class ParallelConfig:
     num_microbatches times the reduce-scatter bytes (``lightning_3d.pipeline.grad_sync``)."""
     offload: bool = False
     """Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's CPU offload; CUDA
-    only, a no-op with a warning on CPU). Needs zero_stage > 0."""
+    only, a no-op with a warning on CPU). Needs zero_stage > 0; works at dp=1 too (FSDP2 over one rank)."""
     activation_checkpointing: str | None = None
     """Recompute activations in backward: None, "full" (every block) or "selective"."""
     init_from: str | None = None

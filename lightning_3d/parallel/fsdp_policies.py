@@ -68,10 +68,12 @@ def warn_about_no_ops(config: ParallelConfig, dims: ParallelDims, device: torch.
             " memory. On CUDA it keeps the sharded parameters, gradients and optimizer state in host memory."
         )
     if config.zero_stage > 0 and dims.dp == 1:
+        still = (" offload=True still keeps parameters, gradients and optimizer state in host memory (FSDP2 over"
+                 " one rank)." if config.offload else "")
         rank_zero_warn(
             f"zero_stage={config.zero_stage} shards over the data-parallel ranks, but dp=1 (tp={dims.tp},"
-            f" pp={dims.pp}): nothing is sharded. Launch a multiple of tp * pp = {dims.tp * dims.pp} processes above"
-            " it to get dp > 1."
+            f" pp={dims.pp}): nothing is sharded.{still} Launch a multiple of tp * pp = {dims.tp * dims.pp}"
+            " processes above it to get dp > 1."
         )
 
 

@@ -391,10 +391,13 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
 
     def _data_parallel(self, module: nn.Module) -> nn.Module:
         """DP over the module Lightning calls, or over one pipeline stage."""
-        if self.parallel_dims.dp == 1 or isinstance(module, FSDPModule):  # replicated or sharded in place before
-            return module
-        blocks = [m for m in module.modules() if m is not module and any(m is b for b in self._blocks)]
         config = self.parallel_config
+        # dp = 1 has nothing to replicate or shard over -- but offload still asks FSDP2 to keep parameters,
+        # gradients and optimizer state in host memory, which it does over one rank too (ZeRO-Offload on one GPU).
+        offload_alone = config.offload and config.zero_stage > 0
+        if (self.parallel_dims.dp == 1 and not offload_alone) or isinstance(module, FSDPModule):
+            return module  # (an FSDPModule was sharded in place before)
+        blocks = [m for m in module.modules() if m is not module and any(m is b for b in self._blocks)]
         return apply_data_parallel(module, blocks, self.device_mesh["dp"], self.root_device,
                                    pipeline_stage=self.parallel_dims.pp > 1, zero_stage=config.zero_stage,
                                    mp_policy=mixed_precision_policy(self.precision_plugin),
