@@ -13,7 +13,7 @@ Time on one GPU, per micro-batch, for the blocks and head its pipeline rank hold
   * tensor parallel: per block 2 all-reduces (or reduce-scatter + all-gather pairs with SP, the same bytes)
     of b s h activations in forward, 2 in backward, 2 more for a recomputed forward; ring all-reduce moves
     2 (t - 1) / t of the message per GPU;
-  * pipeline: one activation send and one gradient receive per micro-batch and stage boundary.
+  * pipeline: one activation sent and one gradient sent per micro-batch and model chunk (v per rank).
 A step is (m + (p - 1) / v) micro-batch times of the slowest rank: the bubble is (p - 1) / (v m) of the
 ideal time (Narayanan et al. 2021, section 2.2); the zero-bubble schedule is taken to leave a third of it
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": ZB-H1). Data-parallel gradient reduction (all-reduce,
@@ -119,7 +119,9 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         per_rank.append((compute, collectives * allreduce(message, t, tp_bw), compute * 2 / 3))
     slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1])
     compute, tp_comm, backward = per_rank[slowest]
-    send = 2 * message / (t if layout.sequence_parallel else 1) / pp_bw if p > 1 else 0.0
+    # Each of a rank's v model chunks receives its input and sends its output once per micro-batch, forward
+    # and backward: interleaving multiplies the point-to-point traffic by v (Narayanan et al. 2021, 2.2.2).
+    send = 2 * v * message / (t if layout.sequence_parallel else 1) / pp_bw if p > 1 else 0.0
     microbatch = compute + tp_comm + send
     bubble_share = (ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 1.0) * (p - 1) / v
 
