@@ -5,6 +5,10 @@
 #
 #   scripts/fresh_clone_check.sh            # install + demo + tests
 #   scripts/fresh_clone_check.sh --no-tests # install + demo only
+#   ATEN_CPU_CAPABILITY=default scripts/fresh_clone_check.sh  # the same under another float kernel set
+#
+# ATEN_CPU_CAPABILITY (default, avx2, avx512) is the one variable passed through: it picks PyTorch's CPU
+# kernels, so the parity tolerances are checked under another machine's rounding.
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,7 +22,7 @@ setup_and_demo="${commands[0]}"
 tests="${commands[1]}"
 
 echo "machine: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(free -g | awk '/Mem:/{print $2}') GiB," \
-     "$(python3 --version), $(uname -sr)"
+     "$(python3 --version), $(uname -sr), ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-unset}"
 echo "clone:   $work/lightning-3d (from $repo at $(git -C "$repo" rev-parse --short HEAD))"
 git clone -q "$repo" "$work/lightning-3d"
 python3 -m venv "$work/venv"
@@ -28,7 +32,7 @@ run() {  # label, command: run in the clone with a clean environment; print its 
   start=$(date +%s)
   set +e
   (cd "$work/lightning-3d" && env -i HOME="$HOME" LANG=C.UTF-8 TERM=dumb PATH="$3:/usr/local/bin:/usr/bin:/bin" \
-     bash -c "$command") > "$work/$label.log" 2>&1
+     ${ATEN_CPU_CAPABILITY:+ATEN_CPU_CAPABILITY="$ATEN_CPU_CAPABILITY"} bash -c "$command") > "$work/$label.log" 2>&1
   status=$?
   set -e
   end=$(date +%s)
