@@ -56,7 +56,8 @@ class Case:
     "user_nanogpt" / "user_llama" / "user_llama_style" (models written without lightning_3d in mind, built in
     configure_model, user_models.py),
     "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
-    the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too)."""
+    the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too), "hf_labels"
+    (the same, the loss computed by the model from ``labels=``)."""
     dp: int = 1
     """Data-parallel size of the run: the global batch is split into dp per-rank batches."""
     global_batch_size: int = 8
@@ -139,6 +140,14 @@ class PaddedHFModule(HFCausalLMModule):
         return self.model(input_ids=tokens, attention_mask=mask).logits
 
 
+class LabelsHFModule(HFCausalLMModule):
+    """Lets the model compute its own loss, the Hugging Face way: ``self.model(input_ids=..., labels=...)``."""
+
+    def _loss(self, batch):
+        tokens, _ = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+
 MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
            "toy": ToyLightningModule, "user_nanogpt": NanoGPTModule, "user_llama": UserLlamaModule,
            "user_llama_style": LlamaStyleModule}
@@ -204,7 +213,7 @@ def _module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModu
     if case.module.startswith("hf"):  # case.model: {"model_type": ..., "seq_len": ..., the HF config's sizes}
         sizes = dict(case.model)
         model_type, seq_len = sizes.pop("model_type"), sizes.pop("seq_len")
-        cls = PaddedHFModule if case.module == "hf_padded" else HFCausalLMModule
+        cls = {"hf": HFCausalLMModule, "hf_padded": PaddedHFModule, "hf_labels": LabelsHFModule}[case.module]
         pretrained = sizes.pop("pretrained", None)  # a config.json directory: built in configure_model
         module = cls(model_type, sizes, pretrained=pretrained, learning_rate=case.learning_rate, warmup_steps=2,
                      adam_eps=ADAM_EPS)

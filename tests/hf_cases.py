@@ -20,10 +20,10 @@ def llama_case(name, dp, pp, tp, model=(), module="hf", **strategy):
     return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, model=dict(LLAMA, **dict(model)), steps=4)
 
 
-def gpt2_case(name, dp, pp, tp, **strategy):
+def gpt2_case(name, dp, pp, tp, module="hf", **strategy):
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, policy="gpt2", **strategy)
     model = dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT)
-    return Case(name=name, module="hf", strategy_kwargs=kwargs, dp=dp, steps=4, model=model)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, steps=4, model=model)
 
 
 LLAMA_CASES = {c.name: c for c in [
@@ -31,6 +31,7 @@ LLAMA_CASES = {c.name: c for c in [
     llama_case("tp2_sp", 1, 1, 2, sequence_parallel=True),
     llama_case("tp2_kv1_replicated", 1, 1, 2, model=dict(num_key_value_heads=1)),
     llama_case("pp2_padding_mask", 1, 2, 1, module="hf_padded"),  # the mask travels with the hidden states
+    llama_case("pp2_labels", 1, 2, 1, module="hf_labels"),  # the model's own loss, on the last stage
     llama_case("tp2_tied", 1, 1, 2, model=dict(tie_word_embeddings=True)),
     llama_case("pp2_tp2_sp", 1, 2, 2, sequence_parallel=True),
     llama_case("pp2_tp2_sp_padding_mask", 1, 2, 2, module="hf_padded", sequence_parallel=True),
@@ -45,6 +46,7 @@ GPT2_CASES = {c.name: c for c in [
     gpt2_case("gpt2_1_1_2", 1, 1, 2),
     gpt2_case("gpt2_1_1_2_sp", 1, 1, 2, sequence_parallel=True),
     gpt2_case("gpt2_1_2_1", 1, 2, 1),
+    gpt2_case("gpt2_1_2_1_padding_mask", 1, 2, 1, module="hf_padded"),  # later stages get the mask too
     gpt2_case("gpt2_1_2_2", 1, 2, 2),
     gpt2_case("gpt2_1_2_2_sp", 1, 2, 2, sequence_parallel=True),
     gpt2_case("gpt2_2_2_2", 2, 2, 2),

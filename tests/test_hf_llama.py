@@ -9,14 +9,15 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from harness import assert_parity, reference_for  # noqa: E402
 from hf_cases import LLAMA, LLAMA_CASES  # noqa: E402
 from lightning_3d.models import GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_3d.parallel.kv_heads import ReplicatedKVHeads  # noqa: E402
+from lightning_3d.pipeline.split import split_stages  # noqa: E402
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy  # noqa: E402
 from lightning_3d.policies.auto import AutoPolicy  # noqa: E402
-from lightning_3d.policies.hf_common import stage_input  # noqa: E402
 from lightning_3d.policies.llama import LlamaPolicy  # noqa: E402
 
 
@@ -66,6 +67,23 @@ def test_the_llama_policy_forced_on_another_model_names_the_class_and_the_expect
         resolve_policy("llama").plan(module, PlanOptions(tp=2))
 
 
-def test_a_pipeline_stage_refuses_call_arguments_it_cannot_carry():
-    with pytest.raises(PolicyError, match=r"input_ids and optionally attention_mask; this call also passed \['labels'\]"):
-        stage_input(True, (), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4)})
+def test_pipeline_stages_run_the_hf_forward_as_written_and_the_last_rebuilds_its_output():
+    """The policy's stages chained in one process (what the engine sends between ranks): the model's own
+    logits and loss, with a padding mask and labels=; the last stage hands PipelineStage tensors only (it
+    refuses a ModelOutput) and rebuilds the model's output object for the user's step."""
+    torch.manual_seed(0)
+    model = _llama()
+    tokens = torch.randint(0, 64, (2, 16))
+    mask = torch.ones_like(tokens)
+    mask[0, -3:] = 0
+    call = dict(input_ids=tokens, attention_mask=mask, labels=tokens)
+    expected = model(**call)
+    root = _root(model)
+    plan = LlamaPolicy().plan(root, PlanOptions())
+    first, second = split_stages(root, plan, [plan.blocks[:2], plan.blocks[2:]], [0, 1])
+    first.forward.inputs.spec = tree_flatten(((), call))[1]  # set by the engine on every rank
+    returned = second(*first(**call))
+    assert isinstance(returned, tuple) and all(isinstance(x, torch.Tensor) for x in returned)
+    output = second.forward.model_output(returned)
+    assert isinstance(output, type(expected))
+    assert torch.equal(output.logits, expected.logits) and torch.equal(output.loss, expected.loss)

@@ -18,7 +18,9 @@ mask) is thrown away at the swap, so it costs a little and changes nothing. :cla
 structure of the model call (``args``/``kwargs``) from the engine, which captures it on every rank, to the
 stages that rebuild it from the tensors they receive. What would make that swap wrong -- control flow on the
 placeholders' values, code that changes the activation where two stages meet -- is refused at each stage's
-first call (``pipeline.placeholder_watch``).
+first call (``pipeline.placeholder_watch``). The last stage returns the tensors of what the forward returned
+(PyTorch's ``PipelineStage`` takes tensors only); an object holding them (a Hugging Face ``ModelOutput`` with
+its logits and cache) is rebuilt for the user's step by :meth:`StageForward.model_output`.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class StageForward:
         self.stage_id, self.previous_block, self.is_last, self.inputs = stage_id, previous_block, is_last, inputs
         self.is_first = previous_block is None
         self.checked = self.is_first  # later stages check their first call (pipeline.placeholder_watch)
+        self._output: tuple[TreeSpec, dict[int, Any]] | None = None  # the last call's output, less its tensors
 
     def __call__(self, *received: Tensor, **kwargs: Any) -> Any:
         if self.is_first:
@@ -107,7 +110,8 @@ class StageForward:
             handles.append(last.register_forward_hook(_end_stage))
         try:
             with watch or nullcontext():
-                return type(self.stage).forward(self.stage, *args, **kwargs)
+                output = type(self.stage).forward(self.stage, *args, **kwargs)
+            return self._tensors_of(output)
         except _StageEnd as end:
             return (end.output, *[x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)])
         finally:
@@ -115,6 +119,26 @@ class StageForward:
                 handle.remove()
             if handover is not None:
                 handover.remove()
+
+    def _tensors_of(self, output: Any) -> Any:
+        """The last stage's output as ``PipelineStage`` takes it: a tensor or a tuple of tensors as they are;
+        of anything else its tensors, the rest kept for :meth:`model_output`."""
+        if isinstance(output, Tensor) or (isinstance(output, tuple) and all(isinstance(x, Tensor) for x in output)):
+            self._output = None
+            return output
+        leaves, spec = tree_flatten(output)
+        self._output = spec, {i: x for i, x in enumerate(leaves) if not isinstance(x, Tensor)}
+        return tuple(x for x in leaves if isinstance(x, Tensor))
+
+    def model_output(self, tensors: Any) -> Any:
+        """What the model's forward returned, rebuilt from the tensors this stage returned for it (schedules
+        compute the loss right after each forward of the last stage, so the rest is that call's). Forgets
+        the rest: a cache's keys and values live no longer than in one process."""
+        if self._output is None:
+            return tensors
+        (spec, others), self._output = self._output, None
+        received = iter(tensors)
+        return tree_unflatten([others[i] if i in others else next(received) for i in range(spec.num_leaves)], spec)
 
     def _first_call_checks(self) -> tuple[Handover | None, PlaceholderWatch | None]:
         if self.checked:

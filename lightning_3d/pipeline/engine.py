@@ -209,7 +209,9 @@ class PipelineEngine:
             if train:
                 schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
             else:
-                schedule.eval(*inputs, target=targets, **kwargs)
+                # The step's results come from loss_fn; PyTorch's merge of the outputs would also fail on
+                # a scalar among them (a model's own loss, from labels=).
+                schedule.eval(*inputs, target=targets, return_outputs=False, **kwargs)
         return self._share_results(method, results, logs, errors)
 
     def _microbatch_index(self, target: Tensor) -> int:
@@ -392,9 +394,11 @@ class _CurrentLoss:
         return self.current(output, target)
 
 
-def _placeholder_loss(output: Tensor) -> Tensor:
-    local = output.to_local() if isinstance(output, DTensor) else output
-    return local.float().sum() * 0.0  # reaches every input, as the real loss does
+def _placeholder_loss(output: Tensor | tuple[Tensor, ...]) -> Tensor:
+    """Zero, reaching every input through every output tensor (the logits, a model's own loss), as the real
+    loss does."""
+    tensors = [x.to_local() if isinstance(x, DTensor) else x for x in tree_flatten(output)[0] if isinstance(x, Tensor)]
+    return sum(x.float().sum() for x in tensors) * 0.0
 
 
 class _ModelInputs(Exception):

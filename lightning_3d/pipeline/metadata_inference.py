@@ -6,6 +6,13 @@ streams: once, in the first step, of the run that started from scratch; and once
 after the restore, in a run resumed from a checkpoint -- so the resumed run's dropout masks would differ
 from the uninterrupted run's. Running the inference inside ``random_state()`` (which restores every stream
 afterwards, ``lightning_3d.parallel.rng.preserved_random_state``) makes it draw nothing in either.
+
+A stage after the first runs that forward on tensors PyTorch makes from the shapes it receives, with
+``torch.empty``: whatever bytes the memory held. A stage that runs the model's forward as written
+(``pipeline.as_written``) also receives the model's inputs, and a forward that indexes with one of them --
+``labels=`` in a Hugging Face model's loss, ``targets`` in nanoGPT's -- would fail on those bytes (an
+out-of-bounds class index; on CUDA a device-side assert). They are zeros instead: a valid index for any
+table.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
+import torch
+from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -29,6 +38,18 @@ def isolate_metadata_inference(stage: PipelineStage, random_state: Callable[[], 
             return inference(*args, **kwargs)
 
     stage._forward_metadata_inference = run
+
+    # (PyTorch 2.13 names it _to_tensor; without it the received tensors stay torch.empty's.)
+    to_tensor = getattr(stage, "_to_tensor", None)
+    if to_tensor is not None:
+        def zeros_for_received(arg: Any) -> Tensor:
+            tensor = to_tensor(arg)
+            if not isinstance(arg, Tensor):  # made from metadata, not the caller's tensor
+                with torch.no_grad():
+                    tensor.zero_()
+            return tensor
+
+        stage._to_tensor = zeros_for_received
 
     # After inference PyTorch reshards the stage's FSDP2 modules and sets their gradients to None. An evaluation
     # stage's inference can run inside an accumulation window (validation at val_check_interval=3 with

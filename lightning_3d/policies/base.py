@@ -67,15 +67,17 @@ class Plan:
     different stages, each holds a copy and their gradients are summed across the two stages every step
     (as Megatron-LM does), so the copies stay equal."""
     stage_forward: Callable[..., Any] | None = None
-    """How one pipeline stage runs, for models whose forward cannot skip the modules a stage does not hold
-    (Hugging Face ones). Called as ``stage_forward(stage, *inputs, **kwargs)``: ``stage`` is the copy of the
-    pipeline root that holds this stage's modules (the others are None, or a ``DroppedBlock`` inside a
-    ModuleList); the inputs are the arguments of the user's model call on the first stage and the previous
-    stage's outputs elsewhere. Returns a tensor or a tuple of tensors. None: the root's own forward."""
+    """How one pipeline stage runs, written by hand for a model whose forward cannot skip the modules a stage
+    does not hold (``forward_as_written`` runs such a forward unchanged instead). Called as
+    ``stage_forward(stage, *inputs, **kwargs)``: ``stage`` is the copy of the pipeline root that holds this
+    stage's modules (the others are None, or a ``DroppedBlock`` inside a ModuleList); the inputs are the
+    arguments of the user's model call on the first stage and the previous stage's outputs elsewhere.
+    Returns a tensor or a tuple of tensors. None: the root's own forward."""
     forward_as_written: bool = False
     """Each pipeline stage runs the pipeline root's own, unchanged forward (``lightning_3d.pipeline.as_written``):
     other stages' blocks pass their input through, their embeddings and head are shells without parameters.
-    What "auto" plans for a model it has no policy for; ``stage_forward`` is then not used."""
+    What "auto" plans for a model it has no policy for, and what the Hugging Face policies use;
+    ``stage_forward`` is then not used."""
     init_module: Callable[[nn.Module], None] | None = None
     """Initializes one module's own parameters and buffers in place, for the modules of a model built on the
     meta device that have no ``reset_parameters()`` (Hugging Face models: their ``_init_weights``); see

@@ -28,10 +28,8 @@ stays on the default stream: attention-probability masks then repeat across the 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -45,7 +43,6 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule, join_fqn
-from lightning_3d.policies.hf_common import attention_masks, held_layers, stage_input, stage_output
 from lightning_3d.policies.registry import register_policy
 
 GPT2_CLASS = "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel"
@@ -81,9 +78,7 @@ class GPT2Policy(Policy):
             before=[fqn(f"transformer.{n}") for n in ("wte", "wpe", "drop")],
             after=[fqn("transformer.ln_f"), fqn("lm_head")],
             tied_parameters=_tied(gpt2, fqn),
-            # Under sequence parallelism the hidden states between stages hold 1/tp of the positions.
-            stage_forward=partial(_stage_forward, sequence_shards=options.tp if options.sequence_parallel else 1),
-            stage_output=_causal_lm_output,
+            forward_as_written=True,  # each stage runs the model's own forward (pipeline.as_written)
             init_module=gpt2._init_weights,  # modules without reset_parameters, on the meta device
         )
         if options.tp == 1:
@@ -186,34 +181,6 @@ def _distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placem
         return
     sharded = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
     module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-
-
-def _stage_forward(stage: nn.Module, *args: Any, sequence_shards: int, **kwargs: Any) -> Tensor | tuple[Tensor, ...]:
-    """One pipeline stage of a ``GPT2LMHeadModel`` (see ``Plan.stage_forward``): what ``GPT2Model.forward``
-    does, for the modules this stage holds."""
-    base = stage.transformer
-    inputs = stage_input(base.wte is not None, args, kwargs)
-    if inputs.input_ids is not None:
-        seq_len = inputs.input_ids.shape[1]
-        position_ids = torch.arange(seq_len, device=inputs.input_ids.device).unsqueeze(0)
-        hidden = base.drop(base.wte(inputs.input_ids) + base.wpe(position_ids))  # (B, T, C), or (B, T/tp, C) with SP
-    else:
-        hidden = inputs.hidden
-        seq_len = hidden.shape[1] * sequence_shards
-        position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-    mask = attention_masks(stage.config, hidden.shape[0], seq_len, hidden, inputs.attention_mask,
-                           position_ids)["full_attention"]
-    for _, block in held_layers(base.h):
-        hidden = block(hidden, attention_mask=mask, position_ids=position_ids)
-    if stage.lm_head is None:
-        return stage_output(hidden, inputs.attention_mask)
-    return stage.lm_head(base.ln_f(hidden))
-
-
-def _causal_lm_output(logits: Tensor) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
-
-    return CausalLMOutputWithCrossAttentions(logits=logits)
 
 
 def _tied(gpt2: nn.Module, fqn) -> list[tuple[str, str]]:

@@ -11,16 +11,16 @@ listing the ones that work. The attention modules reshape with ``-1`` heads, so 
 size (``num_key_value_groups``) changes per rank when kv heads are replicated.
 
 Pipeline: the embedding on the first stage, decoder layers split, final norm and ``lm_head`` on the last;
-the rotary embedding (no parameters) on every stage, which rebuilds the positions and the causal mask.
+every stage runs ``LlamaForCausalLM.forward`` as written (``lightning_3d.pipeline.as_written``), so the
+rotary embedding (no parameters, on every stage) and the model's own code rebuild positions and masks from
+the model's inputs, which travel with the hidden states.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -32,13 +32,6 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_3d.parallel.kv_heads import ReplicatedKVHeads, allowed_tp_sizes, kv_head_rule
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, class_path, find_submodule, join_fqn
-from lightning_3d.policies.hf_common import (
-    attention_masks,
-    held_layers,
-    layer_attention_type,
-    stage_input,
-    stage_output,
-)
 from lightning_3d.policies.registry import register_policy
 
 EXPECTED = "model.embed_tokens, model.layers[i].self_attn.{q,k,v,o}_proj, model.layers[i].mlp.{gate,up,down}_proj, model.norm, lm_head"
@@ -68,9 +61,7 @@ class LlamaPolicy(Policy):
             pipeline_root=prefix,
             before=[join_fqn(prefix, "model.embed_tokens")],
             after=[join_fqn(prefix, "model.norm"), join_fqn(prefix, "lm_head")],
-            # Under sequence parallelism the hidden states between stages hold 1/tp of the positions.
-            stage_forward=partial(_stage_forward, sequence_shards=options.tp if options.sequence_parallel else 1),
-            stage_output=_causal_lm_output,
+            forward_as_written=True,  # each stage runs the model's own forward (pipeline.as_written)
             init_module=lm._init_weights,  # modules without reset_parameters, on the meta device
         )
         if lm.lm_head.weight is lm.model.embed_tokens.weight:
@@ -137,26 +128,3 @@ def _check_sizes(config: Any, options: PlanOptions) -> str:
         raise PolicyError(f"{type(config).__name__} does not fit the layout: " + "; ".join(problems) + ".")
     return rule
 
-
-def _stage_forward(stage: nn.Module, *args: Any, sequence_shards: int, **kwargs: Any) -> Tensor | tuple[Tensor, Tensor]:
-    """One pipeline stage of a ``LlamaForCausalLM`` (see ``Plan.stage_forward``)."""
-    base = stage.model
-    inputs = stage_input(base.embed_tokens is not None, args, kwargs)
-    hidden = base.embed_tokens(inputs.input_ids) if inputs.input_ids is not None else inputs.hidden
-    batch = hidden.shape[0]
-    seq_len = inputs.input_ids.shape[1] if inputs.input_ids is not None else hidden.shape[1] * sequence_shards
-    position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-    masks = attention_masks(stage.config, batch, seq_len, hidden, inputs.attention_mask, position_ids)
-    position_embeddings = base.rotary_emb(hidden, position_ids=position_ids)
-    for index, layer in held_layers(base.layers):
-        hidden = layer(hidden, attention_mask=masks[layer_attention_type(stage.config, index)],
-                       position_embeddings=position_embeddings, position_ids=position_ids)
-    if stage.lm_head is None:
-        return stage_output(hidden, inputs.attention_mask)
-    return stage.lm_head(base.norm(hidden))
-
-
-def _causal_lm_output(logits: Tensor) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return CausalLMOutputWithPast(logits=logits)
