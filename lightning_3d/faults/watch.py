@@ -18,7 +18,9 @@ key-value store every process group already has:
   a phase begins and at every step boundary (each restarts the clock). If the current phase makes no
   progress within its limit, the rank prints the phase and what it is waiting in (``faults.report``: the
   collective, the pipeline action, its Python stack), tells the other ranks (they print theirs), and the
-  job ends with those reports instead of waiting forever.
+  job ends with those reports instead of waiting forever. On NCCL each rank first asks NCCL's Flight
+  Recorder to dump its last collectives and names the file (``faults.flight_recorder``): there the Python
+  stack shows the next point that waits for the GPU, not the collective that hangs.
 
 The store is read over the network; if reading it fails, the rank says so on stderr (it would not hear of
 another rank's failure meanwhile), keeps trying at every poll, and says so again when it can read it.
@@ -43,6 +45,7 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
+from lightning_3d.faults.flight_recorder import FlightRecorder
 from lightning_3d.faults.report import main_thread_report
 
 EXIT_CODE = 17  # a rank stopped because another failed or the job hung (the failing rank exits as Python does)
@@ -67,9 +70,10 @@ class Phase:
 
 class FaultWatch:
     def __init__(self, store: dist.Store, rank: int, world_size: int, describe: Callable[[int], str],
-                 phase: Phase, exit_timeout_s: float) -> None:
+                 phase: Phase, exit_timeout_s: float, flight_recorder: Optional[FlightRecorder] = None) -> None:
         self.store = dist.PrefixStore(f"lightning_3d/faults/{next(_GENERATIONS)}/", store)
         self.rank, self.world_size, self.describe = rank, world_size, describe
+        self.flight_recorder = flight_recorder  # NCCL's, or None (other backends have none)
         self.exit_timeout_s = exit_timeout_s
         self.poll_s = min(0.5, exit_timeout_s / 8)
         # (phase, what it did last, when its clock started): one tuple, replaced whole, so that the watcher
@@ -170,7 +174,12 @@ class FaultWatch:
                 pass
         also = f"; {reported_by} reported a hang" if reported_by and reported_by != me else ""
         stopped = f"{me} made no progress for {stalled:.1f} s in {phase.describe(doing)}{also}"
+        asked_at, not_asked = time.time(), None
+        if self.flight_recorder is not None:  # asked first: NCCL dumps on its own thread while the stack prints
+            not_asked = self.flight_recorder.request_dump()
         print(f"lightning_3d: {stopped}\n{main_thread_report()}", file=sys.stderr, flush=True)
+        if self.flight_recorder is not None:
+            print(self.flight_recorder.report(asked_at, not_asked), file=sys.stderr, flush=True)
         if reported_by == me:
             self._wait_for_acks()  # the others print what they wait in before this rank goes away
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Optional
@@ -9,6 +10,7 @@ from typing import Optional
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_3d.faults.flight_recorder import FlightRecorder
 from lightning_3d.faults.watch import FaultWatch, Phase
 
 # Strategy arguments that limit a phase: steps are short and regular; set-up and checkpoints scale with the
@@ -30,8 +32,9 @@ class FaultHandling:
         store = dist.distributed_c10d._get_default_store()
         # Set-up lasts until the first step: configure_model, sharding and initialization, init_from, the
         # checkpoint restore and the skip to a resume point all come before it.
+        recorder = FlightRecorder.of(self._process_group_backend, self.global_rank, os.environ)  # None but NCCL
         self._fault_watch = FaultWatch(store, self.global_rank, self.world_size, self._describe_rank,
-                                       self._timed_phase("set-up", "setup_timeout"), exit_timeout)
+                                       self._timed_phase("set-up", "setup_timeout"), exit_timeout, recorder)
         self._fault_watch.start()
 
     def _describe_rank(self, rank: int) -> str:

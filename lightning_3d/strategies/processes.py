@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -18,6 +18,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_3d.faults.flight_recorder import enable_flight_recorder
 from lightning_3d.parallel.dims import ParallelDims
 
 
@@ -34,6 +35,15 @@ class ProcessesAndCollectives:
             # Under torchrun / srun the processes exist already; each checks in setup_environment.
             ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _init_process_group(self) -> None:
+        """The default process group on ``self._process_group_backend``; on NCCL with its Flight Recorder on."""
+        # ProcessGroupNCCL reads these variables when it is created, so they are set before.
+        enable_flight_recorder(self._process_group_backend)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        store = restart_store(self._timeout)
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id, **({"store": store} if store is not None else {}))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

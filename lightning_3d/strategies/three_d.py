@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -33,7 +33,7 @@ from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints
 from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
 from lightning_3d.strategies.steps import LayoutSteps
-from lightning_3d.strategies.processes import ProcessesAndCollectives, restart_store
+from lightning_3d.strategies.processes import ProcessesAndCollectives
 from lightning_3d.strategies.threads import set_threads_per_rank
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
@@ -249,10 +249,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         check_backend(backend, self.root_device)
         self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        store = restart_store(self._timeout)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, **({"store": store} if store is not None else {}))
+        self._init_process_group()  # strategies/processes.py
         self._start_fault_watch(self._exit_timeout)
         self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
