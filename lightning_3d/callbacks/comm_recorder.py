@@ -76,7 +76,7 @@ class CommRecorder(TorchDispatchMode):
         namespace = getattr(func, "namespace", None)
         if namespace not in COMMUNICATION:
             return func(*args, **kwargs)
-        name = func._overloadpacket.__name__
+        name = func.overloadpacket.__name__
         if name == "wait_tensor" and namespace == "_c10d_functional":
             out = func(*args, **kwargs)
             awaited = self._awaiting.pop(id(args[0]), None)

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -53,7 +53,7 @@ class ProcessesAndCollectives:
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
@@ -62,7 +62,7 @@ class ProcessesAndCollectives:
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not (dist.is_available() and dist.is_initialized()):
             return obj
         objects = [obj]
         torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)

@@ -273,7 +273,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         on_meta = self.parallel_config.model_init != "exact" and empty_init is not False
         self._init_rng_state = torch.get_rng_state()
         self._construction = ConstructionRecord() if on_meta else None
-        module = self._lightning_module
+        module = self.lightning_module
         self._before_build = ModuleAttributes(module) if on_meta and module is not None else None
         with (torch.device("meta") if on_meta else nullcontext(), self.precision_plugin.tensor_init_context(),
               self._construction or nullcontext()):

@@ -1,0 +1,164 @@
+"""Every private name of torch and Lightning that lightning_3d uses: why, and what public API would replace it.
+
+Private names change without notice between releases, so ``pyproject.toml`` bounds torch and lightning to
+the minor versions these were checked on (torch 2.13, lightning 2.6). ``tests/test_private_apis.py`` reads
+the package's source and fails on a private name that is missing here, and on one listed here that the
+source no longer uses; an upgrade starts by going through this list.
+
+Keys: a name reached through an import is its dotted path, and covers every name under it
+(``"torch.utils._pytree"`` covers ``tree_flatten``). A private *attribute of an object* is written as
+``owner class + attribute``, with ``attribute=True``: the source does not say the object's class, so the
+test matches these by the attribute's name. Attributes of other libraries' objects (torchmetrics,
+transformers, numpy) are listed too, for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Private:
+    why: str
+    """What lightning_3d needs it for."""
+    instead: str
+    """The public API that would replace it, or why there is none yet (torch 2.13, lightning 2.6)."""
+    attribute: bool = False
+    """An attribute read, set or overridden on an object, rather than a name imported from a module."""
+
+
+_NO_HOOK = "no public hook"
+
+PRIVATE_NAMES: dict[str, Private] = {
+    # ------------------------------------------------------------------ torch: imported
+    "torch.utils._pytree": Private(
+        "flatten and rebuild nested batches, step outputs and model call arguments (pipeline engine, callbacks)",
+        "torch 2.13 ships no public pytree module; the optree package would be one more dependency"),
+    "torch.utils._python_dispatch.TorchDispatchMode": Private(
+        "see each collective after DTensor has lowered it (CommRecorder, the pipeline's step checks)",
+        "torch.overrides.TorchFunctionMode is public but sees DTensor calls before their collectives exist"),
+    "torch._subclasses.fake_tensor": Private(
+        "run a block on fake tensors to check its shapes before the first step, without computing it",
+        "no public fake-tensor mode; the meta device would need a meta copy of each block"),
+    "torch._ops.HigherOrderOperator": Private(
+        "let higher-order operators (checkpoint, cond) pass through the dispatch mode untouched",
+        "no public name for the class"),
+    "torch.distributed._composable.replicate_with_fsdp": Private(
+        "data parallel without sharding that composes with TP and pipeline stages (FSDP2's machinery)",
+        "DistributedDataParallel wraps the module (names gain 'module.') and is not built for DTensors"),
+    "torch.distributed._composable.checkpoint_activation.checkpoint": Private(
+        "activation checkpointing that keeps parameter names (a wrapper module would rename them)",
+        "torch.utils.checkpoint.checkpoint needs a wrapper around each block, which changes FQNs"),
+    "torch.distributed.distributed_c10d._get_default_store": Private(
+        "the fault watch talks through the default process group's key-value store",
+        "no public accessor; keeping our own TCPStore would mean building the process group by hand"),
+    "torch.distributed.distributed_c10d._resolve_process_group": Private(
+        "CommRecorder turns the group name of a functional collective into its ranks",
+        "no public lookup from group name to group"),
+    "torch.distributed.pipelining._backward.stage_backward": Private(
+        "GradSyncStage runs a stage's backward itself to reduce gradients per micro-batch",
+        "no public backward step of a pipeline stage"),
+    "torch.distributed.tensor.placement_types._StridedShard": Private(
+        "GPT-2's fused q|k|v columns: each tp rank takes its heads' slice of q, k and v",
+        "Shard(dim) cannot express a strided slice; no public placement for it"),
+    # ------------------------------------------------------------------ torch: attributes
+    "torch.distributed.tensor.parallel.ParallelStyle._apply": Private(
+        "the method a custom tensor-parallel style implements (the torch docs' way to write one)",
+        "ParallelStyle's only (abstract) method; no public name", attribute=True),
+    "torch.distributed.tensor.parallel.ColwiseParallel._prepare_input_fn": Private(
+        "Conv1D and kv-head styles reuse ColwiseParallel's / RowwiseParallel's input redistribution",
+        "copying their code instead", attribute=True),
+    "torch.distributed.tensor.parallel.RowwiseParallel._prepare_output_fn": Private(
+        "the GPT-2 Conv1D styles reuse the output redistribution", "copying its code instead", attribute=True),
+    "torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn": Private(
+        "replicated kv heads override how a linear layer's weight is split", "copying its code instead",
+        attribute=True),
+    "torch.distributed.pipelining.PipelineStage._forward_metadata_inference": Private(
+        "run the stage's shape inference without drawing random numbers (resumed dropout runs match)",
+        _NO_HOOK + " around the inference", attribute=True),
+    "torch.distributed.pipelining.PipelineStage._to_tensor": Private(
+        "zeros, not uninitialized memory, for the tensors a later stage infers on (index-valid inputs)",
+        _NO_HOOK, attribute=True),
+    "torch.distributed.pipelining.PipelineStage._post_metadata_inference_cleanup": Private(
+        "keep gradients accumulated so far through an evaluation step's inference", _NO_HOOK, attribute=True),
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._state_ctx": Private(
+        "end an accumulation micro-step's backward that ran outside FSDP2's autograd hooks (grad_sync.py)",
+        "FSDP2 has no public call to finish a backward it did not see", attribute=True),
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": Private(
+        "as _state_ctx: each group's post-backward", "as _state_ctx", attribute=True),
+    "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._root_post_backward_final_callback": Private(
+        "as _state_ctx: the root's end-of-backward work", "as _state_ctx", attribute=True),
+    "torch.nn.Module._parameters": Private(
+        "swap a block's tensors for fake ones and back, in place (shape check)",
+        "register_parameter cannot replace in place without hooks firing", attribute=True),
+    "torch.nn.Module._buffers": Private("as _parameters, for buffers", "as _parameters", attribute=True),
+    "torch.Tensor._base": Private(
+        "tell a view of a placeholder from a new tensor (pipeline placeholder watch)", "no public accessor",
+        attribute=True),
+    "torch.UntypedStorage._cdata": Private(
+        "identify a tensor's storage, meta tensors included, while recording the model's construction",
+        "data_ptr() is 0 for every meta or empty storage", attribute=True),
+    "torch.ScriptObject._type": Private(
+        "recognize a ProcessGroup argument of a c10d op by its class name (CommRecorder)", "no public accessor",
+        attribute=True),
+    # ------------------------------------------------------------------ Lightning: imported
+    "lightning.fabric.strategies._StrategyRegistry": Private(
+        "the type of register_strategies' argument, as Lightning's own strategies annotate it",
+        "only the instance (lightning.pytorch.strategies.StrategyRegistry) is public"),
+    "lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device": Private(
+        "the backend Lightning's strategies pick by default (nccl on CUDA, else gloo)",
+        "a one-line rule we could keep ourselves; kept to pick exactly what Lightning picks"),
+    "lightning.fabric.utilities.distributed._init_dist_connection": Private(
+        "create the process group from the cluster environment (torchrun, Slurm, Lightning's launcher)",
+        "torch.distributed.init_process_group plus the environment's address and port, by hand"),
+    "lightning.fabric.utilities.distributed._sync_ddp_if_available": Private(
+        "reduce logged values with Lightning's reduce ops ('mean', 'sum'), as its strategies do",
+        "torch.distributed.all_reduce and the division for 'mean', by hand"),
+    "lightning.fabric.utilities.optimizer._optimizers_to_device": Private(
+        "move optimizer state to the device after a restore, as Lightning's strategies do",
+        "no public function"),
+    "lightning.fabric.utilities.types._PATH": Private(
+        "the path type of the checkpoint hooks we override", "Union[str, Path] written out"),
+    "lightning.pytorch.strategies.ddp._DDPForwardRedirection": Private(
+        "run training_step through the wrapped model so FSDP2 / replicate hooks fire", "no public class"),
+    "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": Private(
+        "start devices=N processes when no torchrun or Slurm did, as Lightning's DDP does", "no public class"),
+    "lightning.pytorch.utilities.imports._RICH_AVAILABLE": Private(
+        "the CLI's default progress bar is Rich's when rich is installed, as Lightning decides it",
+        "lightning_utilities' RequirementCache('rich>=10.2.2'), repeating Lightning's version bound"),
+    # ------------------------------------------------------------------ Lightning: attributes
+    "lightning.pytorch.strategies.Strategy._configure_launcher": Private(
+        "the hook where a strategy sets its launcher (self._launcher)", "Lightning's strategies override it too",
+        attribute=True),
+    "lightning.pytorch.strategies.Strategy._launcher": Private(
+        "set by _configure_launcher; read by the Trainer", "as _configure_launcher", attribute=True),
+    "lightning.pytorch.strategies.Strategy._forward_redirection": Private(
+        "where Lightning's strategies keep their forward redirection (_DDPForwardRedirection here)", _NO_HOOK,
+        attribute=True),
+    "lightning.pytorch.LightningModule._device_mesh": Private(
+        "what LightningModule.device_mesh returns; the strategy sets it",
+        "no public setter (Lightning's ModelParallelStrategy sets it the same way)", attribute=True),
+    "lightning.pytorch.core.optimizer.LightningOptimizer._optimizer": Private(
+        "unwrap a LightningOptimizer, or take a plain optimizer as it is, in one getattr",
+        "LightningOptimizer.optimizer with an isinstance check", attribute=True),
+    "lightning.pytorch.cli.LightningCLI._run_subcommand": Private(
+        "the CLI's fit --dry_run stops before the Trainer runs", _NO_HOOK + " between parsing and running",
+        attribute=True),
+    "lightning.pytorch.callbacks.RichProgressBar._get_train_description": Private(
+        "the progress bar counts steps, not batches of the epoch", _NO_HOOK, attribute=True),
+    # ------------------------------------------------------------------ other libraries: attributes
+    "torchmetrics.Metric._update_count": Private(
+        "carry a torchmetrics object's state across the pipeline's micro-batches (pipeline/step_metrics.py)",
+        "torchmetrics has no public way to merge states of one step's micro-batches", attribute=True),
+    "torchmetrics.Metric._forward_cache": Private("as _update_count", "as _update_count", attribute=True),
+    "torchmetrics.Metric._computed": Private("as _update_count", "as _update_count", attribute=True),
+    "torchmetrics.Metric._to_sync": Private("as _update_count", "as _update_count", attribute=True),
+    "torchmetrics.Metric._copy_state_dict": Private("as _update_count", "as _update_count", attribute=True),
+    "torchmetrics.Metric._reduce_states": Private("as _update_count", "as _update_count", attribute=True),
+    "transformers.PreTrainedModel._init_weights": Private(
+        "initialize Hugging Face modules that have no reset_parameters(), on the meta route",
+        "transformers' post_init() initializes the whole model, not one module", attribute=True),
+    "numpy._core.multiarray._reconstruct": Private(
+        "allowed by the safe unpickler: numpy arrays in checkpoints are rebuilt through it",
+        "pickle names it; there is nothing else to allow", attribute=True),
+}
