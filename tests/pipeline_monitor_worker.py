@@ -52,9 +52,9 @@ def record_host_conversions_inside_schedules(seen: list, after_steps: int) -> No
         cls.step = step
 
 
-def fit(out_dir: str, max_steps: int, **strategy_kwargs) -> tuple[L.Trainer, PipelineMonitor]:
+def fit(out_dir: str, max_steps: int, trace_dir=None, **strategy_kwargs) -> tuple[L.Trainer, PipelineMonitor]:
     L.seed_everything(0, verbose=False)
-    monitor = PipelineMonitor(every_n_steps=2)
+    monitor = PipelineMonitor(every_n_steps=2, trace_dir=trace_dir)
     strategy = ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES, **strategy_kwargs)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                         enable_checkpointing=False, logger=TensorBoardLogger(out_dir, name="tb"), log_every_n_steps=1,
@@ -71,7 +71,8 @@ def main(out_dir: str) -> None:
     record_host_conversions_inside_schedules(host_conversions, after_steps=1)
     # Zero-bubble first (its TensorBoard run is version_0), to check the weight-gradient actions are seen too.
     _, zero_bubble = fit(out_dir, 3, pipeline_schedule="zero_bubble", virtual_pipeline_size=2)
-    trainer, monitor = fit(out_dir, 5, pipeline_schedule="1f1b")
+    trace_dir = Path(out_dir) / "traces"
+    trainer, monitor = fit(out_dir, 5, trace_dir=trace_dir, pipeline_schedule="1f1b")
     result = {
         "zero_bubble_rows": [[list(a) for a in row] for row in zero_bubble.last_rows],
         "rows": [[list(a) for a in row] for row in monitor.last_rows],
@@ -80,6 +81,9 @@ def main(out_dir: str) -> None:
         "image_colors": sorted({tuple(p) for p in monitor.last_image.reshape(-1, 3).tolist()})
         if monitor.last_image is not None else [],
         "log_dir": trainer.logger.log_dir if dist.get_rank() == 0 else None,
+        "title": monitor.title,
+        "traces": {p.name: json.loads(p.read_text()) for p in sorted(trace_dir.glob("*.json"))}
+        if dist.get_rank() == 0 else {},
         "host_conversions_in_schedules": host_conversions,
     }
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))

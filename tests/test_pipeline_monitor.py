@@ -1,14 +1,16 @@
 """PipelineMonitor: theory and measurement of the bubble, the recorded 1F1B order, the TensorBoard picture."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness import torchrun
-from lightning_3d.callbacks.pipeline_monitor import measured_bubble, theoretical_bubble
-from lightning_3d.callbacks.timeline_image import BACKGROUND, COLORS, draw_timeline
+from lightning_3d.callbacks.pipeline_monitor import bubble_title, chrome_trace, measured_bubble, theoretical_bubble
+from lightning_3d.callbacks.timeline_image import (BACKGROUND, COLORS, draw_timeline, figure_height, shade,
+                                                    timeline_figure)
 from lightning_3d.pipeline.timeline import Action, PipelineTimeline
 
 
@@ -32,13 +34,58 @@ def test_an_ideal_pipeline_measures_its_theoretical_bubble():
     assert measured_bubble(ideal_1f1b_two_stages()) == pytest.approx(theoretical_bubble("1f1b", 2, 2))
 
 
-def test_the_timeline_picture_has_a_row_per_stage_and_shows_the_bubble():
+def test_without_matplotlib_the_picture_is_drawn_by_hand_with_a_row_per_stage_and_the_bubble(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     image = draw_timeline(ideal_1f1b_two_stages(), width=609)  # 100 px per time unit
     assert image.shape == (62, 609, 3) and str(image.dtype) == "torch.uint8"
     row0, row1 = image[4 + 12], image[4 + 24 + 6 + 12]  # the middle pixel line of each row
     assert (row0[4 + 50] == BACKGROUND).logical_not().any()  # stage 0 computes at t=0.5 ...
     assert (row1[4 + 50] == BACKGROUND).all()  # ... while stage 1 waits: the bubble
     assert tuple(row0[4 + 50].tolist()) == COLORS["F"] and tuple(row1[4 + 250].tolist()) == COLORS["B"]
+
+
+def test_the_matplotlib_picture_names_stages_micro_batches_and_both_bubbles():
+    rows = ideal_1f1b_two_stages()
+    title = bubble_title(measured_bubble(rows), theoretical_bubble("1f1b", 2, 2), "1f1b", pp=2, microbatches=2)
+    assert title == "measured bubble 33% vs theoretical 33% (1f1b, pp=2, m=2)"
+    fig = timeline_figure(rows, width=800, ranks=[4, 6], title=title)  # e.g. the pipeline of dp rank 1 of 2
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0 (rank 4)", "stage 1 (rank 6)"]
+    assert sorted(t.get_text() for t in ax.texts) == ["0"] * 4 + ["1"] * 4  # one number per bar
+    assert ax.get_title() == title
+    assert "ms" in ax.get_xlabel() and ax.get_xlim() == pytest.approx((0, 6e3))  # the synthetic units are seconds
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["forward", "backward"]
+
+    image = draw_timeline(rows, width=800, ranks=[4, 6], title=title)
+    assert image.shape == (figure_height(2), 800, 3) and str(image.dtype) == "torch.uint8"
+    colors = {tuple(c) for c in image.reshape(-1, 3).tolist()}
+    assert {(BACKGROUND,) * 3, COLORS["F"], COLORS["B"]} <= colors and len(colors) > 20  # bars, text, axes
+
+
+def test_virtual_stages_share_their_rank_s_row_and_are_shaded_by_their_place():
+    rows = [[Action(0, "F", 0, 0, 1), Action(2, "F", 0, 2, 3)], [Action(1, "F", 0, 1, 2), Action(3, "F", 0, 3, 4)]]
+    (ax,) = timeline_figure(rows).axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stages 0, 2 (rank 0)", "stages 1, 3 (rank 1)"]
+    # a rank's second stage is one shade darker, whatever pp puts between the stage numbers
+    faces = [tuple(round(c * 255) for c in face[:3]) for face in ax.collections[0].get_facecolor()]
+    assert faces == [shade(rows[0][0], 0), shade(rows[0][1], 1)] and faces[0] == COLORS["F"] != faces[1]
+
+
+def test_the_trace_has_one_event_per_action_with_rank_stage_and_microseconds(tmp_path):
+    stage0, stage1 = ideal_1f1b_two_stages()
+    stage1 = [a._replace(start=a.start + 100.0, end=a.end + 100.0) for a in stage1]  # as wall-clock times
+    stage0 = [a._replace(start=a.start + 100.0, end=a.end + 100.0) for a in stage0]
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(chrome_trace({0: stage0, 1: stage1})))
+    events = json.loads(path.read_text())["traceEvents"]
+    actions = [e for e in events if e["ph"] == "X"]
+    assert len(actions) == 8
+    by_name = {(e["pid"], e["tid"], e["name"]): (e["ts"], e["dur"]) for e in actions}
+    assert by_name[(0, 0, "F0")] == pytest.approx((0.0, 1e6))  # microseconds from the step's first action
+    assert by_name[(0, 0, "B1")] == pytest.approx((5e6, 1e6))
+    assert by_name[(1, 1, "F1")] == pytest.approx((3e6, 1e6))
+    names = {(e["pid"], e.get("tid"), e["args"]["name"]) for e in events if e["ph"] == "M"}
+    assert names == {(0, None, "rank 0"), (1, None, "rank 1"), (0, 0, "stage 0"), (1, 1, "stage 1")}
 
 
 class FakeCudaEvent:
@@ -122,7 +169,8 @@ def test_the_timeline_image_reaches_tensorboard(pipeline_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     result = pipeline_run[0]
-    assert result["image_shape"] == [62, 800, 3]  # two rows of 24 px, 800 px of time
+    assert result["image_shape"] == [figure_height(2), 800, 3]  # two rows, 800 px wide
+    assert result["title"].startswith("measured bubble ") and result["title"].endswith(" (1f1b, pp=2, m=4)")
     colors = {tuple(c) for c in result["image_colors"]}
     assert {(BACKGROUND,) * 3, COLORS["F"], COLORS["B"]} <= colors
     events = EventAccumulator(result["log_dir"], size_guidance={"images": 0})
@@ -130,6 +178,15 @@ def test_the_timeline_image_reaches_tensorboard(pipeline_run):
     assert "pipeline/timeline" in events.Tags()["images"]
     # batches 2 and 4, logged after their optimizer steps
     assert [e.step for e in events.Images("pipeline/timeline")] == [3, 5]
+
+
+@pytest.mark.multiprocess
+def test_rank_0_writes_every_rank_s_actions_as_a_trace_per_recorded_step(pipeline_run):
+    traces = pipeline_run[0]["traces"]
+    assert sorted(traces) == ["pipeline_step3.json", "pipeline_step5.json"]  # batches 2 and 4, as the images
+    actions = [e for e in traces["pipeline_step5.json"]["traceEvents"] if e["ph"] == "X"]
+    assert sorted((e["pid"], e["tid"]) for e in actions) == [(0, 0)] * 8 + [(1, 1)] * 8
+    assert [e["name"] for e in actions if e["pid"] == 0] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
 
 
 def test_without_a_pipeline_it_says_so_and_logs_nothing(tmp_path):

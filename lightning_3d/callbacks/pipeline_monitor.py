@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -44,6 +47,29 @@ def measured_bubble(rows: list[list[Action]]) -> float:
     return 1.0 - busy / (len(rows) * span) if span > 0 else 0.0
 
 
+def bubble_title(measured: float, theory: float, schedule: str, pp: int, microbatches: int) -> str:
+    """The picture's title: e.g. "measured bubble 35% vs theoretical 20% (1f1b, pp=2, m=4)"."""
+    return f"measured bubble {measured:.0%} vs theoretical {theory:.0%} ({schedule}, pp={pp}, m={microbatches})"
+
+
+def chrome_trace(rows_of_rank: dict[int, list[Action]]) -> dict:
+    """One recorded step in the Chrome trace-event format (opens in https://ui.perfetto.dev and
+    chrome://tracing): an "X" event per action named "F3"/"B3"/"W3" (kind, micro-batch), ``pid`` the global
+    rank, ``tid`` the stage, ``ts``/``dur`` in microseconds from the step's first action on any rank."""
+    actions = [a for row in rows_of_rank.values() for a in row]
+    t0 = min((a.start for a in actions), default=0.0)
+    events = []
+    for rank, row in sorted(rows_of_rank.items()):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for stage in sorted({a.stage for a in row}):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": stage,
+                           "args": {"name": f"stage {stage}"}})
+        events += [{"ph": "X", "name": f"{a.kind}{a.microbatch}", "pid": rank, "tid": a.stage,
+                    "ts": (a.start - t0) * 1e6, "dur": (a.end - a.start) * 1e6,
+                    "args": {"microbatch": a.microbatch}} for a in row]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
 class PipelineMonitor(L.Callback):
     """Every ``every_n_steps`` training batches (default: the Trainer's ``log_every_n_steps``; never the first
     batch, which carries the schedule's one-time set-up) records when each forward and backward of each
@@ -54,7 +80,15 @@ class PipelineMonitor(L.Callback):
     * ``pipeline/bubble_theory`` -- the schedule's ideal (``theoretical_bubble``), for comparison;
     * ``pipeline/timeline`` -- to a TensorBoard logger, an image of global rank 0's pipeline in that step:
       a row per stage (stage 0 on top), time left to right, forward blue, backward green, weight gradient
-      orange (zero-bubble schedules), micro-batches in alternating shades, the bubble white.
+      orange (zero-bubble schedules), micro-batches in alternating shades, the bubble white. With matplotlib
+      (``pip install lightning-3d[plots]``) it is labelled: "stage s (rank g)" per row, the micro-batch number
+      on each bar, ms since the step's start, a legend, and the title "measured bubble X% vs theoretical Y%
+      (schedule, pp, m)" (X for the pipeline shown); without matplotlib, the same bars unlabelled;
+    * with ``trace_dir``, on global rank 0, ``trace_dir/pipeline_step{global_step}.json`` per recorded step:
+      every rank's actions as a Chrome trace (:func:`chrome_trace`; open it in https://ui.perfetto.dev). It
+      holds the timed forward/backward/weight-gradient calls only. The send/recv and collectives on their CUDA
+      streams are what ``torch.profiler`` would add on a GPU (``torch.profiler.profile`` around a step,
+      ``export_chrome_trace``, one file per rank); this callback does not run the profiler.
 
     The engine builds timed pipeline stages only when this callback is present; the timelines reach rank 0
     through one all-gather in which every rank takes part. On CUDA each timed action is a pair of CUDA events
@@ -69,14 +103,19 @@ class PipelineMonitor(L.Callback):
         # TensorBoard: pipeline/bubble_measured vs pipeline/bubble_theory (0.11), IMAGES tab: pipeline/timeline
     """
 
-    def __init__(self, every_n_steps: int | None = None, image_width: int = 800) -> None:
+    def __init__(self, every_n_steps: int | None = None, image_width: int = 800,
+                 trace_dir: str | Path | None = None) -> None:
         self.every_n_steps = every_n_steps
         self.image_width = image_width
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.last_rows: list[list[Action]] = []
         """Rank 0's pipeline in the last recorded batch: the actions of each stage's rank."""
         self.last_image: torch.Tensor | None = None
         """The picture of ``last_rows`` ((H, W, 3) uint8), on global rank 0."""
         self.bubble_theory: float | None = None
+        self.title = ""
+        """The picture's title (:func:`bubble_title`) for ``last_rows``."""
+        self._schedule: tuple[str, int, int] = ("", 0, 0)  # name, pp, micro-batches: for the title
         self._timeline: PipelineTimeline | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -88,6 +127,7 @@ class PipelineMonitor(L.Callback):
         dims = dims_of(trainer)
         self.bubble_theory = theoretical_bubble(engine.schedule_name, dims.pp, engine.num_microbatches,
                                                 engine.num_stages // dims.pp)
+        self._schedule = (engine.schedule_name, dims.pp, engine.num_microbatches)
         if engine.timeline is None:
             engine.timeline = PipelineTimeline(pl_module.device)
         self._timeline = engine.timeline
@@ -108,11 +148,17 @@ class PipelineMonitor(L.Callback):
         dims = dims_of(trainer)
         pipelines = {tuple(dims.group_ranks("pp", rank)) for rank in range(dims.world_size)}
         bubbles = [measured_bubble([[Action(*a) for a in every[r]] for r in ranks]) for ranks in pipelines]
-        self.last_rows = [[Action(*a) for a in every[r]] for r in dims.group_ranks("pp", 0)]
+        shown = dims.group_ranks("pp", 0)  # global rank 0's pipeline
+        self.last_rows = [[Action(*a) for a in every[r]] for r in shown]
         pl_module.log_dict({"pipeline/bubble_measured": sum(bubbles) / len(bubbles),
                             "pipeline/bubble_theory": self.bubble_theory}, on_step=True, on_epoch=False)
         if trainer.is_global_zero:
-            self.last_image = draw_timeline(self.last_rows, self.image_width)
+            self.title = bubble_title(measured_bubble(self.last_rows), self.bubble_theory, *self._schedule)
+            self.last_image = draw_timeline(self.last_rows, self.image_width, shown, self.title)
+            if self.trace_dir is not None:
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+                trace = chrome_trace({r: [Action(*a) for a in row] for r, row in enumerate(every)})
+                (self.trace_dir / f"pipeline_step{trainer.global_step}.json").write_text(json.dumps(trace))
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_image("pipeline/timeline", self.last_image, trainer.global_step,
