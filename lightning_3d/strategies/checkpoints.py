@@ -133,7 +133,8 @@ class ShardedCheckpoints:
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or hasattr(dataloader, "load_state_dict"):
             return dataloader
-        return ResumableLoader(dataloader, self._batches_done,
+        epoch = lambda: trainer.fit_loop.epoch_progress.current.processed  # the epoch Lightning's set_epoch gives
+        return ResumableLoader(dataloader, self._batches_done, epoch=epoch,
                                skipping=lambda: self._phase("set-up: skipping to the resume point", "setup_timeout"))
 
     def _batches_done(self) -> int:
