@@ -6,7 +6,8 @@ global region it holds (``checkpoint.boxes.local_boxes``: one box, or several fo
 PATH and copied in. No rank reads, or holds in memory, more than its share plus the tensor being read.
 
 PATH may be
-* a safetensors file (read through a memory map, slice by slice: ``safetensors_io.SafetensorsReader``);
+* a safetensors file of any dtype the ``safetensors`` package reads (FP8 included), slice by slice from a
+  memory map (``safetensors.safe_open(...).get_slice``, through ``safetensors_io.SafetensorsReader``);
 * a directory of safetensors files with ``model.safetensors.index.json`` (the Hugging Face layout);
 * a ``torch.save`` file of a state dict, or a Lightning ``.ckpt`` file (its ``state_dict``), loaded with
   ``mmap=True`` so only the slices read are paged in;
@@ -19,6 +20,13 @@ weight stored once (``Plan.tied_parameters``) is read for both ends. A key the c
 shape that differs, or a dtype of another kind (integers for a float weight; float formats convert), is an
 error naming the tensor, raised before anything is copied; so are a truncated file and a half-written
 checkpoint directory.
+
+Why not DCP's ``HuggingFaceStorageReader`` for a Hugging Face directory: it reads the same slices the same way
+(``get_slice``) and gave the same weights in about the same CPU time (tp rank 0 of 2, best of 7 loads: 0.19 s
+against 0.25 s here for a 260 MiB GPT, 0.27 s against 0.25 s for a 212 MiB Llama), but it keeps each file's map
+open for the whole load, so its peak RSS grew 176-192 and 144-151 MiB against 64-124 and 79-85 MiB here; it
+reads directories only (not one file, a torch file or our checkpoints), takes no renames, and a tied weight
+stored once (Hugging Face's way) needs a second load under the other name: more code around it, not less.
 """
 
 from __future__ import annotations
