@@ -1,7 +1,9 @@
 """The parity harness: run one training case in one process and under a layout, and compare.
 
 A :class:`Case` is plain data (JSON-able), so one launch of N ranks (``launch``) can run many cases in a row:
-process start-up (importing torch and Lightning on every rank) is paid once per launch, not per layout.
+process start-up (importing torch and Lightning) is paid once per launch, not per layout -- and not even
+once per launch: the ranks are forked from one interpreter per test session that imported it all
+(tests/forkrun.py).
 Each run records the global per-step loss (mean over all ranks) and the full parameters after training
 (gathered from whatever shards and stages hold them), keyed by their single-device FQNs.
 
@@ -13,9 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, HFCausalLMModule, SyntheticDataModule
+from launchers import GLOO_EXIT_ABORT, end_process_group, forkrun, run_forked, run_to_end, torchrun  # noqa: F401
 from toy_model import ToyLightningModule
 from user_models import LlamaStyleModule, NanoGPTModule, UserLlamaModule
 
@@ -41,6 +42,12 @@ is linear in the gradient: a rounding error dg then moves a weight by lr * dg / 
 1e-3 = 1e-8), and above it by lr times the gradient's relative error (~1e-6), so 6 steps stay near 1e-7 and
 the 1e-5 parameter tolerance holds with a margin of ~100 on any CPU (measured on cases that failed at
 eps=1e-8 on another machine: Llama tp2 tied 5.9e-5 -> 1.2e-7, GPT tp2 clipped 1.1e-5 -> 1.2e-7)."""
+
+SWEEP_STEPS = 3
+"""Steps of the layout sweeps (test_parity_pipeline, test_parity_zero; 5 until issue 18, which cost them 30%
+more): the warm-up step at half the learning rate, then two at the full rate with Adam's moments of the steps
+before. What a layout can get wrong -- a gradient, its reduction over dp or tp, a shard's optimizer state, the
+schedule's order, accumulation -- shows in the per-step losses and gradient norms or the parameters by then."""
 
 
 @dataclass(kw_only=True)
@@ -309,57 +316,12 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return merged
 
 
-def run_to_end(cmd: list[str], *, env: dict, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd)`` with captured text output, in a session of its own: on timeout the whole
-    process group is killed (torchrun's ranks too, which killing torchrun alone would leave running)."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = None,
-             rank_files: Path | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nprocs ARGS`` with one thread per rank; fails the test with the
-    ranks' stderr if it exits non-zero, and within ``timeout`` seconds if it hangs.
-
-    With ``rank_files`` (the folder where each rank writes ``rank{N}.json`` when its work is done): a rank that
-    gloo aborted on its way out (``GLOO_EXIT_ABORT``) after every file was written is a warning, not a failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
-    proc = run_to_end(cmd, env=env, timeout=timeout, cwd=cwd)
-    written = rank_files is not None and all((rank_files / f"rank{r}.json").exists() for r in range(nprocs))
-    if proc.returncode != 0 and written and GLOO_EXIT_ABORT in proc.stderr:
-        warnings.warn(f"torchrun exited with {proc.returncode} after every output was written: {proc.stderr[-1500:]}")
-        return proc
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
-GLOO_EXIT_ABORT = "terminate called without an active exception"
-
-
-def end_process_group() -> None:
-    """End a worker: destroy its process group, then leave without running C++ static destructors. Left to
-    interpreter exit, gloo has been seen to abort a rank (``GLOO_EXIT_ABORT``) after all its work was done."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 # ---------------------------------------------------------------------------------------------- launch
 
 
 def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) -> dict[str, Result]:
-    """Run ``cases`` one after another in one launch of ``nprocs`` ranks (torchrun, gloo); results by name.
+    """Run ``cases`` one after another in one launch of ``nprocs`` ranks (gloo; forked, :func:`forkrun`);
+    results by name.
 
     A hang or a crash fails within ``timeout`` seconds with the ranks' output, never silently. A non-zero exit
     after every case has saved its result (once seen: a rank dying at interpreter exit, after the last case)
@@ -367,13 +329,10 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
     out_dir.mkdir(parents=True, exist_ok=True)
     cases_file = out_dir / "cases.json"
     cases_file.write_text(json.dumps([asdict(c) for c in cases]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-        str(TESTS_DIR / "parity_worker.py"), str(cases_file), str(out_dir),
-    ]
+    args = [str(TESTS_DIR / "parity_worker.py"), str(cases_file), str(out_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
-        proc = run_to_end(cmd, env=env, timeout=timeout)
+        proc = run_forked(nprocs, args, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")[-4000:]
         raise AssertionError(f"launch of {nprocs} ranks did not finish within {timeout}s:\n{tail}") from err

@@ -5,6 +5,7 @@
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -15,10 +16,12 @@ from harness import Case, end_process_group, run_distributed
 def main(cases_file: str, out_dir: str) -> None:
     for raw in json.loads(Path(cases_file).read_text()):
         case = Case(**raw)
+        started = time.perf_counter()
         result = run_distributed(case)
         if result is not None:
             torch.save(result, Path(out_dir) / f"{case.name}.pt")
-            print(f"[parity] {case.name}: losses {['%.6f' % x for x in result.losses]}", flush=True)
+            print(f"[parity] {case.name}: losses {['%.6f' % x for x in result.losses]}"
+                  f" ({time.perf_counter() - started:.1f} s)", flush=True)
     end_process_group()
 
 

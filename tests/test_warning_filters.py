@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from harness import torchrun
+from harness import forkrun, torchrun
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.fsdp_policies import warn_about_no_ops
@@ -28,7 +28,8 @@ def test_a_deprecation_reported_at_our_call_is_an_error():
 
 
 @pytest.mark.multiprocess
-def test_a_warning_of_ours_fails_a_launched_rank(tmp_path):
+@pytest.mark.parametrize("launcher", [torchrun, forkrun], ids=["torchrun", "forkrun"])
+def test_a_warning_of_ours_fails_a_launched_rank(tmp_path, launcher):
     script = tmp_path / "warns.py"
     script.write_text(textwrap.dedent("""
         import torch
@@ -39,4 +40,4 @@ def test_a_warning_of_ours_fails_a_launched_rank(tmp_path):
         warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), torch.device("cpu"))
     """))
     with pytest.raises(AssertionError, match=f"UserWarning: {NO_OP_ZERO}"):
-        torchrun(1, str(script), timeout=120)
+        launcher(1, str(script), timeout=120)
