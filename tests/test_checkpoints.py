@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from harness import Case, reference_for, run_to_end, torchrun
+from harness import Case, forkrun, reference_for, run_forked
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 from lightning_3d.models import GPT, GPTConfig
@@ -29,11 +29,10 @@ def _launch(nprocs: int, jobs: list[dict], out: Path, expect_failure: bool = Fal
     args = [str(TESTS_DIR / "ckpt_worker.py"), str(out / "jobs.json"), str(out)]
     if expect_failure:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
-        proc = run_to_end(cmd, env=env, timeout=300)
+        proc = run_forked(nprocs, args, env=env, timeout=300)
         assert proc.returncode != 0, "the launch was expected to die"
     else:
-        torchrun(nprocs, *args, timeout=600)
+        forkrun(nprocs, *args, timeout=600)
     return {job["name"]: torch.load(out / f"{job['name']}.pt", weights_only=False)
             for job in jobs if (out / f"{job['name']}.pt").exists()}
 

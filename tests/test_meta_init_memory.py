@@ -19,6 +19,8 @@ RANKS = 8
 
 
 def test_each_rank_holds_and_allocates_only_its_share(tmp_path):
+    # torchrun, not forkrun: a forked rank faults in again the library pages its parent had touched and
+    # counts them as growth (measured: 37 -> 52 MiB peak RSS growth per rank).
     torchrun(RANKS, str(Path(__file__).parent / "meta_init_worker.py"), str(tmp_path), timeout=300,
              rank_files=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]

@@ -1,6 +1,6 @@
 """Data parallel (tp = pp = 1) matches one process and Lightning's DDPStrategy, step by step.
 
-One torchrun launch per world size runs every case of that size (start-up is paid once)."""
+One launch per world size runs every case of that size (start-up is paid once)."""
 
 import pytest
 

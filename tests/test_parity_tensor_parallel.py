@@ -1,7 +1,7 @@
 """Tensor (and sequence) parallel matches one process, step by step, alone and combined with data parallel,
 with gradient clipping by the global norm too.
 
-One torchrun launch per world size runs every case of that size."""
+One launch per world size runs every case of that size."""
 
 import pytest
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import torchrun
+from harness import forkrun
 from lightning_3d.models import GPT
 from lightning_3d.planner import PRECISIONS, Layout, ModelSpec
 from lightning_3d.planner.memory import step_gradient_bytes
@@ -21,7 +21,7 @@ DP = 4
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_memory")
-    proc = torchrun(DP, str(Path(__file__).parent / "zero_memory_worker.py"), str(out), timeout=300, rank_files=out)
+    proc = forkrun(DP, str(Path(__file__).parent / "zero_memory_worker.py"), str(out), timeout=300, rank_files=out)
     return out, proc.stdout + proc.stderr
 
 
