@@ -1,18 +1,16 @@
 """The 3D sweep: every layout of DESIGN.md x every pipeline schedule matches one process, step by step.
 
 Per-step losses (the value training_step returns on every rank and the one self.log hands the logger on
-rank 0) and all parameters after 5 AdamW steps, gathered by their single-device names, at atol 1e-5.
-One torchrun launch per world size runs every case of that size."""
+rank 0) and all parameters after ``SWEEP_STEPS`` (3) AdamW steps, gathered by their single-device names, at
+atol 1e-5.
+One launch per world size runs every case of that size."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from harness import Case, assert_parity, launch_by_world_size, reference_for, torchrun
+from harness import SWEEP_STEPS, Case, assert_parity, forkrun, launch_by_world_size, reference_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,9 +26,9 @@ def sweep_case(dp, pp, tp, schedule="1f1b", learning_rate=3e-3, model=GPT8, **kw
         strategy.update(pipeline_schedule=schedule, virtual_pipeline_size=SCHEDULES[schedule], num_microbatches=4)
     name = f"dp{dp}_pp{pp}_tp{tp}" + (f"_{schedule}" if pp > 1 else "")
     # lr 3e-3: Adam turns rounding noise in near-zero gradients into steps of size lr; at 1e-2 an 8-block
-    # model drifts 3e-5 from the reference after 5 steps in any layout, losses still within 1e-6.
-    return Case(name=name, dp=dp, strategy_kwargs=strategy, steps=5, model=model, learning_rate=learning_rate,
-                **kwargs)
+    # model drifted 3e-5 from the reference after 5 steps in any layout, losses still within 1e-6.
+    return Case(name=name, dp=dp, strategy_kwargs=strategy, steps=SWEEP_STEPS, model=model,
+                learning_rate=learning_rate, **kwargs)
 
 
 CASES = {c.name: c for c in [
@@ -80,14 +78,7 @@ def test_matches_single_process(name, results):
 
 
 def _eval_run(tmp_path, pp):
-    worker = str(Path(__file__).parent / "eval_worker.py")
-    if pp > 1:
-        torchrun(pp, worker, str(tmp_path), str(pp), rank_files=tmp_path)
-    else:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, worker, str(tmp_path), "1"], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    forkrun(pp, str(Path(__file__).parent / "eval_worker.py"), str(tmp_path), str(pp), rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(pp)]
 
 

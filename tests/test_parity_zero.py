@@ -1,14 +1,14 @@
 """ZeRO stages 1, 2, 3 (FSDP2 over "dp") match one process, step by step, with tp and pp > 1.
 
-Per-step losses, global gradient norms and all parameters after 5 AdamW steps, gathered by their
-single-device names, at atol 1e-5 -- for each stage at (dp, pp, tp) = (2,1,1) (2,1,2) (2,2,1) (2,2,2), under
-1F1B, GPipe and interleaved 1F1B, with gradient clipping by the global norm, with accumulation, with
+Per-step losses, global gradient norms and all parameters after ``SWEEP_STEPS`` (3) AdamW steps, gathered by
+their single-device names, at atol 1e-5 -- for each stage at (dp, pp, tp) = (2,1,1) (2,1,2) (2,2,1) (2,2,2),
+under 1F1B, GPipe and interleaved 1F1B, with gradient clipping by the global norm, with accumulation, with
 sequence parallelism and with activation checkpointing.
-One torchrun launch per world size runs every case of that size."""
+One launch per world size runs every case of that size."""
 
 import pytest
 
-from harness import Case, assert_parity, launch_by_world_size, reference_for
+from harness import SWEEP_STEPS, Case, assert_parity, launch_by_world_size, reference_for
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,7 +22,8 @@ def zero_case(zero, dp, pp, tp, schedule="1f1b", **kwargs):
         strategy.update(pipeline_schedule=schedule, virtual_pipeline_size=VIRTUAL[schedule], num_microbatches=4)
     name = f"zero{zero}_dp{dp}_pp{pp}_tp{tp}" + (f"_{schedule}" if pp > 1 else "")
     name += "".join(f"_{k}{v}" for k, v in kwargs.items())
-    return Case(name=name, dp=dp, strategy_kwargs=strategy, steps=5, model=GPT4, learning_rate=3e-3, **kwargs)
+    return Case(name=name, dp=dp, strategy_kwargs=strategy, steps=SWEEP_STEPS, model=GPT4, learning_rate=3e-3,
+                **kwargs)
 
 
 LAYOUTS = [(2, 1, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2)]  # (dp, pp, tp)
