@@ -8,6 +8,7 @@ restarts, Slurm, a rank's peak memory)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -120,12 +121,16 @@ class _ForkServer:
             self.proc = subprocess.Popen([*FORKRUN, "--serve"], env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         self._pending = b""
+        self._launch_pgid: int | None = None
         atexit.register(self.close)
         self._reply(time.monotonic() + SERVER_START_TIMEOUT_S)  # {"ready": pid}: imports done
 
     def close(self) -> None:
         """End the server (it leaves when its stdin closes) and reap it, so that its CPU time, and its
         launches', count as this process's children's, as a launch's own processes would."""
+        if self._launch_pgid is not None:  # interrupted mid-launch (Ctrl-C): it must not outlive the tests
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._launch_pgid, signal.SIGKILL)
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
@@ -145,13 +150,15 @@ class _ForkServer:
         deadline = time.monotonic() + timeout
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        pgid = self._reply(deadline)["pgid"]
+        self._launch_pgid = self._reply(deadline)["pgid"]
         try:
             code = self._reply(deadline)["exit"]
         except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(self._launch_pgid, signal.SIGKILL)
             self._reply(time.monotonic() + 60)  # the server reaps the launch and says so
+            self._launch_pgid = None
             raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(), stderr=err.read_text()) from None
+        self._launch_pgid = None  # left set only when interrupted (KeyboardInterrupt): close() kills the launch
         return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 
     def _reply(self, deadline: float) -> dict:
