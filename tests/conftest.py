@@ -24,3 +24,25 @@ def shared_runs(tmp_path_factory):
     from hf_cases import hf_results
 
     return hf_results(tmp_path_factory)
+
+
+
+# The environment every test starts from (see each_test_starts_without_a_process_group).
+_SESSION_ENVIRON = dict(os.environ)
+
+
+@pytest.fixture(autouse=True)
+def each_test_starts_without_a_process_group():
+    """Tests share one pytest process, and a Trainer run in it (in a test or a module's fixture) leaves its
+    default process group and the variables it set (MASTER_PORT, ...) behind, as Lightning does so that fit and
+    test can follow each other. Left there, the next test's ``init_process_group`` fails, a worker it launches
+    inherits a port that is taken, and a layout check reads the old world size. Each test starts from the
+    process as the session began."""
+    import torch.distributed as dist
+
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name in set(os.environ) - set(_SESSION_ENVIRON) - {"PYTEST_CURRENT_TEST"}:  # pytest's own, per phase
+        del os.environ[name]
+    os.environ.update(_SESSION_ENVIRON)
