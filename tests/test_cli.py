@@ -42,7 +42,7 @@ def test_example_config_prints_a_complete_resolved_config(config, capsys):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name, layout, overrides", [
-    ("gpt_tiny_dp_cpu.yaml", "dp=2 x pp=1 x tp=1 = 2 ranks", []),
+    # gpt_tiny_dp_cpu.yaml: test_a_run_without_a_thread_count_... (one launch checks both)
     ("gpt_tiny_tp_cpu.yaml", "dp=2 x pp=1 x tp=2 = 4 ranks", []),
     ("gpt_tiny_3d_cpu.yaml", "dp=2 x pp=2 x tp=2 = 8 ranks", []),
     ("gpt_tiny_zero_cpu.yaml", "dp=2 x pp=1 x tp=2 = 4 ranks", []),
@@ -170,7 +170,8 @@ def test_torchrun_world_that_disagrees_with_the_config_fails_on_every_rank_befor
 
 @pytest.mark.multiprocess
 def test_a_run_without_a_thread_count_splits_the_cpus_and_prints_each_line_once(tmp_path):
-    """The README's way in, with nothing set (issue 18): no OMP_NUM_THREADS, Lightning's launcher, 2 ranks.
+    """The README's way in, with nothing set (issue 18): no OMP_NUM_THREADS, Lightning's launcher, 2 ranks
+    (gpt_tiny_dp_cpu.yaml, checked here as the other example configs are in the test above).
     Each rank gets its share of the CPUs (torch's default is all of them, per rank); Lightning's own pytree
     deprecation warning and its per-rank set-up lines do not repeat per rank; the bar counts steps."""
     from warning_filters import _our_modules
@@ -180,8 +181,10 @@ def test_a_run_without_a_thread_count_splits_the_cpus_and_prints_each_line_once(
     # Our warnings still fail the run; the third-party ones the tests ignore (warning_filters.IGNORED) show.
     env["PYTHONWARNINGS"] = ",".join(f"error::Warning:{name}" for name in _our_modules())
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    proc = run_to_end([sys.executable, "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.max_steps=2",
-                       "--trainer.limit_val_batches=0", "--trainer.logger=false",
+    # The same settings as test_cpu_config_trains_a_few_steps_with_the_3d_strategy gives the other configs.
+    proc = run_to_end([sys.executable, "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.max_steps=4",
+                       "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
+                       "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
                        "--trainer.callbacks+=cli_probe.RankProbe", f"--trainer.callbacks.out_dir={tmp_path}"],
                       env=env, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
@@ -197,7 +200,12 @@ def test_a_run_without_a_thread_count_splits_the_cpus_and_prints_each_line_once(
         *(["Lightning's LeafSpec warning shown"] if "LeafSpec" in out else []),
         *(["rank 1's set-up lines shown"] if "GLOBAL_RANK: 1" in out or "[rank: 1] Seed set to" in out else []),
         *(["rank 0's set-up line missing"] if "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" not in out else []),
-        *(["the progress bar does not count steps"] if "step 2/2" not in out or "/-2" in out else []),
+        *(["the progress bar does not count steps"] if "step 4/4" not in out or "/-4" in out else []),
+        # What the config test checks of every example config.
+        *(["no layout line"] if "dp=2 x pp=1 x tp=1 = 2 ranks" not in out else []),
+        *(["max_steps not reached"] if "`Trainer.fit` stopped: `max_steps=4` reached" not in out else []),
+        *(["no memory line"] if "lightning_3d: memory per rank (MiB, min-max over" not in out else []),
+        *(["no TensorBoard event file"] if not list((tmp_path / "logs").rglob("events.out.tfevents.*")) else []),
     ]
     assert not problems, (problems, out[-4000:])
 
