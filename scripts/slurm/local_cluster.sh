@@ -23,6 +23,9 @@ nodes=${3:-2}
 cpus=${4:-4}
 conf=$dir/slurm.conf
 export SLURM_CONF=$conf
+# Debian puts the daemons and mungekey in the sbin directories, which a non-login shell or a cleaned
+# environment (env -i, as scripts/fresh_clone_check.sh runs the tests) may leave off PATH.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
 log() { echo "local_cluster: $*" >&2; }
 
