@@ -104,7 +104,7 @@ def run_conformance(strategy, devices: int, dp: int, out_dir: Path, mask_rate: f
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, accumulate_grad_batches=2,
         val_check_interval=3,  # after batches 3 and 6: the first inside an accumulation window
         gradient_clip_val=0.5, logger=CSVLogger(out_dir / "logs"), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False,  # Lightning's sanity check (2 batches) on, as a user's run has it
         callbacks=[outputs, checkpoint, EarlyStopping(monitor="val_loss", patience=10),
                    LearningRateMonitor(logging_interval="step")],
     )

@@ -143,6 +143,11 @@ class PipelineEngine:
         held_in_fsdp = not sync_grads and any(isinstance(m, FSDPModule) for m in self.stages.values())
         if finish_grads is not None and not held_in_fsdp:
             finish_grads(self.module)
+        if any(a is not b for a, b in zip(params, (p for p in self.module.parameters() if p.requires_grad))):
+            # The gradients went to Parameter objects the module no longer holds (FSDP2 left its gathered ones
+            # registered when the step began): the optimizer would step on none of them, silently.
+            raise RuntimeError("The module's parameters were replaced during the pipelined step; its gradients"
+                               " would be lost. Please report this with the layout and the Lightning hooks used.")
         self._step_grads = [(p, p.grad) for p in params]
         for p, grad in zip(params, previous):
             p.grad = grad
