@@ -29,6 +29,10 @@ STEP = 2
 # Short where a hang is the point; for a raising rank long, so that a slow step on a loaded host (8 ranks on
 # 2 cores) is not reported as a hang before the injected failure.
 HANG_TIMEOUT = {"slow_phases": 3, "hang": 5}.get(WHERE, 120)
+# How long a reporting rank waits for the others to print what they wait in (ThreeDStrategy(exit_timeout=)).
+# The hang test needs every rank's report: on a loaded host (8 ranks of other tests on 2 cores) 5 s was once
+# too short for one rank's ack (3 of 4 reports, a fresh clone under ATEN_CPU_CAPABILITY=default).
+EXIT_TIMEOUT = 15 if WHERE == "hang" else 5
 SLOW_S = 1.5 * HANG_TIMEOUT  # a slow phase (set-up, a checkpoint's save or load): longer than hang_timeout
 
 
@@ -118,7 +122,7 @@ class FailingLoader:
 def fit(layout: str, max_steps: int, callbacks: list, **fit_kwargs) -> None:
     dp, pp, tp = map(int, layout.split(","))
     strategy = ThreeDStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                              hang_timeout=HANG_TIMEOUT, exit_timeout=5)
+                              hang_timeout=HANG_TIMEOUT, exit_timeout=EXIT_TIMEOUT)
     trainer = L.Trainer(accelerator="cpu", devices=dp * pp * tp, strategy=strategy, max_steps=max_steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=callbacks)
