@@ -26,7 +26,6 @@ def shared_runs(tmp_path_factory):
     return hf_results(tmp_path_factory)
 
 
-
 # The environment every test starts from (see each_test_starts_without_a_process_group).
 _SESSION_ENVIRON = dict(os.environ)
 

@@ -50,11 +50,11 @@ class GradSyncStage(PipelineStage):
         if not self.has_backward:
             # A forward-only (evaluation) step: the schedule still ends with this, which would scale -- and
             # under FSDP2 reduce -- the gradients that training accumulated so far (validation inside an
-            # accumulation window: val_check_interval=3, accumulate_grad_batches=2). Only the parent's reshard
-            # is wanted: FSDP2 leaves parameters gathered after a forward (for the backward that
-            # would follow), and the module would keep the gathered Parameter objects registered: the next
-            # training step's gradients would land on those, not on the sharded parameters the optimizer
-            # steps (measured at dp2 x pp2: the first step after Lightning's sanity check updated nothing).
+            # accumulation window: val_check_interval=3, accumulate_grad_batches=2). Of its work only the
+            # reshard is wanted: FSDP2 leaves parameters gathered after a forward (for the backward that would
+            # follow), and the gathered Parameter objects would stay registered: the next training step's
+            # gradients would land on those, not on the sharded parameters the optimizer steps (measured at
+            # dp2 x pp2: the first step after Lightning's sanity check updated nothing).
             for module in self.submod.modules():  # each FSDP2 unit (blocks, the stage) reshards only its own
                 if isinstance(module, FSDPModule):
                     module.reshard()
