@@ -5,6 +5,8 @@ message, and whether a process group existed afterwards (it must not: the error 
 collective, or ranks could hang).
 
     python -m torch.distributed.run --nproc-per-node 2 bad_config_worker.py OUT_DIR CASE [CASE ...]
+
+(the cases are for 2 ranks; tp_shapes_inside_a_pipeline_stage for 4)
 """
 
 import json
@@ -157,6 +159,9 @@ CASES = {
         ThreeDStrategy(pipeline_parallel_size=2, pipeline_split=[["model.blocks.0"], ["model.blocks.7"]]),
         GPTLightningModule(config=TINY)),
     "tp_shapes_a_head_count_auto_does_not_know": lambda: (ThreeDStrategy(tensor_parallel_size=2), HeadsModel(config=TINY)),
+    # Launched on 4 ranks (test_shape_check): the check runs inside a pipeline stage.
+    "tp_shapes_inside_a_pipeline_stage": lambda: (ThreeDStrategy(tensor_parallel_size=2, pipeline_parallel_size=2),
+                                                  HeadsModel(config=TINY), SyntheticDataModule(seq_len=16, batch_size=4)),
     "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
     "resume_from_a_missing_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
                                                  {"ckpt_path": "no/such/last.ckpt"}),
@@ -180,7 +185,7 @@ def main(out_dir: str, names: list[str]) -> None:
         try:
             strategy, module, *rest = CASES[name]()
             data, trainer_kwargs, fit_kwargs = [*rest, *[None, {}, {}][len(rest):]]
-            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
+            trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=5, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 **trainer_kwargs)
             trainer.fit(module, data or SyntheticDataModule(seq_len=16, batch_size=2), **fit_kwargs)
