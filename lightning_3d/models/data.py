@@ -28,18 +28,21 @@ class SuccessorDataset(Dataset):
         )
         self.first_index = first_index  # validation sets use indices after the training ones
         self.successor = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
+        self._successor = self.successor.tolist()
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.first_index + index)
-        seq = torch.empty(self.seq_len + 1, dtype=torch.long)
-        seq[0] = torch.randint(self.vocab_size, (1,), generator=g)
-        random_tokens = torch.randint(self.vocab_size, (self.seq_len,), generator=g)
-        is_noise = torch.rand(self.seq_len, generator=g) < self.noise
+        first = int(torch.randint(self.vocab_size, (1,), generator=g))
+        random_tokens = torch.randint(self.vocab_size, (self.seq_len,), generator=g).tolist()
+        is_noise = (torch.rand(self.seq_len, generator=g) < self.noise).tolist()
+        # A recurrence, so a loop; over Python ints (indexing tensors element by element cost 1.8 ms a sample).
+        seq = [first]
         for t in range(self.seq_len):
-            seq[t + 1] = random_tokens[t] if is_noise[t] else self.successor[seq[t]]
+            seq.append(random_tokens[t] if is_noise[t] else self._successor[seq[t]])
+        seq = torch.tensor(seq, dtype=torch.long)
         return seq[:-1], seq[1:]
 
     def loss_floor(self) -> float:
