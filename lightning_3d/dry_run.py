@@ -22,6 +22,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from torch import nn
 
 from lightning_3d.checkpoint.pretrained import check_init_from
+from lightning_3d.common import parent_fqn
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.fsdp_policies import check_precision, warn_about_no_ops
@@ -211,7 +212,7 @@ def _ranks(dims: ParallelDims, pp_rank: int) -> str:
 
 def _names(fqns: list[str]) -> str:
     """``model.blocks.0-1`` for consecutive numbered siblings, else the names themselves."""
-    parents = {f.rpartition(".")[0] for f in fqns}
+    parents = {parent_fqn(f) for f in fqns}
     numbers = [f.rpartition(".")[2] for f in fqns]
     if len(parents) == 1 and all(n.isdigit() for n in numbers) and numbers:
         first, last = int(numbers[0]), int(numbers[-1])

@@ -7,8 +7,9 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_3d.common import local
 
 
 class GradientChecks:
@@ -37,17 +38,17 @@ class GradientChecks:
         self._module_hooks = []
         for module_name, module in root.named_modules():
             held = list(module.named_parameters(recurse=False))
-            for local, param in held:
-                name = first_name.setdefault(id(param), f"{module_name}.{local}" if module_name else local)
-                self._names[(id(module), local)] = name
+            for short, param in held:
+                name = first_name.setdefault(id(param), f"{module_name}.{short}" if module_name else short)
+                self._names[(id(module), short)] = name
                 self._hook(param, name)
             if held:
                 # prepend=False: runs after FSDP2's own pre-forward hook (prepended), which swaps its tensors in.
                 self._module_hooks.append(module.register_forward_pre_hook(self._hook_module_tensors))
 
     def _hook_module_tensors(self, module: nn.Module, args) -> None:
-        for local, tensor in module.named_parameters(recurse=False):
-            name = self._names.get((id(module), local))
+        for short, tensor in module.named_parameters(recurse=False):
+            name = self._names.get((id(module), short))
             if name is not None:  # None: a copy of the module (pipeline shape inference), or a parameter
                 # added after training started
                 self._hook(tensor, name)
@@ -60,7 +61,7 @@ class GradientChecks:
         if self.active:
             # A sum is finite unless an element is not (or the fp32 sum overflows, past 3e38): one reduction,
             # no boolean copy of the gradient, and no host sync until the optimizer step.
-            self._checks.append((name, torch.isfinite(_local(grad).sum(dtype=torch.float32))))
+            self._checks.append((name, torch.isfinite(local(grad).sum(dtype=torch.float32))))
 
     def first_not_finite(self, root: nn.Module, step: int) -> str | None:
         """The first parameter whose gradient was not finite in this step (those seen in backward, in backward
@@ -69,7 +70,7 @@ class GradientChecks:
         unseen = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None and name not in seen]
         if unseen:
             self._warn_unseen([name for name, _ in unseen], len(seen), step)
-        checks = self._checks + [(name, torch.isfinite(_local(grad).sum(dtype=torch.float32))) for name, grad in unseen]
+        checks = self._checks + [(name, torch.isfinite(local(grad).sum(dtype=torch.float32))) for name, grad in unseen]
         self._checks = []
         if not checks:
             return None
@@ -93,7 +94,3 @@ class GradientChecks:
             handle.remove()
         self._module_hooks = []
         self._hooked = WeakIdKeyDictionary()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

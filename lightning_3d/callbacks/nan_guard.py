@@ -8,11 +8,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from lightning_3d.callbacks.grad_checks import GradientChecks
 from lightning_3d.callbacks.layout import dims_of
+from lightning_3d.common import local
 
 ACTIONS = ("raise", "skip", "rollback")
 
@@ -103,8 +103,7 @@ class NaNGuard(L.Callback):
             return
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                if not bool(torch.isfinite(local.detach()).all()):
+                if not bool(torch.isfinite(local(tensor).detach()).all()):
                     self._first_bad_activation = name
                     return
 

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_3d.callbacks.layout import dims_of, pipeline_engine
 from lightning_3d.callbacks.timeline_image import draw_timeline
+from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES
 from lightning_3d.pipeline.timeline import Action, PipelineTimeline
 
 
@@ -24,7 +25,7 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual: int =
     * ``zero_bubble``: ``(pp - 1) / (3 * v * m + pp - 1)`` -- ZB-H1's bubble (Qi et al., 2023), a third of
       1F1B's when forward, input gradient and weight gradient take equal time; a lower bound, not a forecast.
     """
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in PIPELINE_SCHEDULES and schedule not in MULTI_STAGE_SCHEDULES:
         return (pp - 1) / (microbatches + pp - 1)
     if schedule == "interleaved_1f1b":
         return (pp - 1) / (virtual * microbatches + pp - 1)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from lightning_3d.errors import UnsafeCheckpointError
 from lightning_3d.models.gpt import GPTConfig
 
 
@@ -38,10 +39,6 @@ def _numpy_rng_types() -> list:
 
 OWN_TYPES: list = [GPTConfig]
 """Types our own modules save in a checkpoint's hyper-parameters (``GPTLightningModule(config=GPTConfig())``)."""
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A file that asks to run code, or to build objects of types not known to be safe, while it is read."""
 
 
 def torch_load(path: str | Path, *, what: str, opt_out: str = "", **kwargs: Any) -> Any:

@@ -30,15 +30,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_3d.checkpoint import atomic
 from lightning_3d.checkpoint.boxes import BoxesLoadPlanner, BoxesSavePlanner
 from lightning_3d.checkpoint.safe_load import CheckedReader, torch_load
+from lightning_3d.errors import CheckpointError
 
 FORMAT = "lightning_3d.dcp/1"
 META_FILE = "lightning_3d.meta.pt"
 RNG_DIR = "rng"
 TRUSTED_HINT = " (or, to run its code, pass weights_only=False to trainer.fit)"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete, or does not fit the model it is loaded into."""
 
 
 def save(path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]) -> None:

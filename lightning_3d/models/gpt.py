@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_3d.common import is_positive_int
+
 
 @dataclass(kw_only=True)
 class GPTConfig:
@@ -43,7 +45,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_ratio"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(

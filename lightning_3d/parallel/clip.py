@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.common import local
 from lightning_3d.parallel.dims import ParallelDims
 
 STAGE_COPIES = "_lightning_3d_stage_copies"
@@ -39,8 +40,8 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
     for param in parameters:
         if param.grad is None:
             continue
-        local, copies = local_piece(param.grad, dims, of=param)
-        local_squares.append(local.detach().float().pow(2).sum())
+        piece, copies = local_piece(param.grad, dims, of=param)
+        local_squares.append(piece.detach().float().pow(2).sum())
         squares.append(local_squares[-1] / copies)
     if not squares:
         return torch.zeros(()), torch.zeros(())
@@ -59,7 +60,7 @@ def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) ->
     # Every mesh dimension that is not Replicate splits the tensor; FSDP2 on a (dp, tp) mesh uses
     # _StridedShard for dp, which is not a Shard (is_shard() is False).
     distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-    return tensor.to_local(), dims.dp * dims.tp // distinct * stage_copies
+    return tensor.tolocal(), dims.dp * dims.tp // distinct * stage_copies
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:
@@ -69,7 +70,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: Paralle
     norm = global_grad_norm(parameters, dims)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for param in parameters:
-        _local(param.grad).mul_(scale.to(param.grad.dtype))
+        local(param.grad).mul_(scale.to(param.grad.dtype))
     return norm
 
 
@@ -77,8 +78,4 @@ def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
     """Clamp every gradient element to ``[-clip_value, clip_value]`` (elementwise: no communication)."""
     for param in parameters:
         if param.grad is not None:
-            _local(param.grad).clamp_(-clip_value, clip_value)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local(param.grad).clamp_(-clip_value, clip_value)

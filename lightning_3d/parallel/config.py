@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Union
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, is_positive_int
+from lightning_3d.errors import ParallelConfigError
+
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 MODEL_INIT = ("auto", "exact", "meta")
 PIPELINE_REDUCE_GRADS = ("per_step", "per_microbatch")
-
-
-class ParallelConfigError(ValueError):
-    """A layout or feature setting that cannot work; the message says which values and what to change."""
 
 
 @dataclass(kw_only=True)
@@ -91,7 +89,7 @@ class ParallelConfig:
         _require_choice("pipeline_reduce_grads", self.pipeline_reduce_grads, PIPELINE_REDUCE_GRADS)
         if self.pipeline_reduce_grads == "per_microbatch":
             _check_reduce_per_microbatch(self)
-        if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in MULTI_STAGE_SCHEDULES:
             raise ParallelConfigError(
                 f"virtual_pipeline_size={self.virtual_pipeline_size} needs an interleaved schedule, but"
                 f" pipeline_schedule={self.pipeline_schedule!r}. Set pipeline_schedule='interleaved_1f1b' (or"
@@ -106,7 +104,7 @@ class ParallelConfig:
                     " bubble small), or pipeline_schedule='gpipe'."
                 )
             rounds = max(1, m // pp)
-            if self.pipeline_schedule in ("interleaved_1f1b", "zero_bubble") and m % rounds:
+            if self.pipeline_schedule in MULTI_STAGE_SCHEDULES and m % rounds:
                 raise ParallelConfigError(
                     f"pipeline_schedule={self.pipeline_schedule!r} runs micro-batches in rounds of"
                     f" pipeline_parallel_size={pp}; num_microbatches={m} is not a multiple of its {rounds} rounds."
@@ -151,7 +149,7 @@ def _check_reduce_per_microbatch(config: ParallelConfig) -> None:
 
 
 def _require_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_positive_int(value):
         raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}.")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from lightning_3d.common import divisors, is_positive_int
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
@@ -57,7 +58,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}.")
 
     @classmethod
@@ -70,7 +71,7 @@ class ParallelDims:
                 raise ParallelConfigError(
                     f"pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp}) = {model_parallel} does not divide"
                     f" the world size {world_size} ({_WORLD}), so no data-parallel size fits."
-                    f" Choose tp * pp among the divisors of {world_size}: {_divisors(world_size)}."
+                    f" Choose tp * pp among the divisors of {world_size}: {divisors(world_size)}."
                 )
             return cls(dp=world_size // model_parallel, pp=pp, tp=tp)
         dp = config.data_parallel_size
@@ -78,7 +79,7 @@ class ParallelDims:
             fix = (
                 f" Set data_parallel_size='auto' (-> {world_size // model_parallel}),"
                 if world_size % model_parallel == 0
-                else f" Choose tp * pp among the divisors of {world_size}: {_divisors(world_size)},"
+                else f" Choose tp * pp among the divisors of {world_size}: {divisors(world_size)},"
             )
             raise ParallelConfigError(
                 f"data_parallel_size ({dp}) * pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp})"
@@ -125,6 +126,3 @@ class ParallelDims:
     def __str__(self) -> str:
         return f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks"
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -38,13 +38,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_3d.errors import InitError
 
 InitModule = Callable[[nn.Module], None]
 """Initializes one module's own parameters and buffers in place (``Plan.init_module``)."""
-
-
-class InitError(RuntimeError):
-    """A model that the chosen init cannot handle; the message names the modules and the way out."""
 
 
 def is_on_meta(model: nn.Module) -> bool:

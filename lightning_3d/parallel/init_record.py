@@ -40,6 +40,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_3d.common import parent_fqn
+
 # Calls that draw from the generator: the in-place samplers of Tensor and of torch.nn.init (which reach the
 # mode under their own names) and torch's sampling functions.
 RANDOM_CALLS = frozenset({
@@ -115,7 +117,7 @@ class ConstructionRecord(TorchFunctionMode):
                    " module's reset_parameters() between its own draws"
         for key in sorted(watched - written, key=lambda k: owners[k][0]):
             fqn, is_buffer = owners[key]
-            module = model.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else model
+            module = model.get_submodule(parent_fqn(fqn))
             # The policy's init_module gives a value to a buffer (rotary frequencies) or, when the parameters
             # are loaded next, to the modules without reset_parameters(); a parameter drawn at random is not
             # proven to be drawn as construction drew it.

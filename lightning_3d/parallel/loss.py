@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
+from lightning_3d.common import local
+
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
     """``F.cross_entropy`` on logits sharded over the class dimension, returning a plain tensor.
@@ -36,7 +38,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any)
     with vocab_parallel_ops():
         loss = F.cross_entropy(logits, targets, **kwargs)
     # The loss is replicated on every tp rank: its local value is the whole value.
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return local(loss)
 
 
 _depth = 0  # how many vocab_parallel_ops() contexts are open (PyTorch's loss_parallel does not nest)

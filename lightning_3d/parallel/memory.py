@@ -10,6 +10,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_3d.common import local
+
 
 def memory_report(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (only what the rank stores: the local
@@ -30,8 +32,8 @@ def memory_report(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
 
 
 def _local_bytes(tensor: Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
+    piece = local(tensor)
+    return piece.numel() * piece.element_size()
 
 
 def step_gradient_bytes(stages: Iterable[nn.Module], per_microbatch: bool) -> int:

@@ -38,10 +38,12 @@ from torch._subclasses import fake_tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_3d.common import join_fqn, local, parent_fqn
+from lightning_3d.errors import ShardedShapeError
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.pipeline.split import held_modules
 from lightning_3d.policies.auto import HEAD_ATTRIBUTES
-from lightning_3d.policies.base import Plan, join_fqn
+from lightning_3d.policies.base import Plan
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,6 @@ CANNOT_CHECK = tuple(getattr(fake_tensor, name) for name in (
     "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
     "UnsupportedFakeTensorException", "UnsupportedMutationAliasingException", "FakeTensorDeviceMismatchError",
     "MetadataMismatchError") if hasattr(fake_tensor, name))
-
-
-class ShardedShapeError(RuntimeError):
-    """A block cannot run on the shapes tensor parallelism gives it on this rank; the message says why."""
 
 
 def check_shapes_at_first_call(module: nn.Module, plan: Plan, dims: ParallelDims, coords: RankCoords) -> None:
@@ -91,7 +89,7 @@ class _FirstCall:
 
     def _explain(self, block: nn.Module, inner: str, error: Exception) -> str:
         if isinstance(block.get_submodule(inner), nn.Linear) and inner:  # its caller holds the sizes
-            inner = inner.rpartition(".")[0]
+            inner = parent_fqn(inner)
         fqn = join_fqn(self.fqn, inner) if inner else self.fqn
         failing = block.get_submodule(inner)
         d, c = self.dims, self.coords
@@ -182,6 +180,5 @@ def _local_size(name: str, child: nn.Module) -> str:
     weight = getattr(child, "weight", None)
     if not isinstance(child, nn.Linear) or weight is None:
         return ""
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
-    out_features, in_features = local.shape
+    out_features, in_features = local(weight).shape
     return f"{name} {in_features} -> {out_features} (of {child.in_features} -> {child.out_features})"

@@ -13,9 +13,10 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.common import local
 from lightning_3d.parallel.clip import STAGE_COPIES
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.policies.base import PolicyError
@@ -80,8 +81,4 @@ class TiedGradients:
                 # An embedding's gradient can come back from backward replicated over tp, the head's split over
                 # the vocabulary like its weight: both ends sum the same pieces.
                 param.grad = param.grad.redistribute(placements=param.placements)
-            dist.all_reduce(_local(param.grad), group=self.group)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            dist.all_reduce(local(param.grad), group=self.group)

@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -52,7 +51,8 @@ from torch.distributed.pipelining import (
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_3d.parallel.config import ParallelConfigError
+from lightning_3d.common import MULTI_STAGE_SCHEDULES, local
+from lightning_3d.errors import ParallelConfigError
 from lightning_3d.pipeline.as_written import StageForward
 from lightning_3d.pipeline.grad_sync import GradSyncStage
 from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
@@ -68,7 +68,6 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 class PipelineEngine:
@@ -357,7 +356,7 @@ class PipelineEngine:
                 self._train_stages = stages
             for stage in stages:
                 isolate_metadata_inference(stage, self.random_state)
-            multi = self.schedule_name in MULTI_STAGE
+            multi = self.schedule_name in MULTI_STAGE_SCHEDULES
             cls = SCHEDULES[self.schedule_name]
             if not train and not multi and num_microbatches < self.num_stages:
                 cls = ScheduleGPipe  # forward only, any count (1F1B needs one micro-batch per stage)
@@ -402,7 +401,7 @@ class _CurrentLoss:
 def _placeholder_loss(output: Tensor | tuple[Tensor, ...]) -> Tensor:
     """Zero, reaching every input through every output tensor (the logits, a model's own loss), as the real
     loss does."""
-    tensors = [x.to_local() if isinstance(x, DTensor) else x for x in tree_flatten(output)[0] if isinstance(x, Tensor)]
+    tensors = [local(x) for x in tree_flatten(output)[0] if isinstance(x, Tensor)]
     return sum(x.float().sum() for x in tensors) * 0.0
 
 

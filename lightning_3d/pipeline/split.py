@@ -18,8 +18,9 @@ from functools import partial
 
 from torch import nn
 
+from lightning_3d.common import join_fqn, parent_fqn
 from lightning_3d.pipeline.as_written import InputSpec, PassThroughBlock, Shell, StageForward
-from lightning_3d.policies.base import Plan, PolicyError, join_fqn
+from lightning_3d.policies.base import Plan, PolicyError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def check_splittable(module: nn.Module, plan: Plan) -> None:
             " pipeline_root, before, after), or use pipeline_parallel_size=1."
         )
     ancestors = {plan.pipeline_root} | {
-        fqn.rpartition(".")[0] for name in [*plan.blocks, *plan.before, *plan.after]
+        parent_fqn(fqn) for name in [*plan.blocks, *plan.before, *plan.after]
         for fqn in _prefixes(name) if fqn.startswith(plan.pipeline_root)}
     direct = [join_fqn(a, n) for a in sorted(ancestors) if a for n, _ in
               module.get_submodule(a).named_parameters(recurse=False)]

@@ -24,9 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
-class StepPatternError(RuntimeError):
-    """A pattern in the user's step that pipeline parallelism cannot run as one process does."""
+from lightning_3d.errors import StepPatternError
 
 
 class ModelCalls:

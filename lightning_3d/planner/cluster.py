@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_3d.common import is_positive_int
+from lightning_3d.errors import PlannerError
+
 GIB = 2**30
 
 
@@ -38,11 +41,9 @@ class Cluster:
     """What a collective across nodes achieves per GPU (one 200 Gb/s InfiniBand port per GPU: 25 GB/s)."""
 
     def __post_init__(self) -> None:
-        from lightning_3d.planner.model import PlannerError
-
         for name in ("gpus_per_node", "nodes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise PlannerError(f"Cluster.{name} must be a positive integer, got {value!r}.")
         for name in ("memory_gib", "peak_tflops", "hbm_bandwidth_gbs", "intra_node_bandwidth_gbs",
                      "inter_node_bandwidth_gbs"):
@@ -70,8 +71,6 @@ class Cluster:
     def preset(cls, gpu: str, **overrides) -> "Cluster":
         """A cluster of one GPU kind from ``GPUS`` (datasheet numbers), with any field overridden."""
         if gpu not in GPUS:
-            from lightning_3d.planner.model import PlannerError
-
             raise PlannerError(f"gpu={gpu!r} is not known; choose one of {sorted(GPUS)} or give the numbers.")
         return replace(GPUS[gpu], **overrides)
 

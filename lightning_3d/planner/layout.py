@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_3d.errors import PlannerError
 from lightning_3d.parallel.config import ParallelConfig
 
 
@@ -41,8 +42,6 @@ class Layout:
     def __post_init__(self) -> None:
         self.to_parallel_config()  # raises ParallelConfigError with the strategy's own message
         if self.micro_batch_size < 1 or self.num_microbatches < 1:
-            from lightning_3d.planner.model import PlannerError
-
             raise PlannerError(f"micro_batch_size ({self.micro_batch_size}) and num_microbatches"
                                f" ({self.num_microbatches}) must be positive.")
 

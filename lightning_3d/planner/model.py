@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-
-class PlannerError(ValueError):
-    """Inputs the planner cannot reason about; the message says which values and what to change."""
+from lightning_3d.common import is_positive_int
+from lightning_3d.errors import PlannerError
 
 
 @dataclass(frozen=True)
@@ -224,5 +223,5 @@ def _hf_values(config: Any) -> dict:
 
 
 def _require_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_positive_int(value):
         raise PlannerError(f"{name} must be a positive integer, got {value!r}.")

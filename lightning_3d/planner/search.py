@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, divisors, is_positive_int
+from lightning_3d.errors import NoLayoutFits
 from lightning_3d.parallel.config import ParallelConfigError
 from lightning_3d.planner.cluster import GIB, Cluster
 from lightning_3d.planner.layout import Layout
@@ -13,10 +15,6 @@ from lightning_3d.planner.time import StepTime, estimate_step_time
 
 MAX_MICRO_BATCH_SIZE = 16
 """Largest micro-batch (sequences) the search tries; beyond it a step gains little and memory grows."""
-
-
-class NoLayoutFits(PlannerError):
-    """No layout fits the GPUs' memory; the message gives the smallest need and what to change."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, global_batch_size: int, precisio
     fits, and :class:`PlannerError` for sizes no layout can split.
     """
     precision = _precision(precision)
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+    if not is_positive_int(global_batch_size):
         raise PlannerError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
     options = dict(schedules=schedules, zero_stages=zero_stages, recompute=recompute)
     results, fitting = _search(model, cluster, global_batch_size, precision, options)
@@ -109,15 +107,15 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
     """The layouts the strategy would accept: tp within a node and dividing heads, kv heads and the
     vocabulary; pp at most the layer count; dp dividing the batch; SP whenever tp > 1 (same communication,
     less memory); schedules, ZeRO stages and recompute modes as given."""
-    for tp in _divisors(world_size):
+    for tp in divisors(world_size):
         if tp > gpus_per_node or model.num_heads % tp or model.kv_heads % tp or model.vocab_size % tp:
             continue
-        for pp in _divisors(world_size // tp):
+        for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if pp > model.num_layers or global_batch_size % dp:
                 continue
             per_replica = global_batch_size // dp
-            for b in [b for b in _divisors(per_replica) if b <= MAX_MICRO_BATCH_SIZE]:
+            for b in [b for b in divisors(per_replica) if b <= MAX_MICRO_BATCH_SIZE]:
                 for schedule, virtual in _schedules(pp, model.num_layers, schedules):
                     for zero in (zero_stages if dp > 1 else (0,)):
                         for mode in recompute:
@@ -135,8 +133,8 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
 def _schedules(pp: int, layers: int, allowed) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
-    found = [(s, 1) for s in allowed if s in ("gpipe", "1f1b")]
-    found += [(s, 2) for s in allowed if s in ("interleaved_1f1b", "zero_bubble") and layers >= 2 * pp]
+    found = [(s, 1) for s in allowed if s in PIPELINE_SCHEDULES and s not in MULTI_STAGE_SCHEDULES]
+    found += [(s, 2) for s in allowed if s in MULTI_STAGE_SCHEDULES and layers >= 2 * pp]
     return found
 
 
@@ -174,6 +172,3 @@ def _precision(precision: str | Precision) -> Precision:
         raise PlannerError(f"precision={precision!r} is not known; choose one of {sorted(PRECISIONS)}.")
     return PRECISIONS[precision]
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

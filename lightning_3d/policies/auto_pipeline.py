@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from torch import nn
 
-from lightning_3d.policies.base import Plan, join_fqn
+from lightning_3d.common import join_fqn, parent_fqn
+from lightning_3d.policies.base import Plan
 
 
 def with_pipeline(root: nn.Module, plan: Plan) -> Plan:
@@ -34,7 +35,7 @@ def with_pipeline(root: nn.Module, plan: Plan) -> Plan:
 def pipeline_parts(root: nn.Module, blocks: list[str]) -> dict:
     """``Plan`` fields for running ``blocks`` of ``root`` (the LightningModule) as pipeline stages; empty
     when the blocks are not inside a child of ``root`` (nothing for ``training_step`` to call)."""
-    container = blocks[0].rpartition(".")[0] if blocks else ""
+    container = parent_fqn(blocks[0]) if blocks else ""
     path = container.split(".") if container else []
     if len(path) < 2:
         return {}

@@ -8,9 +8,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-
-class PolicyError(ValueError):
-    """A policy that cannot be found or cannot handle the model; the message says what to change."""
+from lightning_3d.errors import PolicyError  # noqa: F401  (the policies import it from here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +126,3 @@ def find_submodule(root: nn.Module, classes: tuple[str, ...]) -> str | None:
             return fqn
     return None
 
-
-def join_fqn(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

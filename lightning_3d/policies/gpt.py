@@ -29,7 +29,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule, join_fqn
+from lightning_3d.common import join_fqn
+from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy
 
 

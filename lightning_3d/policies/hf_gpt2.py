@@ -42,7 +42,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule, join_fqn
+from lightning_3d.common import join_fqn
+from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy
 
 GPT2_CLASS = "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel"

@@ -30,8 +30,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_3d.common import join_fqn
 from lightning_3d.parallel.kv_heads import ReplicatedKVHeads, allowed_tp_sizes, kv_head_rule
-from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, class_path, find_submodule, join_fqn
+from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, class_path, find_submodule
 from lightning_3d.policies.registry import register_policy
 
 EXPECTED = "model.embed_tokens, model.layers[i].self_attn.{q,k,v,o}_proj, model.layers[i].mlp.{gate,up,down}_proj, model.norm, lm_head"
