@@ -60,7 +60,7 @@ def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) ->
     # Every mesh dimension that is not Replicate splits the tensor; FSDP2 on a (dp, tp) mesh uses
     # _StridedShard for dp, which is not a Shard (is_shard() is False).
     distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-    return tensor.tolocal(), dims.dp * dims.tp // distinct * stage_copies
+    return tensor.to_local(), dims.dp * dims.tp // distinct * stage_copies
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:
