@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_3d.parallel.hidden_states import HiddenStates
 from lightning_3d.policies import PlanOptions, PolicyError
 from lightning_3d.policies.auto import AutoPolicy
+from lightning_3d.policies.hidden_states import HiddenStates
 from user_models import LlamaStyleLM, NanoGPT
 
 SP = PlanOptions(tp=2, sequence_parallel=True)

@@ -69,3 +69,79 @@ def test_every_error_class_is_still_importable_from_the_module_that_raises_it():
     for cls in (UnsafeCheckpointError, CheckpointError, ParallelConfigError, InitError, ShardedShapeError,
                 StepPatternError, PlannerError, NoLayoutFits, PolicyError):
         assert getattr(errors, cls.__name__) is cls
+
+
+LAYERS = [
+    {"common", "errors"},
+    {"models"},
+    {"policies"},  # plans, and the tensor-parallel styles they name
+    {"pipeline"},  # stages from the blocks, the micro-batch engine
+    {"parallel"},  # the appliers, in order (parallelize.py)
+    {"checkpoint", "faults", "output", "_private_apis"},
+    {"planner", "callbacks"},
+    {"strategies"},
+    {"__init__", "dry_run"},
+    {"cli"},
+    {"__main__"},
+]
+"""The package's parts, lowest first: a part imports only parts of lower layers (and itself)."""
+
+
+def _part(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def _module(path: Path) -> str:
+    return ".".join(("lightning_3d", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def _is_module(name: str) -> bool:  # `from lightning_3d.checkpoint import atomic` imports a module
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _package_imports(path: Path) -> set[str]:
+    """Modules of the package ``path`` imports, anywhere in it: in functions and under TYPE_CHECKING too (a
+    circle hidden there is still a circle for the reader)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_3d"):
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}"))
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("lightning_3d"))
+    return names
+
+
+def test_each_part_imports_only_the_layers_below_it():
+    level = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    upward = []
+    for path in _modules():
+        part = _part(path)
+        assert part in level, f"{part} is in no layer of LAYERS: place it"
+        for name in _package_imports(path):
+            other = name.split(".")[1] if "." in name else "__init__"
+            if other != part and other in level and level[other] >= level[part]:
+                upward.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_module_imports_itself_around_a_circle():
+    modules = {_module(path): path for path in _modules()}
+    # A module's own parent packages are imported before it anyway: not an edge of a circle.
+    graph = {name: {m for m in _package_imports(path) if m in modules and m != name and not name.startswith(m + ".")}
+             for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path[path.index(other):], other]))
+            if other not in state:
+                visit(other, [*path, other])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_3d.pipeline.split import PLACEHOLDERS
-from lightning_3d.parallel.kv_heads import ReplicatedKVHeads
 from lightning_3d.policies.base import Plan, PolicyError
+from lightning_3d.policies.kv_heads import ReplicatedKVHeads
 
 
 def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> None:

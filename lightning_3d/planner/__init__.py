@@ -8,14 +8,15 @@ Example::
     model = ModelSpec(num_layers=24, hidden_size=2048, num_heads=16, vocab_size=50304, seq_length=2048)
     result = plan(model, Cluster.preset("h100", nodes=1), global_batch_size=256)
     print(result.table())          # ranked layouts: memory per GPU, step time, tokens/s, MFU
-    print(result.best.to_yaml())   # a config for `lightning-3d fit`
+    print(result.to_yaml())        # a config for `lightning-3d fit` (the best layout)
 """
 
 from lightning_3d.planner.cluster import GPUS, Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, Precision, estimate_memory, zero_model_state_bytes
 from lightning_3d.planner.model import ModelSpec, PlannerError
-from lightning_3d.planner.search import Candidate, LayoutPlan, NoLayoutFits, evaluate, plan
+from lightning_3d.planner.report import Candidate, LayoutPlan
+from lightning_3d.planner.search import NoLayoutFits, evaluate, plan
 from lightning_3d.planner.time import StepTime, estimate_step_time
 
 __all__ = ["Candidate", "Cluster", "GPUS", "Layout", "MemoryEstimate", "ModelSpec", "NoLayoutFits", "LayoutPlan",

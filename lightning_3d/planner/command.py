@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
+import yaml
+
+from lightning_3d.models import GPTConfig
 from lightning_3d.planner.cluster import GPUS, Cluster
 from lightning_3d.planner.memory import PRECISIONS
 from lightning_3d.planner.model import ModelSpec, PlannerError
@@ -71,8 +74,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def inputs(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, int, str]:
     """Model, cluster, global batch size and precision from the flags (and ``--config``)."""
-    import yaml
-
     file = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     sizes = {SIZE_FLAGS[flag]: getattr(args, flag) for flag in SIZE_FLAGS if getattr(args, flag) is not None}
     if args.gated_mlp:
@@ -93,15 +94,9 @@ def inputs(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, int, str]:
 
 
 def _model(args, file_model: dict, sizes: dict) -> ModelSpec:
-    from dataclasses import replace
-
     if args.hf:
         return replace(ModelSpec.from_hf_config(args.hf), **sizes)
     if args.fit_config:
-        import yaml
-
-        from lightning_3d.models import GPTConfig
-
         fit = yaml.safe_load(Path(args.fit_config).read_text())
         config = ((fit.get("model") or {}).get("init_args") or {}).get("config")
         if not isinstance(config, dict):

@@ -35,6 +35,7 @@ import functools
 
 from dataclasses import dataclass, fields
 
+from lightning_3d.parallel.activation_checkpointing import SELECTIVE_EVERY
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.pipeline.split import assign_blocks, stage_ids_of
 from lightning_3d.planner.layout import Layout
@@ -197,8 +198,6 @@ def autocast_weight_bytes(model: ModelSpec, layout: Layout, precision: Precision
 def checkpointed_blocks(model: ModelSpec, layout: Layout) -> set[int]:
     """Blocks whose activations are recomputed: all ("full"), every second one ("selective", counted over
     the whole model as ``lightning_3d.parallel.activation_checkpointing`` does) or none."""
-    from lightning_3d.parallel.activation_checkpointing import SELECTIVE_EVERY
-
     if layout.recompute == "full":
         return set(range(model.num_layers))
     if layout.recompute == "selective":

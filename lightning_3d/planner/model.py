@@ -10,7 +10,9 @@ is what one rank holds.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning_3d.common import is_positive_int
@@ -202,9 +204,6 @@ class ModelSpec:
 
 
 def _hf_values(config: Any) -> dict:
-    import json
-    from pathlib import Path
-
     if isinstance(config, dict):
         return config
     if hasattr(config, "to_dict"):

@@ -1,13 +1,53 @@
-"""A plan as people read it: the ranked table, and the YAML config of one layout for ``lightning-3d fit``."""
+"""The planner's result (``LayoutPlan``: ranked ``Candidate`` layouts) and how people read it: the ranked
+table, and the YAML config of one layout for ``lightning-3d fit``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from lightning_3d.planner.cluster import GIB
+from lightning_3d.planner.cluster import GIB, Cluster
+from lightning_3d.planner.layout import Layout
+from lightning_3d.planner.memory import MemoryEstimate, Precision
+from lightning_3d.planner.model import ModelSpec
+from lightning_3d.planner.time import StepTime
 
-if TYPE_CHECKING:
-    from lightning_3d.planner.search import Candidate, LayoutPlan
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout with its estimates."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    """At the pipeline rank that needs the most."""
+    time: StepTime
+    tokens_per_second: float
+    mfu: float
+    """Model FLOPs (no recompute) per second over the cluster's peak."""
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The ranked layouts that fit (fastest first) and the inputs they were planned for."""
+
+    model: ModelSpec
+    cluster: Cluster
+    precision: Precision
+    global_batch_size: int
+    candidates: list[Candidate]
+    considered: int
+    """Layouts estimated (fitting or not)."""
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def table(self, top: int = 10) -> str:
+        return format_table(self, top)
+
+    def to_yaml(self, candidate: Candidate | None = None) -> str:
+        """A config for ``lightning-3d fit`` running ``candidate`` (default: the best)."""
+        return to_yaml(self, candidate or self.best)
+
 
 COLUMNS = ("#", "layout", "params", "grads", "optim", "activ", "gather", "total GiB", "step s", "compute", "tp",
            "bubble", "p2p", "dp", "tokens/s", "MFU")

@@ -2,60 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, divisors, is_positive_int
 from lightning_3d.errors import NoLayoutFits
 from lightning_3d.parallel.config import ParallelConfigError
 from lightning_3d.planner.cluster import GIB, Cluster
 from lightning_3d.planner.layout import Layout
-from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, Precision, peak_memory
+from lightning_3d.planner.memory import PRECISIONS, Precision, peak_memory
 from lightning_3d.planner.model import ModelSpec, PlannerError
-from lightning_3d.planner.time import StepTime, estimate_step_time
+from lightning_3d.planner.report import Candidate, LayoutPlan
+from lightning_3d.planner.time import estimate_step_time
 
 MAX_MICRO_BATCH_SIZE = 16
 """Largest micro-batch (sequences) the search tries; beyond it a step gains little and memory grows."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout with its estimates."""
-
-    layout: Layout
-    memory: MemoryEstimate
-    """At the pipeline rank that needs the most."""
-    time: StepTime
-    tokens_per_second: float
-    mfu: float
-    """Model FLOPs (no recompute) per second over the cluster's peak."""
-
-
-@dataclass(frozen=True)
-class LayoutPlan:
-    """The ranked layouts that fit (fastest first) and the inputs they were planned for."""
-
-    model: ModelSpec
-    cluster: Cluster
-    precision: Precision
-    global_batch_size: int
-    candidates: list[Candidate]
-    considered: int
-    """Layouts estimated (fitting or not)."""
-
-    @property
-    def best(self) -> Candidate:
-        return self.candidates[0]
-
-    def table(self, top: int = 10) -> str:
-        from lightning_3d.planner.report import format_table
-
-        return format_table(self, top)
-
-    def to_yaml(self, candidate: Candidate | None = None) -> str:
-        """A config for ``lightning-3d fit`` running ``candidate`` (default: the best)."""
-        from lightning_3d.planner.report import to_yaml
-
-        return to_yaml(self, candidate or self.best)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision) -> Candidate:

@@ -32,8 +32,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_3d.common import join_fqn
-from lightning_3d.parallel.hidden_states import HiddenStates
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
+from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.registry import register_policy, registered_policies
 
 log = logging.getLogger(__name__)

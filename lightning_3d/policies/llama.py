@@ -6,7 +6,7 @@ MLP (gate and up column-wise, down row-wise); the token embedding is vocabulary-
 column-wise over the vocabulary, its logits left sharded for the vocabulary-parallel loss. With sequence
 parallelism the RMSNorms run on sequence shards; the embedding's output stays whole (the model's forward
 derives positions and the causal mask from its length) and is cut along the sequence entering layer 0. Grouped-query attention: the kv heads are split when tp
-divides them, replicated when they divide tp (``lightning_3d.parallel.kv_heads``); other tp sizes fail,
+divides them, replicated when they divide tp (``lightning_3d.policies.kv_heads``); other tp sizes fail,
 listing the ones that work. The attention modules reshape with ``-1`` heads, so only the query-to-kv group
 size (``num_key_value_groups``) changes per rank when kv heads are replicated.
 
@@ -31,8 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_3d.common import join_fqn
-from lightning_3d.parallel.kv_heads import ReplicatedKVHeads, allowed_tp_sizes, kv_head_rule
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, class_path, find_submodule
+from lightning_3d.policies.kv_heads import ReplicatedKVHeads, allowed_tp_sizes, kv_head_rule
 from lightning_3d.policies.registry import register_policy
 
 EXPECTED = "model.embed_tokens, model.layers[i].self_attn.{q,k,v,o}_proj, model.layers[i].mlp.{gate,up,down}_proj, model.norm, lm_head"
