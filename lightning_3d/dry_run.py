@@ -26,7 +26,7 @@ from lightning_3d.common import parent_fqn
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.fsdp_policies import check_precision, warn_about_no_ops
-from lightning_3d.pipeline.engine import split_batch
+from lightning_3d.pipeline.microbatches import split_batch
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, split_options
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, estimate_memory

@@ -43,31 +43,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from lightning_3d.common import MULTI_STAGE_SCHEDULES, local
-from lightning_3d.errors import ParallelConfigError
+from lightning_3d.common import MULTI_STAGE_SCHEDULES
 from lightning_3d.pipeline.as_written import StageForward
 from lightning_3d.pipeline.grad_sync import GradSyncStage
 from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
+from lightning_3d.pipeline.microbatches import concatenate, split_batch
 from lightning_3d.pipeline.random_replay import RandomState, replayed
+from lightning_3d.pipeline.schedules import SCHEDULES, CurrentLoss, ScheduleGPipe, placeholder_loss
+from lightning_3d.pipeline.stand_ins import CaptureInputs, ModelInputs, ReturnOutput, swapped
 from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
 from lightning_3d.pipeline.step_metrics import StepMetrics
 from lightning_3d.pipeline.step_results import MetricRef, combine_logs, combine_outputs, detached
 from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
-
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-}
 
 
 class PipelineEngine:
@@ -97,7 +86,7 @@ class PipelineEngine:
         self._sync_grads = True
         # (train, batch shapes) -> schedule over the same modules: one for training, one per evaluation shape
         self._schedules: dict[tuple, Any] = {}
-        self._loss_fns: dict[tuple, _CurrentLoss] = {}
+        self._loss_fns: dict[tuple, CurrentLoss] = {}
         self._microbatches: dict[tuple, int] = {}  # (train, batch shapes) -> its number of micro-batches
         self._step_grads: list[tuple[nn.Parameter, Tensor | None]] = []  # the last training step's, until added
         self._train_shapes: list[tuple] | None = None  # the first training batch's tensor shapes
@@ -197,7 +186,7 @@ class PipelineEngine:
                         result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
             except StepPatternError as found:  # every rank raises it after the schedule (step_checks.py)
                 errors.append(str(found))
-                return _placeholder_loss(output)
+                return placeholder_loss(output)
             logs.append(recorded)
             loss = _loss_of(result)
             if train and loss is None:
@@ -275,12 +264,12 @@ class PipelineEngine:
     def _capture_each(self, method: str, microbatches: list[Any], *args: Any,
                       **step_kwargs: Any) -> tuple[tuple[tuple, dict], list[RandomState]]:
         per_microbatch, states = [], []
-        with _swapped(self.module, self.root_name, _CaptureInputs(self._root())), self._recording_logs():
+        with swapped(self.module, self.root_name, CaptureInputs(self._root())), self._recording_logs():
             for microbatch in microbatches:
                 states.append(RandomState.now(self.device))
                 try:
                     getattr(self.module, method)(microbatch, *args, **step_kwargs)
-                except _ModelInputs as captured:
+                except ModelInputs as captured:
                     per_microbatch.append((captured.args, captured.kwargs))
                 else:
                     raise RuntimeError(
@@ -291,7 +280,7 @@ class PipelineEngine:
         if not leaves or not all(isinstance(x, Tensor) for x in leaves):
             raise TypeError(f"self.{self.root_name}(...) must be called with tensors under pipeline parallelism;"
                             f" got {[type(x).__name__ for x in leaves]}")
-        return _concatenate(per_microbatch), states
+        return concatenate(per_microbatch), states
 
     def _root(self) -> nn.Module:
         return self.module.get_submodule(self.root_name)
@@ -302,7 +291,7 @@ class PipelineEngine:
         if isinstance(last.forward, StageForward):  # the object the model returned, if not tensors
             output = last.forward.model_output(output)
         returned = output if self.stage_output is None else self.stage_output(output)
-        with _swapped(self.module, self.root_name, _ReturnOutput(self._root(), returned, calls)):
+        with swapped(self.module, self.root_name, ReturnOutput(self._root(), returned, calls)):
             yield
 
     @contextmanager
@@ -321,7 +310,7 @@ class PipelineEngine:
         payload = [None]
         if self.has_last_stage:
             payload = [{"errors": errors} if errors else {
-                "value": _concatenate(results) if method == "predict_step" else combine_outputs(results),
+                "value": concatenate(results) if method == "predict_step" else combine_outputs(results),
                 "logs": combine_logs(logs, self._metrics.names()),
                 "metrics": self._metrics.step_states(),
             }]
@@ -362,7 +351,7 @@ class PipelineEngine:
                 cls = ScheduleGPipe  # forward only, any count (1F1B needs one micro-batch per stage)
             # A training schedule calls its loss function once more the first time it runs, on placeholder
             # outputs, to infer the shapes of the gradients it will send (backward of shape inference).
-            self._loss_fns[key] = _CurrentLoss(shape_inference_call=train)
+            self._loss_fns[key] = CurrentLoss(shape_inference_call=train)
             self._schedules[key] = cls(stages if multi else stages[0], num_microbatches, loss_fn=self._loss_fns[key])
         self._loss_fns[key].current = loss_fn
         if train:
@@ -382,106 +371,6 @@ def _require_tensor_output(index: int) -> Callable:
     return check
 
 
-class _CurrentLoss:
-    """The schedule keeps one loss function for good; each step points it at that step's closure. The
-    shape-inference call gets a placeholder loss instead of the user's step (its values are garbage, and
-    the user's step must not run -- or log -- on them)."""
-
-    def __init__(self, shape_inference_call: bool) -> None:
-        self.current: Callable | None = None
-        self._shape_inference_pending = shape_inference_call
-
-    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
-        if self._shape_inference_pending:
-            self._shape_inference_pending = False
-            return _placeholder_loss(output)
-        return self.current(output, target)
-
-
-def _placeholder_loss(output: Tensor | tuple[Tensor, ...]) -> Tensor:
-    """Zero, reaching every input through every output tensor (the logits, a model's own loss), as the real
-    loss does."""
-    tensors = [local(x) for x in tree_flatten(output)[0] if isinstance(x, Tensor)]
-    return sum(x.float().sum() for x in tensors) * 0.0
-
-
-class _ModelInputs(Exception):
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__("captured the pipeline root's inputs")
-        self.args, self.kwargs = args, kwargs
-
-
-class _StandIn(nn.Module):
-    """Takes the pipeline root's place while the user's step runs; attribute access (``self.model.config``)
-    reaches the real root, kept outside the module tree so its parameters are not counted twice."""
-
-    def __init__(self, real: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "_real", real)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_real"), name)
-
-
-class _CaptureInputs(_StandIn):
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _ModelInputs(args, kwargs)
-
-
-class _ReturnOutput(_StandIn):
-    def __init__(self, real: nn.Module, output: Any, calls: ModelCalls) -> None:
-        super().__init__(real)
-        object.__setattr__(self, "_output", output)
-        object.__setattr__(self, "_calls", calls)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._calls.called()
-        return self._output
-
-
-@contextmanager
-def _swapped(module: nn.Module, fqn: str, stand_in: nn.Module) -> Iterator[None]:
-    parent_name, _, name = fqn.rpartition(".")
-    parent = module.get_submodule(parent_name) if parent_name else module
-    real = getattr(parent, name)
-    setattr(parent, name, stand_in)
-    try:
-        yield
-    finally:
-        setattr(parent, name, real)
-
-
-def split_batch(batch: Any, num_microbatches: int) -> list[Any]:
-    """The batch (any pytree) cut into ``num_microbatches`` along dim 0 of every tensor; sizes must divide."""
-    leaves, spec = tree_flatten(batch)
-    tensors = [x for x in leaves if isinstance(x, Tensor)]
-    sizes = {x.shape[0] for x in tensors if x.dim() > 0}
-    for size in sizes:
-        if size % num_microbatches:
-            raise ParallelConfigError(
-                f"The batch has {size} samples per data-parallel rank, which num_microbatches={num_microbatches}"
-                f" does not divide. Choose a batch size per dp rank that is a multiple of {num_microbatches}, or"
-                f" another num_microbatches among the divisors of {size}."
-            )
-    chunks = [torch.tensor_split(x, num_microbatches) if isinstance(x, Tensor) and x.dim() > 0
-              else [x] * num_microbatches for x in leaves]
-    return [tree_unflatten([chunk[i] for chunk in chunks], spec) for i in range(num_microbatches)]
-
-
 def _loss_of(result: Any) -> Tensor | None:
     loss = result.get("loss") if isinstance(result, dict) else result
     return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
-
-
-def _concatenate(outputs: list[Any]) -> Any:
-    """Per-micro-batch outputs as one batch: tensors (also inside lists, tuples, dicts) joined along dim 0."""
-    flat = [tree_flatten(out) for out in outputs]
-    spec = flat[0][1]
-    if any(f[1] != spec for f in flat):
-        return outputs
-    joined = [torch.cat(leaves) if isinstance(leaves[0], Tensor) and leaves[0].dim() > 0 else list(leaves)
-              for leaves in zip(*(f[0] for f in flat))]
-    return tree_unflatten(joined, spec)
