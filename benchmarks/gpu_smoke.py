@@ -275,7 +275,7 @@ def offload(bench: Bench) -> list[Run]:
 
     from lightning_3d.parallel.config import ParallelConfig
     from lightning_3d.parallel.data_parallel import apply_zero
-    from lightning_3d.parallel.fsdp_policies import mixed_precision_policy, offload_backend, offload_policy
+    from lightning_3d.parallel.precision import mixed_precision_policy, offload_backend, offload_policy
 
     config = ParallelConfig(zero_stage=3, offload=True)
     default_backend = "nccl" if bench.device.type == "cuda" else "gloo"

@@ -23,20 +23,20 @@ from torch import nn
 
 from lightning_3d.checkpoint.pretrained import check_init_from
 from lightning_3d.common import parent_fqn
+from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims
-from lightning_3d.parallel.fsdp_policies import check_precision, warn_about_no_ops
+from lightning_3d.parallel.precision import check_precision, warn_about_no_ops
 from lightning_3d.pipeline.microbatches import split_batch
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, split_options
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, estimate_memory
 from lightning_3d.planner.model import ModelSpec, PlannerError
-from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan
 from lightning_3d.strategies.checks import check_backend, check_model
-from lightning_3d.strategies.three_d import plan_model
 from lightning_3d.strategies.threads import local_world_size, threads_per_rank
+from lightning_3d.strategies.three_d import plan_model
 
 MIB = 2**20
 

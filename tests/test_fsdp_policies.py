@@ -7,7 +7,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.dims import ParallelDims
-from lightning_3d.parallel.fsdp_policies import (
+from lightning_3d.parallel.precision import (
     check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_3d.models import GPT, GPTConfig, SuccessorDataset
-from lightning_3d.parallel.init import InitError, check_replayable, modules_without_reset, replay_init
+from lightning_3d.parallel.weight_init import InitError, check_replayable, modules_without_reset, replay_init
 
 TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64)
 

@@ -59,7 +59,7 @@ def test_every_error_class_is_still_importable_from_the_module_that_raises_it():
     from lightning_3d.checkpoint.safe_load import UnsafeCheckpointError
     from lightning_3d.checkpoint.sharded import CheckpointError
     from lightning_3d.parallel.config import ParallelConfigError
-    from lightning_3d.parallel.init import InitError
+    from lightning_3d.parallel.weight_init import InitError
     from lightning_3d.parallel.shape_check import ShardedShapeError
     from lightning_3d.pipeline.step_checks import StepPatternError
     from lightning_3d.planner.model import PlannerError

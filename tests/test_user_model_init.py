@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_3d.models import GPT, GPTConfig
-from lightning_3d.parallel.init import replay_init
 from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
+from lightning_3d.parallel.weight_init import replay_init
 from toy_model import ToyLM
 from user_models import NanoGPT
 

@@ -10,7 +10,7 @@ import torch
 from harness import forkrun, torchrun
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.dims import ParallelDims
-from lightning_3d.parallel.fsdp_policies import warn_about_no_ops
+from lightning_3d.parallel.precision import warn_about_no_ops
 
 NO_OP_ZERO = "zero_stage=2 shards over the data-parallel ranks, but dp=1"
 
@@ -35,7 +35,7 @@ def test_a_warning_of_ours_fails_a_launched_rank(tmp_path, launcher):
         import torch
         from lightning_3d.parallel.config import ParallelConfig
         from lightning_3d.parallel.dims import ParallelDims
-        from lightning_3d.parallel.fsdp_policies import warn_about_no_ops
+        from lightning_3d.parallel.precision import warn_about_no_ops
 
         warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), torch.device("cpu"))
     """))

@@ -3,7 +3,7 @@
 Initialization follows one rule that makes layout-independent init possible: every module that owns
 parameters initializes exactly those (and nothing else) in ``reset_parameters()``, and calls it from its own
 constructor. Built on the meta device, the model can then be initialized later, shard by shard, by replaying
-``reset_parameters()`` in construction order with the same random stream (see ``lightning_3d.parallel.init``),
+``reset_parameters()`` in construction order with the same random stream (see ``lightning_3d.parallel.weight_init``),
 and gets the weights an eager build with the same seed has.
 """
 

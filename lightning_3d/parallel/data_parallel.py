@@ -23,7 +23,7 @@ def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: Dev
     parallel PyTorch has (FSDP2's ``replicate`` steps the optimizer on DTensors: measured ~3x slower
     optimizer steps for the reference GPT on CPU), and it is what Lightning's ``DDPStrategy`` runs, so a
     data-parallel run trains exactly like one there. The weights are already equal on every dp rank
-    (``lightning_3d.parallel.init``), so DDP's start-up broadcast is skipped.
+    (``lightning_3d.parallel.weight_init``), so DDP's start-up broadcast is skipped.
 
     Replicated, DTensor parameters (tensor parallel), or a pipeline stage: DDP cannot reduce DTensors, and
     several DDP instances on one rank (interleaved pipeline stages) break its bucket rebuilding across

@@ -1,6 +1,6 @@
 """Proof that a meta-device build can be initialized by replay: watch the construction, then judge.
 
-Replaying ``reset_parameters()`` (``lightning_3d.parallel.init.replay_init``) gives the weights an eager
+Replaying ``reset_parameters()`` (``lightning_3d.parallel.weight_init.replay_init``) gives the weights an eager
 build gives only if the model initializes itself that way. Many do not: nanoGPT re-initializes every
 ``Linear`` from the root (``self.apply(self._init_weights)``) and scales its residual projections, Hugging
 Face models run ``post_init()``, a module may keep a tensor made by ``torch.ones`` and never touch it again.
@@ -23,7 +23,7 @@ says whether the replay is equivalent, and if not, why, naming the tensor and th
 What cannot be watched is construction that runs otherwise on the meta device than on the host: Hugging
 Face models skip their ``post_init()`` init there, so they are never judged replayable (unless their
 parameters are loaded from a file next). Code of one's own that tests ``is_meta`` to skip its init would
-escape the check; the meta route's docs say so (``lightning_3d.parallel.init``).
+escape the check; the meta route's docs say so (``lightning_3d.parallel.weight_init``).
 
 :meth:`reset_order` gives the resets in the order construction ran them, for the replay to follow.
 :class:`ModuleAttributes` lets the strategy run ``configure_model()`` again, on the host, when it is not.

@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_3d.parallel.init import broadcast_from_rank0, check_replayable, is_on_meta, replay_init
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
-from lightning_3d.parallel.tied import retie
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
+from lightning_3d.parallel.tied import retie
+from lightning_3d.parallel.weight_init import broadcast_from_rank0, check_replayable, is_on_meta, replay_init
 from lightning_3d.pipeline.split import split_stages
 from lightning_3d.policies.base import Plan
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 class Prepared(NamedTuple):
     init: str
-    """"meta" or "exact" (``lightning_3d.parallel.init``)."""
+    """"meta" or "exact" (``lightning_3d.parallel.weight_init``)."""
     stages: list[nn.Module]
     """This rank's pipeline stages (empty without pipeline parallelism)."""
     sharded_rng: ShardedRNG | None
@@ -40,7 +40,7 @@ def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch
     """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
 
     Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
-    ``lightning_3d.parallel.init``), this rank's pipeline stage modules (none without pipeline
+    ``lightning_3d.parallel.weight_init``), this rank's pipeline stage modules (none without pipeline
     parallelism) and its tp-rank random stream (None without tensor parallelism). The order:
 
     0. pipeline split (``stage_blocks``: the blocks of every stage; ``stage_ids``: this rank's stages) --

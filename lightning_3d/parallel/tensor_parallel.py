@@ -22,7 +22,7 @@ def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> N
     with :func:`check_tp_plan`).
 
     Runs on the meta device as well: parameters become DTensors whose local shards are allocated and
-    initialized later (``lightning_3d.parallel.init``)."""
+    initialized later (``lightning_3d.parallel.weight_init``)."""
     # Patterns expanded here to the modules this rank holds: parallelize_module would also expand a "*" over
     # the placeholders of blocks other pipeline stages hold, and warn for each.
     present = {fqn: style for pattern, style in plan.tp_plan.items() for fqn in match_modules(root, pattern)

@@ -79,7 +79,7 @@ class Plan:
     init_module: Callable[[nn.Module], None] | None = None
     """Initializes one module's own parameters and buffers in place, for the modules of a model built on the
     meta device that have no ``reset_parameters()`` (Hugging Face models: their ``_init_weights``); see
-    ``lightning_3d.parallel.init``."""
+    ``lightning_3d.parallel.weight_init``."""
     stage_output: Callable[[Any], Any] | None = None
     """What the user's step receives as the model's output on the last stage, built from that stage's
     tensor (e.g. an object with ``.logits``). None: the tensor itself."""

@@ -18,7 +18,7 @@ from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 
 
-class LayoutSteps:
+class StepHooks:
     """Mixed into ``ThreeDStrategy``: training/validation/test/predict steps, backward and the
     accumulation hooks. Each step marks progress for the hang watchdog (``lightning_3d.faults``)."""
 

@@ -30,39 +30,39 @@ from typing_extensions import override
 from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
 from lightning_3d.output import quiet_ranks
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
-from lightning_3d.strategies.checkpoints import ShardedCheckpoints
-from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
-from lightning_3d.strategies.steps import LayoutSteps
-from lightning_3d.strategies.processes import ProcessesAndCollectives
-from lightning_3d.strategies.threads import set_threads_per_rank
-from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import apply_data_parallel, zero_stage_that_runs
-from lightning_3d.parallel.fsdp_policies import (
-    check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.init import InitError, is_on_meta
 from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
 from lightning_3d.parallel.memory import memory_report, step_gradient_bytes, summarize_memory
 from lightning_3d.parallel.parallelize import prepare_model
+from lightning_3d.parallel.precision import (
+    check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
 from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
 from lightning_3d.parallel.shape_check import check_shapes_at_first_call
 from lightning_3d.parallel.tied import TiedGradients, embedding_group
+from lightning_3d.parallel.weight_init import InitError, is_on_meta
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, stage_ids_of
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.auto_pipeline import with_pipeline
 from lightning_3d.policies.base import Plan, PlanOptions
+from lightning_3d.strategies.checkpoints import ShardedCheckpoints
+from lightning_3d.strategies.checks import check_backend, check_model
+from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
+from lightning_3d.strategies.processes import ProcessesAndCollectives
+from lightning_3d.strategies.steps import StepHooks
+from lightning_3d.strategies.threads import set_threads_per_rank
 
 log = logging.getLogger(__name__)
 
 
-class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling, LayoutSteps, ParallelStrategy):
+class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling, StepHooks, ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
     asks the policy how to cut the model, applies the parallel layers and initializes the weights so that
-    every layout starts from the same full model (see ``lightning_3d.parallel.init``).
+    every layout starts from the same full model (see ``lightning_3d.parallel.weight_init``).
 
     Example::
 
@@ -336,7 +336,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
                                                         config.activation_checkpointing,
                                                         params_loaded=config.init_from is not None,
                                                         reset_order=reset_order)
-        rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.init)")
+        rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
         self.precision_plugin.convert_module(module)
         self._blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: DP units
         if stages:
@@ -377,7 +377,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
             raise InitError(f"{type(module).__name__}.configure_model() built nothing new when called again from"
                             " the state it started in, so the model stays on the meta device. Use"
                             " model_init='exact', or give the modules reset_parameters() (see"
-                            " lightning_3d.parallel.init).")
+                            " lightning_3d.parallel.weight_init).")
 
     @property
     def _num_microbatches(self) -> int:
