@@ -16,13 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_3d.common import local
 from lightning_3d.parallel.dims import ParallelDims
 
-STAGE_COPIES = "_lightning_3d_stage_copies"
-"""Attribute of a parameter held, with the same value and gradient, by this many pipeline stages (tied
-weights, ``lightning_3d.parallel.tied``)."""
+_STAGE_COPIES = WeakIdKeyDictionary()
+"""Parameter -> how many pipeline stages hold it, with the same value and gradient (tied weights; 1 if absent)."""
+
+
+def mark_stage_copies(param: Tensor, copies: int) -> None:
+    """Say that ``copies`` pipeline stages hold ``param`` (``lightning_3d.parallel.tied``), so the global
+    norm and the parameter count take it once."""
+    _STAGE_COPIES[param] = copies
 
 
 def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor:
@@ -52,7 +58,7 @@ def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) ->
     """This rank's piece of a (possibly sharded) tensor -- a parameter, or ``of``'s gradient -- and how many
     ranks hold that very piece (replicas over dp and tp; a tied weight's copies on the first and last
     pipeline stages too): dividing by it counts every piece of the model once."""
-    stage_copies = getattr(tensor if of is None else of, STAGE_COPIES, 1)
+    stage_copies = _STAGE_COPIES.get(tensor if of is None else of, 1)
     if not isinstance(tensor, DTensor):
         return tensor, dims.dp * dims.tp * stage_copies
     if any(p.is_partial() for p in tensor.placements):

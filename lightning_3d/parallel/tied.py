@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.common import local
-from lightning_3d.parallel.clip import STAGE_COPIES
+from lightning_3d.parallel.clip import mark_stage_copies
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.policies.base import PolicyError
 
@@ -70,7 +70,7 @@ class TiedGradients:
         self.params = [params[fqn] for fqn in fqns]
         self.group = group
         for param in self.params:
-            setattr(param, STAGE_COPIES, 2)
+            mark_stage_copies(param, 2)
 
     def __call__(self) -> None:
         for param in self.params:
