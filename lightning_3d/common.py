@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.tensor import DTensor
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 """The schedules that run several (virtual) stages per pipeline rank."""
@@ -33,6 +35,4 @@ def parent_fqn(fqn: str) -> str:
 
 def local(tensor: Any) -> Any:
     """This rank's piece of a DTensor; any other value as it is."""
-    from torch.distributed.tensor import DTensor  # torch is imported by any caller that has a DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
