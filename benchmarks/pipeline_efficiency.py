@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from timing import step_times, virtual_stages
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,15 +52,14 @@ def worker(args: argparse.Namespace) -> None:
 
     from lightning_3d import ThreeDStrategy
     from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
-    from timing import step_times
 
     schedule, out = args.worker
-    if schedule.startswith("torch "):
-        _hand_written_worker(args, schedule.split()[1], out)
-        return
-    L.seed_everything(0, verbose=False)
     config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=args.seq_len, vocab_size=256)
     batch = args.microbatch_size * args.microbatches
+    if schedule.startswith("torch "):
+        _hand_written_worker(args, schedule.split()[1], out, config, batch)
+        return
+    L.seed_everything(0, verbose=False)
     samples = batch * (args.steps + 10) * (args.microbatches if schedule == "sequential" else 1)
     data = SyntheticDataModule(vocab_size=256, seq_len=args.seq_len, num_train_samples=samples,
                                batch_size=args.microbatch_size if schedule == "sequential" else batch)
@@ -66,24 +67,21 @@ def worker(args: argparse.Namespace) -> None:
     if schedule in ("single", "sequential"):
         strategy = ThreeDStrategy()
     else:
-        virtual = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
         strategy = ThreeDStrategy(pipeline_parallel_size=args.pp, pipeline_schedule=schedule,
-                                  virtual_pipeline_size=virtual, num_microbatches=args.microbatches)
+                                  virtual_pipeline_size=virtual_stages(schedule), num_microbatches=args.microbatches)
     times = step_times(strategy, GPTLightningModule(config=config), data, args.steps * accumulate,
                        1 if schedule in ("single", "sequential") else args.pp, accumulate)
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out).write_text(json.dumps(statistics.median(times) * accumulate))  # seconds per optimizer step
 
 
-def _hand_written_worker(args: argparse.Namespace, schedule: str, out: str) -> None:
+def _hand_written_worker(args: argparse.Namespace, schedule: str, out: str, config, batch: int) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    from lightning_3d.models import GPTConfig, SyntheticDataModule
+    from lightning_3d.models import SyntheticDataModule
     from pp_vs_torch_pipelining import hand_written_steps
 
-    config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=args.seq_len, vocab_size=256)
-    batch = args.microbatch_size * args.microbatches
     data = SyntheticDataModule(vocab_size=256, seq_len=args.seq_len, num_train_samples=batch * (args.steps + 10))
     data.setup("fit")
     args.schedule = schedule
@@ -103,7 +101,6 @@ def launch(schedule: str, nprocs: int, args: argparse.Namespace, out: Path) -> f
 def main() -> None:
     args = parse_args()
     if args.worker:
-        sys.path.insert(0, str(Path(__file__).parent))
         worker(args)
         return
     p, m = args.pp, args.microbatches
@@ -118,7 +115,7 @@ def main() -> None:
           f" the {m} micro-batches in turn (the baseline), {whole * 1e3:.1f} ms/step on the whole batch at once")
     print(f"{'schedule':>23} {'ms/step':>8} {'speedup':>8} {'ideal':>6} {'ratio':>6} {'bubble':>7} {'theory':>7}")
     for schedule, seconds in rows:
-        virtual = 2 if schedule.split()[-1] in ("interleaved_1f1b", "zero_bubble") else 1
+        virtual = virtual_stages(schedule.split()[-1])
         ideal = p * virtual * m / (virtual * m + p - 1)
         speedup = single / seconds
         theory = (p - 1) / (virtual * m + p - 1)

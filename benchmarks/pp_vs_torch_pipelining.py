@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from timing import WARMUP_STEPS, compare, ensure_torchrun, step_times
+from timing import WARMUP_STEPS, compare, ensure_torchrun, step_times, virtual_stages
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                     "zero_bubble": "ScheduleInterleavedZeroBubble"}
-VIRTUAL = {"interleaved_1f1b": 2, "zero_bubble": 2}  # stages per rank, as pipeline_efficiency.py runs them
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,7 +52,7 @@ def hand_written_steps(config, args: argparse.Namespace, loader) -> list[float]:
     if not dist.is_initialized():  # when it runs first; Trainer.fit leaves its group for the next run
         dist.init_process_group("gloo")
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    virtual = VIRTUAL.get(args.schedule, 1)
+    virtual = virtual_stages(args.schedule)
     count = ranks * virtual  # stage i on rank i % ranks, as ThreeDStrategy places them
     model = GPT(config)
 
@@ -112,7 +111,7 @@ def main() -> None:
 
     def ours() -> list[float]:
         strategy = ThreeDStrategy(pipeline_parallel_size=args.pp, pipeline_schedule=args.schedule,
-                                  virtual_pipeline_size=VIRTUAL.get(args.schedule, 1), num_microbatches=args.microbatches)
+                                  virtual_pipeline_size=virtual_stages(args.schedule), num_microbatches=args.microbatches)
         return step_times(strategy, GPTLightningModule(config=config), data(), args.steps, args.pp)
 
     def hand_written() -> list[float]:

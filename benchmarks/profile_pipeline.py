@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import ensure_torchrun  # noqa: E402
+from timing import ensure_torchrun, virtual_stages  # noqa: E402
 
 FIRST, LAST = 5, 15  # profiled steps: after the schedule's first-step set-up
 
@@ -44,7 +44,7 @@ def main() -> None:
     config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, block_size=128, vocab_size=256)
     data = SyntheticDataModule(vocab_size=256, seq_len=128, num_train_samples=microbatch_size * microbatches * 30,
                                batch_size=microbatch_size * microbatches)
-    virtual = 2 if args.schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    virtual = virtual_stages(args.schedule)
     strategy = ThreeDStrategy(pipeline_parallel_size=2, pipeline_schedule=args.schedule,
                               virtual_pipeline_size=virtual, num_microbatches=microbatches)
     out = Path(args.out)

@@ -10,6 +10,15 @@ import time
 from typing import Callable
 
 WARMUP_STEPS = 5
+VIRTUAL_STAGES = 2
+"""Stages per rank the benchmarks give the interleaved schedules (interleaved 1F1B, zero-bubble)."""
+
+
+def virtual_stages(schedule: str) -> int:
+    """How many stages per pipeline rank a benchmark runs ``schedule`` with."""
+    from lightning_3d.common import MULTI_STAGE_SCHEDULES
+
+    return VIRTUAL_STAGES if schedule in MULTI_STAGE_SCHEDULES else 1
 
 
 def ensure_torchrun(nprocs: int) -> None:
