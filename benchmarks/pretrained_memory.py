@@ -3,7 +3,7 @@
     python benchmarks/pretrained_memory.py [--nprocs 4] [--pp 1] [--tp 4] [--n-layer 6] [--n-embd 768] [--hf-llama]
 
 Writes a reference GPT's weights to a safetensors file (rank 0, before the launch), then on every rank builds
-the parallel model and times ``load_pretrained`` while a thread samples the process's resident memory
+the parallel model (``parallelize`` without its init_from step) and times ``load_pretrained`` while a thread samples the process's resident memory
 (/proc/self/statm, every 2 ms). Prints, per rank: the bytes of weights it holds, the largest single tensor
 it reads, and how much its resident memory grew during the load (file pages mapped in included). The claim
 to check: growth ~ this rank's share of the file (+ one tensor), never the whole model.
@@ -11,8 +11,9 @@ to check: growth ~ this rank's share of the file (+ one tensor), never the whole
 Measured on 2 CPU cores, a 350 MiB GPT (6 x 768, vocabulary 32000), 4 ranks, each holding 88 MiB (allocated
 before the load, by the meta-device init): resident memory grew by 17-25 MiB during the load at tp=4
 (largest local tensor 23 MiB) and by 40-46 MiB at pp=2 x tp=2 (largest 47 MiB) -- at most about one
-tensor, because each region is copied straight from the file's pages into the parameter and those pages
-are given back (madvise) right after. Before that, copying through a clone and keeping the pages: 157-178 MiB.
+tensor, because each region is copied straight from the file's pages into the parameter, through a handle
+opened for that read, whose map (and the pages it touched) goes when it closes
+(``checkpoint/safetensors_io.py``). Before that, copying through a clone and keeping the pages: 157-178 MiB.
 
 ``--hf-llama``: a Hugging Face Llama of 386 MiB (6 x 768, 12 heads, 4 kv heads) from a ``save_pretrained``
 directory, ``HFCausalLMModule(pretrained=...)`` built on the meta device: 4 ranks each hold 96 MiB; building
@@ -92,12 +93,16 @@ def main() -> None:
             del state
     ensure_torchrun(args.nprocs)
 
+    import dataclasses
+
     import lightning as L
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from lightning_3d import ThreeDStrategy
     from lightning_3d.checkpoint.pretrained import load_pretrained
+    from lightning_3d.common import local
+    from lightning_3d.parallel.parallelize import InitialWeights, parallelize, plan_model
+    from lightning_3d.policies import resolve_policy
 
     class Module(L.LightningModule):
         def configure_model(self):
@@ -107,19 +112,24 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=args.nprocs, strategy=strategy, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, max_steps=0)
     module = HFCausalLMModule(pretrained=str(path)) if args.hf_llama else Module()
-    trainer.strategy._lightning_module = module  # set up the parallel model without training (benchmark only)
-    trainer.strategy.setup_environment()
+    strategy._lightning_module = module  # set up the parallel model without training (benchmark only)
+    strategy.setup_environment()
+    # The chain without its init_from step, so that building this rank's part and loading its slices are
+    # measured apart (the build then initializes the parameters too: more time, the same memory).
+    without_load, dims = dataclasses.replace(strategy.parallel_config, init_from=None), strategy.parallel_dims
     start_rss = rss_bytes()
     with PeakRSS() as build_peak:  # the model on the meta device, then this rank's part materialized
-        with trainer.strategy.tensor_init_context():
+        with strategy.tensor_init_context():
             module.configure_model()
-        trainer.strategy._prepare(module)
+        plan = plan_model(resolve_policy(without_load.policy), module, without_load, dims.tp)
+        parallelize(module, plan, without_load, dims, strategy.device_mesh, rank=strategy.global_rank,
+                    device=strategy.root_device, precision=strategy.precision_plugin, weights=InitialWeights(None))
     state = module.state_dict()
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in state.values())
-    largest = max((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in state.values())
+    held = sum(local(p).nbytes for p in state.values())
+    largest = max(local(p).nbytes for p in state.values())
     before, start = rss_bytes(), time.perf_counter()
     with PeakRSS() as peak:
-        load_pretrained(module, str(path), tied=trainer.strategy._model_plan.tied_parameters)
+        load_pretrained(module, str(path), plan.checkpoint_names, plan.tied_parameters)
     seconds = time.perf_counter() - start
     file_size = sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))
     line = (f"rank {dist.get_rank()}: file {file_size / 2**20:.0f} MiB, holds {held / 2**20:.1f} MiB (largest tensor"

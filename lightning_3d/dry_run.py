@@ -36,7 +36,7 @@ from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.threads import local_world_size, threads_per_rank
-from lightning_3d.strategies.three_d import plan_model
+from lightning_3d.parallel.parallelize import plan_model
 
 MIB = 2**20
 
@@ -103,7 +103,7 @@ def _settings(config: ParallelConfig, dims: ParallelDims) -> str:
     parts = []
     if dims.pp > 1:
         chunks = f", {config.virtual_pipeline_size} chunks per rank" if config.virtual_pipeline_size > 1 else ""
-        parts.append(f"schedule {config.pipeline_schedule!r}{chunks}, {config.num_microbatches or dims.pp}"
+        parts.append(f"schedule {config.pipeline_schedule!r}{chunks}, {config.microbatches}"
                      " micro-batches")
     if config.sequence_parallel and dims.tp > 1:
         parts.append("sequence parallel")
@@ -143,7 +143,7 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
     batch = _hparam(datamodule, "batch_size")
     if batch is None:
         notes.append("the data module names no batch_size: memory assumes 1 sequence per replica and step")
-    m = (config.num_microbatches or dims.pp) if dims.pp > 1 else trainer.accumulate_grad_batches
+    m = config.microbatches if dims.pp > 1 else trainer.accumulate_grad_batches
     if dims.pp > 1 and batch is not None:
         split_batch(torch.empty(batch, device="meta"), m)  # the engine's check, at the first step of a run
     micro = max(1, (batch or 1) // m) if dims.pp > 1 else batch or 1

@@ -74,10 +74,11 @@ def test_every_error_class_is_still_importable_from_the_module_that_raises_it():
 LAYERS = [
     {"common", "errors"},
     {"models"},
+    {"checkpoint"},  # files: sharded directories, pretrained weights (init_from), safe loading
     {"policies"},  # plans, and the tensor-parallel styles they name
     {"pipeline"},  # stages from the blocks, the micro-batch engine
     {"parallel"},  # the appliers, in order (parallelize.py)
-    {"checkpoint", "faults", "output", "_private_apis"},
+    {"faults", "output", "_private_apis"},
     {"planner", "callbacks"},
     {"strategies"},
     {"__init__", "dry_run"},

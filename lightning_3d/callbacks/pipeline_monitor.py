@@ -129,9 +129,7 @@ class PipelineMonitor(L.Callback):
         self.bubble_theory = theoretical_bubble(engine.schedule_name, dims.pp, engine.num_microbatches,
                                                 engine.num_stages // dims.pp)
         self._schedule = (engine.schedule_name, dims.pp, engine.num_microbatches)
-        if engine.timeline is None:
-            engine.timeline = PipelineTimeline(pl_module.device)
-        self._timeline = engine.timeline
+        self._timeline = engine.record_timeline()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         every = self.every_n_steps or trainer.log_every_n_steps

@@ -123,6 +123,11 @@ class ParallelConfig:
                 " tensor_parallel_size=1. Set tensor_parallel_size > 1 or sequence_parallel=False."
             )
 
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per pipelined step: ``num_microbatches``, by default one per pipeline stage."""
+        return self.num_microbatches or self.pipeline_parallel_size
+
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (for hyper-parameter logging and checkpoints); a policy instance becomes its class path."""
         values = asdict(self)

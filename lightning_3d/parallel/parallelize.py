@@ -1,95 +1,207 @@
-"""Turn the single-device model into this rank's part of the parallel model, in one fixed order."""
+"""Turn the single-device model into this rank's part of the parallel model: one chain, in one fixed order.
+
+``parallelize`` is the only place the appliers are called. Each step is one call, gated on the layout or the
+config, in the order the comment above it explains; it returns one :class:`ParallelModel` that the strategy
+keeps. Data flows one way: ``ParallelConfig`` -> ``ParallelDims`` / mesh -> the policy's ``Plan`` -> here ->
+the pipeline engine.
+"""
 
 from __future__ import annotations
 
 import copy
-import logging
-from typing import NamedTuple
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
-from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
-from lightning_3d.parallel.tied import retie
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.data_parallel import apply_data_parallel
+from lightning_3d.parallel.dims import ParallelDims
+from lightning_3d.parallel.loss import vocab_parallel_loss
+from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
+from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng, preserved_random_state
+from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, reduce_partial_grads
+from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
 from lightning_3d.parallel.weight_init import broadcast_from_rank0, check_replayable, is_on_meta, replay_init
-from lightning_3d.pipeline.split import split_stages
-from lightning_3d.policies.base import Plan
+from lightning_3d.pipeline.engine import PipelineEngine
+from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
+from lightning_3d.policies import Policy
+from lightning_3d.policies.auto_pipeline import with_pipeline
+from lightning_3d.policies.base import Plan, PlanOptions
 
-log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class InitialWeights:
+    """Where the weights come from when the model was built on the meta device (``parallel.weight_init``)."""
+
+    rng_state: Tensor | None
+    """The host random state ``configure_model()`` started from: the init is replayed from it."""
+    reset_order: list[str] | None = None
+    """Module FQNs in the order the build initialized them (``parallel.init_record``); None: construction order."""
 
 
-class Prepared(NamedTuple):
+@dataclass(frozen=True)
+class ParallelModel:
+    """What :func:`parallelize` made of the model on this rank."""
+
+    module: nn.Module
+    """The LightningModule, holding this rank's part under the single-device names."""
+    called: nn.Module
+    """What Lightning calls: the data-parallel wrapper (DDP) or ``module`` itself (FSDP2 works in place; under
+    pipeline parallelism the engine calls the stages)."""
+    plan: Plan
+    """The policy's plan that was applied."""
     init: str
-    """"meta" or "exact" (``lightning_3d.parallel.weight_init``)."""
-    stages: list[nn.Module]
-    """This rank's pipeline stages (empty without pipeline parallelism)."""
+    """"meta" or "exact": how the weights were initialized (``parallel.weight_init``)."""
+    engine: PipelineEngine | None
+    """The micro-batch engine over this rank's stages; None without pipeline parallelism."""
     sharded_rng: ShardedRNG | None
     """This tp rank's random stream (None without tensor parallelism); checkpoints save its state."""
-    tied_copies: list[str]
-    """FQNs of this rank's copies of tied parameters whose partner another pipeline stage holds."""
+    loss_context: Callable[[], AbstractContextManager]
+    """Entered around steps and backward: the vocabulary-parallel cross-entropy under tensor parallelism."""
 
 
-def prepare_model(module: nn.Module, plan: Plan, mesh: DeviceMesh, device: torch.device,
-                  init_rng_state: Tensor | None, stage_blocks: list[list[str]] | None = None,
-                  stage_ids: list[int] = (), activation_checkpointing: str | None = None,
-                  params_loaded: bool = False, reset_order: list[str] | None = None) -> Prepared:
-    """Apply the model-parallel steps of ``plan`` to ``module`` in place and give it its initial weights.
+def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
+                rank: int, device: torch.device, precision: Precision, weights: InitialWeights) -> ParallelModel:
+    """Apply ``plan`` to ``module`` in place for global rank ``rank`` of the ``dims`` layout, give it its initial
+    weights, and wrap it for data and pipeline parallelism.
 
-    Collective: every rank of the world calls it. Returns the init used, "meta" or "exact" (see
-    ``lightning_3d.parallel.weight_init``), this rank's pipeline stage modules (none without pipeline
-    parallelism) and its tp-rank random stream (None without tensor parallelism). The order:
+    Collective: every rank of the world calls it, in the same order. Example (what the strategy's ``setup``
+    does)::
 
-    0. pipeline split (``stage_blocks``: the blocks of every stage; ``stage_ids``: this rank's stages) --
-       ``module`` keeps this rank's part under the single-device names;
-    1. tensor parallel (``plan.tp_plan`` on the "tp" sub-mesh) -- on the meta device when the model is
-       there, so a rank only ever allocates its shards -- and the tp-rank random stream for the plan's
-       sharded regions; tied parameters (``plan.tied_parameters``) tied again where one rank holds both;
-    2. activation checkpointing of the plan's blocks ("full" or "selective");
-    3. materialize and initialize: replay ``reset_parameters()`` from ``init_rng_state`` in ``reset_order``
-       (meta; only the
-       buffers when ``params_loaded``: ``init_from`` fills the parameters next), or keep rank 0's eagerly
-       built weights, broadcast before any sharding (exact).
-
-    Data parallel comes after, in ``lightning_3d.parallel.data_parallel``: it wraps what this produced (the
-    module, or each pipeline stage).
+        model = parallelize(module, plan, config, dims, mesh, rank=rank, device=device,
+                            precision=precision_plugin, weights=InitialWeights(rng_state))
+        model.engine  # the pipeline engine under pp > 1
     """
-    on_meta = is_on_meta(module)
+    coords = dims.coords(rank)
+    # What the plan cannot do to this model fails first, the same on every rank, before any collective.
+    if dims.pp > 1:
+        check_splittable(module, plan)
+    if plan.tp_plan:
+        check_tp_plan(module, plan.tp_plan, dims.tp)  # on the whole model, before any split
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
     # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
-    rank0 = _from_rank0({"init": init_rng_state if init_rng_state is not None else torch.get_rng_state(),
+    rank0 = _from_rank0({"init": weights.rng_state if weights.rng_state is not None else torch.get_rng_state(),
                          "now": torch.get_rng_state(), "seed": torch.initial_seed()})
     torch.set_rng_state(rank0["now"])
+    params_loaded = config.init_from is not None  # init_from fills the parameters: only buffers are initialized
+    on_meta = is_on_meta(module)
     if on_meta:
         check_replayable(module, plan.init_module, params_loaded)
         # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
         skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
-    else:
+    else:  # exact: rank 0's weights, before any sharding
         broadcast_from_rank0(module)
 
-    if plan.tp_plan:
-        check_tp_plan(module, plan.tp_plan, mesh["tp"].size())  # on the whole model, before any split
-    stages = split_stages(module, plan, stage_blocks, list(stage_ids)) if stage_blocks else []
+    # 1. Pipeline split first: a rank then only ever holds (and shards, and allocates) its own stages' blocks,
+    #    under the single-device names.
+    stages: dict[int, nn.Module] = {}
+    if dims.pp > 1:
+        stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
+                                     **split_options(module, plan, config.pipeline_split))
+        stage_ids = stage_ids_of(coords.pp, dims.pp, config.virtual_pipeline_size)
+        stages = dict(zip(stage_ids, split_stages(module, plan, stage_blocks, stage_ids)))
+        rank_zero_info(f"lightning_3d: pipeline of {len(stage_blocks)} stages, blocks per stage"
+                       f" {[len(b) for b in stage_blocks]}, schedule {config.pipeline_schedule!r},"
+                       f" {config.microbatches} micro-batches")
+
+    # 2. Tensor (and sequence) parallel on the "tp" sub-mesh -- still on the meta device when the model is
+    #    there, so a rank allocates only its shards -- and the tp rank's own dropout stream for sharded regions.
     sharded_rng = None
     if plan.tp_plan:
         apply_tensor_parallel(module, plan, mesh["tp"])
         sharded_rng = ShardedRNG(rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank(), device)
         apply_sharded_rng(module, plan.sharded_rng_regions, sharded_rng)
 
+    # 3. Tied weights (embedding and head) tied again where this rank holds both ends; the FQNs of the ends
+    #    whose partner another stage holds.
     tied_copies = retie(module, plan.tied_parameters)
 
-    if activation_checkpointing:
-        apply_activation_checkpointing(module, plan, activation_checkpointing)
+    # 4. Activation checkpointing of the blocks, before data parallel wraps them.
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(module, plan, config.activation_checkpointing)
 
+    # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
+    #    keep the broadcast weights (exact).
     if on_meta:
         module.to_empty(device=device)
-        replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded, reset_order)
+        replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded, weights.reset_order)
     module.to(device)
-    return Prepared("meta" if on_meta else "exact", stages, sharded_rng, tied_copies)
+    init = "meta" if on_meta else "exact"
+    rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
 
+    # 6. Precision: Lightning's plugin converts the weights ("bf16-true") before data parallel shards them.
+    precision.convert_module(module)
+
+    # 7. Data parallel over "dp" (replicated or ZeRO shards): around the module, or around each stage.
+    blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: FSDP2's units
+    data_parallel = partial(_data_parallel, blocks=blocks, config=config, dims=dims, mesh=mesh, device=device,
+                            precision=precision)
+    stages = {i: data_parallel(stage) for i, stage in stages.items()}
+    called = module if stages else data_parallel(module)
+
+    # 8. Pretrained weights over the initialized ones: after data parallel, so a rank reads only the slices it
+    #    holds (its tp shard, and under ZeRO-3 its dp shard of that).
+    if config.init_from:
+        load_pretrained(module, config.init_from, plan.checkpoint_names, plan.tied_parameters)
+
+    loss_context = vocab_parallel_loss if dims.tp > 1 and config.vocab_parallel_loss else nullcontext
+    engine = None
+    if stages:
+        # 9. Tied weights' gradients summed between the first and last stages (built once data parallel has
+        #    replaced the parameters), after the tp sums left pending in the schedule's backward.
+        tied = (TiedGradients(module, tied_copies, embedding_group(dims, coords))
+                if plan.tied_parameters else None)
+        # 10. The pipeline engine over this rank's stages.
+        engine = PipelineEngine(
+            module=module, root_name=plan.pipeline_root, num_stages=dims.pp * config.virtual_pipeline_size,
+            stages=stages, schedule=config.pipeline_schedule, num_microbatches=config.microbatches,
+            pp_group=mesh["pp"].get_group(), device=device,
+            last_stage_rank=dims.rank(coords._replace(pp=dims.pp - 1)), loss_context=loss_context,
+            random_state=partial(preserved_random_state, sharded_rng, device), stage_output=plan.stage_output,
+            dp_group=mesh["dp"].get_group(), finish_grads=partial(_finish_grads, dims.tp > 1, tied),
+            reduce_grads_per_microbatch=config.pipeline_reduce_grads == "per_microbatch",
+        )
+    return ParallelModel(module=module, called=called, plan=plan, init=init, engine=engine,
+                         sharded_rng=sharded_rng, loss_context=loss_context)
+
+
+def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:
+    """The policy's plan for ``module`` under ``config`` at tensor-parallel size ``tp``, completed for a
+    pipeline where it names only its blocks (``policies.auto_pipeline``). Also what the dry run shows."""
+    options = PlanOptions(tp=tp, sequence_parallel=config.sequence_parallel,
+                          vocab_parallel_loss=config.vocab_parallel_loss)
+    return with_pipeline(module, policy.plan(module, options))
+
+
+def _data_parallel(module: nn.Module, *, blocks: list[nn.Module], config: ParallelConfig, dims: ParallelDims,
+                   mesh: DeviceMesh, device: torch.device, precision: Precision) -> nn.Module:
+    # dp = 1 has nothing to replicate or shard over -- but offload still asks FSDP2 to keep parameters,
+    # gradients and optimizer state in host memory, which it does over one rank too (ZeRO-Offload on one GPU).
+    offload_alone = config.offload and config.zero_stage > 0
+    if dims.dp == 1 and not offload_alone:
+        return module
+    inner = [m for m in module.modules() if m is not module and any(m is b for b in blocks)]
+    return apply_data_parallel(module, inner, mesh["dp"], device, pipeline_stage=dims.pp > 1,
+                               zero_stage=config.zero_stage, mp_policy=mixed_precision_policy(precision),
+                               offload_policy=offload_policy(config, device))
+
+
+def _finish_grads(tp_sums_pending: bool, tied: TiedGradients | None, module: nn.Module) -> None:
+    """After the schedule's backward: sums left pending across tp ranks, then the tied weights' copies."""
+    if tp_sums_pending:
+        reduce_partial_grads(module)
+    if tied is not None:
+        tied()
 
 
 def _from_rank0(obj: dict) -> dict:

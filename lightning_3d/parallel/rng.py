@@ -2,7 +2,7 @@
 
 Dropout on a tensor that every tp rank holds whole (the residual stream without sequence parallelism) must
 draw the same mask on every tp rank, or the replicas drift apart: that is the default stream, kept equal
-across ranks (``prepare_model`` starts every rank from rank 0's state, and every rank draws the same amounts).
+across ranks (``parallelize`` starts every rank from rank 0's state, and every rank draws the same amounts).
 Dropout on a sharded tensor (attention probabilities of the heads a rank holds, or the sequence shard under
 sequence parallelism) must draw *different* masks per tp rank, or head ``h`` and head ``h + n/tp`` would
 share a mask. Megatron-LM keeps a second, tp-rank-specific generator for those regions
@@ -15,8 +15,9 @@ cannot desynchronize it either.
 
 from __future__ import annotations
 
+import random
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -94,3 +95,34 @@ def preserved_random_state(sharded: ShardedRNG | None, device: torch.device) -> 
         yield
     if sharded is not None:
         sharded.load_state_dict(saved)
+
+
+def rank_random_state(sharded: ShardedRNG | None) -> dict[str, Any]:
+    """Every random stream of this rank: Python's, the host's, CUDA's, numpy's, and the tp-rank one
+    (``sharded``); what a checkpoint keeps per rank so that a resumed run draws what the uninterrupted one did."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if sharded is not None:
+        state["sharded"] = sharded.state_dict()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rank_random_state(state: dict[str, Any], sharded: ShardedRNG | None) -> None:
+    """Set this rank's streams to ``state`` (from :func:`rank_random_state`)."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "sharded" in state and sharded is not None:
+        sharded.load_state_dict(state["sharded"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])

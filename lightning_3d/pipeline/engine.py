@@ -66,7 +66,9 @@ class PipelineEngine:
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
                  device: torch.device, loss_context: Callable[[], Any] = nullcontext,
                  random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None,
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None,
+                 finish_grads: Callable[[nn.Module], None] | None = None,
+                 reduce_grads_per_microbatch: bool = False) -> None:
         self.module = module
         self.root_name = root_name
         self.stages = stages  # stage index -> this rank's module for it
@@ -79,9 +81,10 @@ class PipelineEngine:
         self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
         self.random_state = random_state  # restores the random streams after metadata inference
         self.stage_output = stage_output  # the last stage's tensor -> what the user's model call returns
-        self.reduce_grads_per_microbatch = False
-        """Set before the first step: stages reduce-scatter each block's gradient in every micro-batch, not once
-        per step (``pipeline/grad_sync.py``; ``ParallelConfig.pipeline_reduce_grads``)."""
+        self.finish_grads = finish_grads  # after a step's backward: sums across tp ranks and tied stages
+        self.reduce_grads_per_microbatch = reduce_grads_per_microbatch
+        """Stages reduce-scatter each block's gradient in every micro-batch, not once per step
+        (``pipeline/grad_sync.py``; ``ParallelConfig.pipeline_reduce_grads``)."""
         self._train_stages: list[GradSyncStage] = []
         self._sync_grads = True
         # (train, batch shapes) -> schedule over the same modules: one for training, one per evaluation shape
@@ -94,8 +97,7 @@ class PipelineEngine:
         self._pp_ranks = dist.get_process_group_ranks(pp_group)
         self._first_stage_rank = self._pp_ranks[0]  # stage 0 is on pp rank 0 (interleaved schedules too)
         self._metrics = StepMetrics(module, dp_group)
-        self.timeline: PipelineTimeline | None = None
-        """Set (by ``PipelineMonitor``) before the first step to build timed stages (``pipeline/timeline.py``)."""
+        self.timeline: PipelineTimeline | None = None  # see record_timeline
         for index, stage in stages.items():
             if index < num_stages - 1:
                 stage.register_forward_hook(_require_tensor_output(index))
@@ -110,8 +112,15 @@ class PipelineEngine:
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stages
 
+    def record_timeline(self) -> PipelineTimeline:
+        """From the next schedule built on: timed stages that record when each action runs, in the returned
+        timeline (``pipeline/timeline.py``; ``PipelineMonitor`` asks before the first step)."""
+        if self.timeline is None:
+            self.timeline = PipelineTimeline(self.device)
+        return self.timeline
+
     def training_step(self, batch: Any, *args: Any, accumulate_grad_batches: int, sync_grads: bool = True,
-                      finish_grads: Callable[[nn.Module], None] | None = None, **step_kwargs: Any) -> Tensor:
+                      **step_kwargs: Any) -> Tensor:
         """Lightning's training_step, pipelined. The schedule runs backward now, but Lightning zeroes the
         gradients after training_step and before its backward: this step's gradients are kept aside until
         :meth:`add_step_grads` (called from the strategy's backward), as if computed there.
@@ -129,8 +138,8 @@ class PipelineEngine:
         loss = self.run("training_step", batch, *args, train=True, loss_scale=1.0 / accumulate_grad_batches,
                         **step_kwargs)
         held_in_fsdp = not sync_grads and any(isinstance(m, FSDPModule) for m in self.stages.values())
-        if finish_grads is not None and not held_in_fsdp:
-            finish_grads(self.module)
+        if self.finish_grads is not None and not held_in_fsdp:
+            self.finish_grads(self.module)
         if any(a is not b for a, b in zip(params, (p for p in self.module.parameters() if p.requires_grad))):
             # The gradients went to Parameter objects the module no longer holds (FSDP2 left its gathered ones
             # registered when the step began): the optimizer would step on none of them, silently.

@@ -1,17 +1,16 @@
-"""Strategy hooks for checkpoints: sharded DCP directories (``lightning_3d.checkpoint``), resharded on load."""
+"""Checkpoints for the strategy: sharded DCP directories (``lightning_3d.checkpoint``), resharded on load."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -19,12 +18,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch import nn
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_3d.checkpoint import atomic, sharded
 from lightning_3d.checkpoint.resumable import ResumableLoader
 from lightning_3d.checkpoint.safe_load import torch_load
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.dims import ParallelDims
+from lightning_3d.strategies.faults import RunPhases
 
 # Optimizer state keyed by parameter FQN, with param_groups flattened per FQN too: each pipeline stage's
 # optimizer holds other parameters, and the flattened form is what lets any layout read any other's.
@@ -33,159 +35,115 @@ _IN_SHARDS = "in the checkpoint's DCP shards"  # what "optimizer_states" holds i
 
 
 class ShardedCheckpoints:
-    """Mixed into ``ThreeDStrategy``. ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write a directory in
-    which every rank writes only what it holds; ``fit(ckpt_path=...)`` loads one written at any layout.
-    A single-file Lightning checkpoint (e.g. from one device) loads too."""
+    """Checkpoints for ``ThreeDStrategy``'s hooks. ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write a
+    directory in which every rank writes only what it holds; ``fit(ckpt_path=...)`` loads one written at any
+    layout (resharded), and a single-file Lightning checkpoint (e.g. from one device) loads too.
 
-    # ------------------------------------------------------------------ save
+    Each method takes what it works on -- the module, its optimizers, this run's ``sharding`` (from
+    :func:`sharding_of`) -- and runs inside the ``phases``' checkpoint phase (``strategies/faults.py``). It
+    keeps one thing between calls: the random streams read from a checkpoint of this very sharding, until
+    the strategy restores them (:meth:`take_rank_state`)."""
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module)  # this rank's shards: nothing is gathered
+    def __init__(self, phases: RunPhases) -> None:
+        self.phases = phases
+        self._rank_state_to_load: Optional[dict] = None
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=_OPTIM)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError("ThreeDStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are"
-                            " written with torch.distributed.checkpoint, not a CheckpointIO plugin.")
-        path = Path(self.broadcast(str(filepath)))  # rank 0 names the directory every rank writes into
+    def save(self, path: Path, checkpoint: dict[str, Any], sharding: dict[str, int], rank_state: dict[str, Any]) -> None:
+        """Write Lightning's ``checkpoint`` dict to directory ``path``. Collective."""
         state = {"model": checkpoint.pop("state_dict")}
         optimizers = checkpoint.pop("optimizer_states", None)
         if optimizers is not None:
             state.update({f"optimizer_{i}": s for i, s in enumerate(optimizers)})
             checkpoint["optimizer_states"] = [_IN_SHARDS] * len(optimizers)
-        checkpoint["lightning_3d"] = {"layout": self._layout(), "world_size": self.world_size}
-        with self._phase("checkpoint save", "checkpoint_timeout"):
-            sharded.save(path, state, checkpoint, self._rank_state())
+        checkpoint["lightning_3d"] = {"layout": sharding, "world_size": dist.get_world_size()}
+        with self.phases.phase("checkpoint save", "checkpoint_timeout"):
+            sharded.save(path, state, checkpoint, rank_state)
 
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            with self._phase("checkpoint removal", "checkpoint_timeout"):
-                atomic.remove(Path(filepath))
+    def remove(self, path: Path) -> None:
+        with self.phases.phase("checkpoint removal", "checkpoint_timeout"):
+            atomic.remove(path)
 
-    # ------------------------------------------------------------------ load
+    def load(self, path: Path, module: pl.LightningModule, optimizers: list[Optimizer], sharding: dict[str, int],
+             weights_only: Optional[bool], barrier: Callable[[str], None]) -> dict[str, Any]:
+        """Lightning's checkpoint dict from ``path``; a sharded one fills the module (and, when fitting, the
+        optimizers) here, resharded from the sharding it was written at. Collective."""
+        with self.phases.phase("checkpoint load", "checkpoint_timeout"):
+            if path.is_file():
+                if weights_only is False:  # the user vouched for the file: Lightning's documented opt-out
+                    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+                return torch_load(path, what="the checkpoint", opt_out=sharded.TRUSTED_HINT, map_location="cpu",
+                                  mmap=True)
+            return self._load_sharded(path, module, optimizers, sharding, weights_only, barrier)
 
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        with self._phase("checkpoint load", "checkpoint_timeout"):
-            return self._load_checkpoint(checkpoint_path, weights_only)
-
-    def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_file():
-            if weights_only is False:  # the user vouched for the file: Lightning's documented opt-out
-                return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            return torch_load(path, what="the checkpoint", opt_out=sharded.TRUSTED_HINT, map_location="cpu", mmap=True)
-        if self.is_global_zero:
+    def _load_sharded(self, path: Path, module: pl.LightningModule, optimizers: list[Optimizer],
+                      sharding: dict[str, int], weights_only: Optional[bool],
+                      barrier: Callable[[str], None]) -> dict[str, Any]:
+        if dist.get_rank() == 0:
             atomic.recover(path)
-        self.barrier("lightning_3d.recover_checkpoint")
+        barrier("lightning_3d.recover_checkpoint")
         meta = sharded.read_meta(path, trusted=weights_only is False)
         written = meta["lightning_3d"]
-        module, fitting = self.lightning_module, self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
+        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # unwrap Lightning's LightningOptimizer
         if fitting and meta.get("optimizer_states"):
-            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
             state.update({f"optimizer_{i}": get_optimizer_state_dict(module, o, options=_OPTIM)
                           for i, o in enumerate(optimizers)})
-        model_keys = [None] * self.world_size
+        model_keys = [None] * dist.get_world_size()
         dist.all_gather_object(model_keys, [f"model.{k}" for k in state["model"]])
         sharded.check_matches(path, state, {k for keys in model_keys for k in keys}, module.strict_loading,
                               written_by=_describe(written["layout"]))
         sharded.load(path, state)
         set_model_state_dict(module, state["model"])
-        for i, optimizer in enumerate(self.optimizers if len(state) > 1 else []):
-            set_optimizer_state_dict(module, getattr(optimizer, "_optimizer", optimizer), state[f"optimizer_{i}"],
-                                     options=_OPTIM)
-        if written["layout"] == self._layout() and written["world_size"] == self.world_size:
-            self._rank_state_to_load = sharded.read_rank_state(path, self.global_rank)  # see on_train_start
+        for i, optimizer in enumerate(optimizers if len(state) > 1 else []):
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=_OPTIM)
+        if written["layout"] == sharding and written["world_size"] == dist.get_world_size():
+            self._rank_state_to_load = sharded.read_rank_state(path, dist.get_rank())  # see take_rank_state
         else:
-            rank_zero_info(f"lightning_3d: resharded {path} from {_describe(written['layout'])} to {_describe(self._layout())};"
-                           " random generators start afresh (their streams belong to the old layout)")
+            rank_zero_info(f"lightning_3d: resharded {path} from {_describe(written['layout'])} to"
+                           f" {_describe(sharding)}; random generators start afresh (their streams belong to the"
+                           " old layout)")
         return meta
 
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if "state_dict" in checkpoint:  # a single-file checkpoint: full tensors, redistributed to this layout
-            options = StateDictOptions(full_state_dict=True, strict=strict)
-            with self._phase("checkpoint load", "checkpoint_timeout"):
-                set_model_state_dict(self.lightning_module, checkpoint["state_dict"], options=options)
+    def load_full_model(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+        """A single-file checkpoint's full tensors, redistributed to this layout."""
+        with self.phases.phase("checkpoint load", "checkpoint_timeout"):
+            set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if state != _IN_SHARDS:  # sharded ones were loaded with the model in load_checkpoint
+    def load_full_optimizers(self, module: nn.Module, optimizers: list[Optimizer], states: list[Any]) -> None:
+        """Optimizer states of a single-file checkpoint (sharded ones were loaded with the model in load)."""
+        for optimizer, state in zip(optimizers, states):
+            if state != _IN_SHARDS:
                 optimizer = getattr(optimizer, "_optimizer", optimizer)
-                with self._phase("checkpoint load", "checkpoint_timeout"):
-                    set_optimizer_state_dict(self.lightning_module, optimizer,
-                                             _keyed_by_name(state, self.lightning_module, optimizer),
+                with self.phases.phase("checkpoint load", "checkpoint_timeout"):
+                    set_optimizer_state_dict(module, optimizer, _keyed_by_name(state, module, optimizer),
                                              options=StateDictOptions(full_state_dict=True))
 
-    # ------------------------------------------------------------------ resuming mid-epoch
+    def take_rank_state(self) -> Optional[dict[str, Any]]:
+        """The random streams a checkpoint of this sharding held for this rank, once; else None."""
+        state, self._rank_state_to_load = self._rank_state_to_load, None
+        return state
 
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        trainer = self.lightning_module.trainer
-        if trainer.state.stage != RunningStage.TRAINING or hasattr(dataloader, "load_state_dict"):
-            return dataloader
-        epoch = lambda: trainer.fit_loop.epoch_progress.current.processed  # the epoch Lightning's set_epoch gives
-        return ResumableLoader(dataloader, self._batches_done, epoch=epoch,
-                               skipping=lambda: self._phase("set-up: skipping to the resume point", "setup_timeout"))
 
-    def _batches_done(self) -> int:
-        trainer = self.lightning_module.trainer
+def sharding_of(dims: ParallelDims, config: ParallelConfig) -> dict[str, int]:
+    """How a run cuts its state: written into each checkpoint, so a load can tell whether it reshards."""
+    return {"dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "virtual_pipeline_size": config.virtual_pipeline_size,
+            "zero_stage": config.zero_stage}
+
+
+def resumable(dataloader: object, trainer: pl.Trainer, phases: RunPhases) -> object:
+    """The training ``dataloader``, made to skip the batches of the epoch a resumed checkpoint had done
+    (``checkpoint/resumable.py``); other loaders, and those that resume themselves, unchanged."""
+    if trainer.state.stage != RunningStage.TRAINING or hasattr(dataloader, "load_state_dict"):
+        return dataloader
+
+    def batches_done() -> int:
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return done if done < trainer.num_training_batches else 0  # a finished epoch: the next starts afresh
 
-    # ------------------------------------------------------------------ per-rank state
-
-    @override
-    def on_train_start(self) -> None:
-        # Not in load_checkpoint: between the two, Lightning creates the epoch's data-loader iterator, which
-        # draws from the generators, as it did before the saved steps in the interrupted run.
-        if self._rank_state_to_load is not None:
-            self._load_rank_state(self._rank_state_to_load)
-            self._rank_state_to_load = None
-
-    @override
-    def on_train_end(self) -> None:
-        self._rank_state_to_load = None  # from a load during training (NaNGuard's rollback): not a resume
-
-    def _layout(self) -> dict[str, int]:
-        dims, config = self.parallel_dims, self.parallel_config
-        return {"dp": dims.dp, "pp": dims.pp, "tp": dims.tp, "virtual_pipeline_size": config.virtual_pipeline_size,
-                "zero_stage": config.zero_stage}
-
-    def _rank_state(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        if self._sharded_rng is not None:
-            state["sharded"] = self._sharded_rng.state_dict()
-        try:
-            import numpy
-
-            state["numpy"] = numpy.random.get_state()
-        except ImportError:
-            pass
-        return state
-
-    def _load_rank_state(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        if "sharded" in state and self._sharded_rng is not None:
-            self._sharded_rng.load_state_dict(state["sharded"])
-        if "numpy" in state:
-            import numpy
-
-            numpy.random.set_state(state["numpy"])
+    epoch = lambda: trainer.fit_loop.epoch_progress.current.processed  # the epoch Lightning's set_epoch gives
+    return ResumableLoader(dataloader, batches_done, epoch=epoch,
+                           skipping=lambda: phases.phase("set-up: skipping to the resume point", "setup_timeout"))
 
 
 def _keyed_by_name(state: dict[str, Any], module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:

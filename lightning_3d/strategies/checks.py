@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 
+
 def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) -> None:
     if module is None:
         return
@@ -19,6 +20,11 @@ def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) ->
             f"{type(module).__name__} has no parameters and does not override configure_model(). Build the model"
             " in configure_model() (preferred: ThreeDStrategy then builds it on the meta device and materializes"
             " only this rank's part) or in __init__."
+        )
+    if config.pipeline_parallel_size > 1 and not module.automatic_optimization:
+        raise ParallelConfigError(
+            "pipeline_parallel_size > 1 runs backward inside the pipeline schedule, which manual"
+            " optimization (self.manual_backward) cannot drive. Use automatic optimization, or pp=1."
         )
     if config.model_init == "meta" and built_eagerly:
         raise ParallelConfigError(

@@ -1,14 +1,13 @@
-"""Strategy hooks that keep a failing or hanging rank from stalling the job (``lightning_3d.faults``)."""
+"""The run's phases under the fault watch: a failing or hanging rank must not stall the job (``lightning_3d.faults``)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
-from typing_extensions import override
 
 from lightning_3d.faults.flight_recorder import FlightRecorder
 from lightning_3d.faults.watch import FaultWatch, Phase
@@ -18,52 +17,61 @@ from lightning_3d.faults.watch import FaultWatch, Phase
 TIMEOUTS = ("hang_timeout", "setup_timeout", "checkpoint_timeout")
 
 
-class FaultHandling:
-    """Mixed into ``ThreeDStrategy``: starts a ``FaultWatch`` once the process group is up (in the set-up
-    phase), names the phases after it (checkpoints, steps), publishes an exception raised on this rank, and
-    stops watching at teardown. ``_fault_timeouts`` holds the strategy's ``TIMEOUTS`` by name."""
+class RunPhases:
+    """Names what this rank is doing -- set-up, a checkpoint's save or load, each step -- each phase limited
+    by one of the strategy's ``TIMEOUTS`` (seconds, or None: unlimited), and, once :meth:`start`-ed with the
+    process group, has a ``FaultWatch`` end the job when a phase stalls or another rank fails. Before
+    ``start`` (and after ``stop``) phases are only names.
 
-    _fault_watch: Optional[FaultWatch] = None
-    _fault_timeouts: dict[str, Optional[float]]
+    Example (what ``ThreeDStrategy`` does)::
 
-    def _start_fault_watch(self, exit_timeout: float) -> None:
+        phases = RunPhases({"hang_timeout": 900.0, "setup_timeout": None, "checkpoint_timeout": None})
+        phases.start("gloo", rank, world_size, describe_rank, exit_timeout=10.0)  # set-up from here on
+        with phases.phase("checkpoint save", "checkpoint_timeout"):
+            ...
+        phases.step_boundary("training_step started", "training")
+    """
+
+    def __init__(self, timeouts: dict[str, Optional[float]]) -> None:
+        self.timeouts = timeouts
+        self._watch: Optional[FaultWatch] = None
+
+    def start(self, backend: str, rank: int, world_size: int, describe_rank: Callable[[int], str],
+              exit_timeout: float) -> None:
+        """Watch from here on, in the set-up phase; the default process group must exist."""
         # The default group's key-value store is shared by every rank and outlives any collective; PyTorch has
         # no public accessor for it.
         store = dist.distributed_c10d._get_default_store()
         # Set-up lasts until the first step: configure_model, sharding and initialization, init_from, the
         # checkpoint restore and the skip to a resume point all come before it.
-        recorder = FlightRecorder.of(self._process_group_backend, self.global_rank, os.environ)  # None but NCCL
-        self._fault_watch = FaultWatch(store, self.global_rank, self.world_size, self._describe_rank,
-                                       self._timed_phase("set-up", "setup_timeout"), exit_timeout, recorder)
-        self._fault_watch.start()
-
-    def _describe_rank(self, rank: int) -> str:
-        c = self.parallel_dims.coords(rank)
-        return f"rank {rank} (dp={c.dp}, pp={c.pp}, tp={c.tp})"
-
-    def _timed_phase(self, name: str, setting: str) -> Phase:
-        return Phase(name, self._fault_timeouts[setting], setting)
+        recorder = FlightRecorder.of(backend, rank, os.environ)  # None but on NCCL
+        self._watch = FaultWatch(store, rank, world_size, describe_rank, self._timed("set-up", "setup_timeout"),
+                                 exit_timeout, recorder)
+        self._watch.start()
 
     @contextmanager
-    def _phase(self, name: str, setting: str) -> Generator[None, None, None]:
+    def phase(self, name: str, setting: str) -> Generator[None, None, None]:
         """The block is phase ``name``, limited by the strategy argument ``setting`` (one of ``TIMEOUTS``)."""
-        if self._fault_watch is None:
+        if self._watch is None:
             yield
             return
-        with self._fault_watch.entered(self._timed_phase(name, setting)):
+        with self._watch.entered(self._timed(name, setting)):
             yield
 
-    def _progress(self, doing: str, phase: str) -> None:
-        """A step boundary: from here on (until the next phase) the rank is in ``phase``, under hang_timeout."""
-        if self._fault_watch is not None:
-            self._fault_watch.enter(self._timed_phase(phase, "hang_timeout"), doing)
+    def step_boundary(self, doing: str, phase: str) -> None:
+        """From here on (until the next phase) the rank is in ``phase``, under hang_timeout; restarts its clock."""
+        if self._watch is not None:
+            self._watch.enter(self._timed(phase, "hang_timeout"), doing)
 
-    def _stop_fault_watch(self) -> None:
-        if self._fault_watch is not None:
-            self._fault_watch.stop()
-            self._fault_watch = None
+    def announce_failure(self, exception: BaseException) -> None:
+        """Tell every other rank that this one raised ``exception``, so none waits for it."""
+        if self._watch is not None and not isinstance(exception, KeyboardInterrupt):
+            self._watch.announce_failure(exception)
 
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self._fault_watch is not None and not isinstance(exception, KeyboardInterrupt):
-            self._fault_watch.announce_failure(exception)
+    def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+    def _timed(self, name: str, setting: str) -> Phase:
+        return Phase(name, self.timeouts[setting], setting)

@@ -1,4 +1,6 @@
-"""Processes and collectives: how ranks come to be and talk, as Lightning's own parallel strategies do it."""
+"""Processes and collectives: how ranks come to be and talk, as Lightning's own parallel strategies do it.
+
+Global ranks, the default process group, and world-wide barrier / broadcast / reduce; ``ThreeDStrategy``'s hooks of those names call these."""
 
 from __future__ import annotations
 
@@ -8,85 +10,65 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from typing_extensions import override
 
 from lightning_3d.faults.flight_recorder import enable_flight_recorder
-from lightning_3d.parallel.dims import ParallelDims
 
 
-class ProcessesAndCollectives:
-    """Strategy hooks (mixed into ``ThreeDStrategy``): the launcher (``devices=N`` starts the processes
-    unless torchrun or Slurm did), global ranks, and world-wide barrier / broadcast / reduce."""
+WORLD = _group.WORLD
 
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            # About to start num_nodes * devices processes: a layout that cannot be cut from them fails here,
-            # at Trainer(...), in seconds, instead of in every process started (minutes for 64 of them).
-            # Under torchrun / srun the processes exist already; each checks in setup_environment.
-            ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _init_process_group(self) -> None:
-        """The default process group on ``self._process_group_backend``; on NCCL with its Flight Recorder on."""
-        # ProcessGroupNCCL reads these variables when it is created, so they are set before.
-        enable_flight_recorder(self._process_group_backend)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        store = restart_store(self._timeout)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, **({"store": store} if store is not None else {}))
+def init_process_group(cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta,
+                       device: torch.device) -> None:
+    """The default process group on ``backend``; on NCCL with its Flight Recorder on."""
+    # ProcessGroupNCCL reads these variables when it is created, so they are set before.
+    enable_flight_recorder(backend)
+    device_id = device if device.type != "cpu" else None
+    store = restart_store(timeout)
+    _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id,
+                          **({"store": store} if store is not None else {}))
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+def set_world_ranks(cluster_environment: Optional[ClusterEnvironment], node_rank: int, local_rank: int,
+                    num_nodes: int, num_processes: int) -> None:
+    """This process's global rank and the world size, as Lightning's parallel strategies set them."""
+    if cluster_environment is not None:
+        cluster_environment.set_global_rank(node_rank * num_processes + local_rank)
+        cluster_environment.set_world_size(num_nodes * num_processes)
+    rank = cluster_environment.global_rank() if cluster_environment is not None else 0
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank
 
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
-        return objects[0]
 
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Union[Tensor, Any]:
-        # Lightning syncs logged values (sync_dist=True) here. Every tensor- and pipeline-parallel rank of a
-        # replica logs the same value (the pipeline engine replays the last stage's), so the default group is
-        # the data-parallel one: over every rank, reduce_fx="sum" would count a value tp * pp times.
-        if group is None and self._device_mesh is not None:
-            group = self._device_mesh["dp"].get_group()
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+def barrier(device: torch.device) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
 
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Over every rank (ModelCheckpoint, EarlyStopping): not the data-parallel default of reduce().
-        count = self.reduce(torch.tensor(int(decision), device=self.root_device), group=_group.WORLD,
-                            reduce_op=ReduceOp.SUM)
-        return bool(count == self.world_size) if all else bool(count)
+
+def broadcast(obj: TBroadcast, src: int = 0) -> TBroadcast:
+    """``obj`` from global rank ``src``, on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    objects = [obj]
+    dist.broadcast_object_list(objects, src, group=WORLD)
+    return objects[0]
+
+
+def reduce(tensor: Union[Tensor, Any], group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]) -> Union[Tensor, Any]:
+    """``tensor`` reduced over ``group`` (anything else returned as it is)."""
+    if isinstance(tensor, Tensor):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor
 
 
 def restart_store(timeout: timedelta) -> Optional[dist.Store]:

@@ -1,13 +1,20 @@
-"""``ThreeDStrategy``: Lightning's glue around the parallel layout, the policy and the appliers."""
+"""``ThreeDStrategy``: Lightning's hooks for a run with tensor, pipeline and data parallelism at once.
+
+Every hook Lightning calls is here; each delegates to one concern, which takes what it works on as arguments:
+processes and collectives (``strategies/processes.py``), the parallel model (``parallel/parallelize.py``, one
+ordered chain), steps (``strategies/steps.py``), checkpoints (``strategies/checkpoints.py``) and the fault
+watch over the run's phases (``strategies/faults.py``). Data flows one way: arguments -> ``ParallelConfig``
+-> ``ParallelDims`` and the device mesh (``setup_environment``) -> the policy's plan -> ``parallelize`` ->
+the ``ParallelModel`` this strategy keeps (``setup``) -> steps.
+"""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
-from functools import partial
-from typing import Any, Literal, Optional, Union
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -17,47 +24,46 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
+from lightning_3d.checkpoint.pretrained import check_init_from
 from lightning_3d.output import quiet_ranks
 from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
-from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
-from lightning_3d.parallel.data_parallel import apply_data_parallel, zero_stage_that_runs
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
 from lightning_3d.parallel.memory import memory_report, step_gradient_bytes, summarize_memory
-from lightning_3d.parallel.parallelize import prepare_model
-from lightning_3d.parallel.precision import (
-    check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
-from lightning_3d.parallel.rng import ShardedRNG, preserved_random_state
+from lightning_3d.parallel.parallelize import ParallelModel, parallelize, plan_model
+from lightning_3d.parallel.precision import check_precision, offload_backend, warn_about_no_ops
+from lightning_3d.parallel.rng import rank_random_state, restore_rank_random_state
 from lightning_3d.parallel.shape_check import check_shapes_at_first_call
-from lightning_3d.parallel.tied import TiedGradients, embedding_group
-from lightning_3d.parallel.weight_init import InitError, is_on_meta
+from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.pipeline.engine import PipelineEngine
-from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, stage_ids_of
 from lightning_3d.policies import Policy, resolve_policy
-from lightning_3d.policies.auto_pipeline import with_pipeline
-from lightning_3d.policies.base import Plan, PlanOptions
-from lightning_3d.strategies.checkpoints import ShardedCheckpoints
+from lightning_3d.strategies import processes
+from lightning_3d.strategies.checkpoints import _OPTIM, ShardedCheckpoints, resumable, sharding_of
 from lightning_3d.strategies.checks import check_backend, check_model
-from lightning_3d.strategies.faults import TIMEOUTS, FaultHandling
-from lightning_3d.strategies.processes import ProcessesAndCollectives
-from lightning_3d.strategies.steps import StepHooks
+from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
+from lightning_3d.strategies.model_build import WatchedBuild
+from lightning_3d.strategies.steps import run_step
 from lightning_3d.strategies.threads import set_threads_per_rank
 
-log = logging.getLogger(__name__)
 
-
-class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling, StepHooks, ParallelStrategy):
+class ThreeDStrategy(ParallelStrategy):
     """Train one LightningModule with tensor (tp), pipeline (pp) and data (dp) parallelism at once.
 
     The LightningModule is written as for one device; the strategy builds the ("pp", "dp", "tp") device mesh,
@@ -145,28 +151,22 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._fault_timeouts = dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout)))
-        for name, seconds in {**self._fault_timeouts, "exit_timeout": exit_timeout}.items():
+        timeouts = dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout)))
+        for name, seconds in {**timeouts, "exit_timeout": exit_timeout}.items():
             if seconds is not None and seconds <= 0:
                 off = "" if name == "exit_timeout" else " (None turns the hang watchdog off for its phase)"
                 raise ValueError(f"{name} ({seconds}) is in seconds and must be positive{off}.")
         self._exit_timeout = exit_timeout
         self.num_nodes = 1
+        self._phases = RunPhases(timeouts)  # the fault watch, started with the process group
+        self._checkpoints = ShardedCheckpoints(self._phases)
+        self._build = WatchedBuild(model_init)  # configure_model() on the meta device, watched
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh = None
         self._policy: Optional[Policy] = None
-        self._init_rng_state: Optional[Tensor] = None
-        self._construction: Optional[ConstructionRecord] = None  # the meta build, watched (parallel.init_record)
-        self._before_build: Optional[ModuleAttributes] = None  # the LightningModule before configure_model()
-        self._prepared_module: Optional[nn.Module] = None
-        self._blocks: list[nn.Module] = []
-        self._engine: Optional[PipelineEngine] = None  # pipeline parallel only
-        self._tied_gradients: Optional[TiedGradients] = None  # tied weights across pipeline stages only
-        self._sharded_rng: Optional[ShardedRNG] = None  # tensor parallel only; checkpoints save its state
-        self._rank_state_to_load: Optional[dict] = None  # random generators from a checkpoint of this layout
-        self._memory_logged = False
-        self._model_plan: Optional[Plan] = None  # the policy's plan for the module (names for init_from)
+        self._parallel: Optional[ParallelModel] = None  # set up once per LightningModule (setup)
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
+        self._memory_logged = False
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
 
@@ -194,7 +194,7 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
     @property
     def pipeline_engine(self) -> Optional[PipelineEngine]:
         """The micro-batch engine once set up under pipeline parallelism (callbacks read what it records)."""
-        return self._engine
+        return self._parallel.engine if self._parallel is not None else None
 
     @property
     @override
@@ -228,7 +228,17 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         # Weights only exist after setup() has materialized them (the model may be on the meta device before).
         return True
 
-    # ------------------------------------------------------------------ processes
+    # ------------------------------------------------------------------ processes and collectives
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            # About to start num_nodes * devices processes: a layout that cannot be cut from them fails here,
+            # at Trainer(...), in seconds, instead of in every process started (minutes for 64 of them).
+            # Under torchrun / srun the processes exist already; each checks in setup_environment.
+            ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -238,45 +248,71 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         quiet_ranks()  # known third-party warnings off, Lightning's per-rank set-up lines from rank 0 (output.py)
         set_threads_per_rank(self.num_processes)  # ranks on one host share its CPUs (strategies/threads.py)
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
-        self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
+        dims = self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
         if self.parallel_config.init_from:
             check_init_from(self.parallel_config.init_from)
-        check_precision(self.precision_plugin, self.root_device, self._parallel_dims, self.parallel_config)
-        warn_about_no_ops(self.parallel_config, self._parallel_dims, self.root_device)
+        check_precision(self.precision_plugin, self.root_device, dims, self.parallel_config)
+        warn_about_no_ops(self.parallel_config, dims, self.root_device)
         self._policy = resolve_policy(self.parallel_config.policy)
         check_model(self.lightning_module, self.parallel_config)
 
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         check_backend(backend, self.root_device)
         self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
-        self._init_process_group()  # strategies/processes.py
-        self._start_fault_watch(self._exit_timeout)
-        self._device_mesh = self._parallel_dims.build_mesh(self.root_device.type)
+        processes.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout,
+                                     self.root_device)
+        self._phases.start(self._process_group_backend, self.global_rank, self.world_size, self._describe_rank,
+                           self._exit_timeout)
+        self._device_mesh = dims.build_mesh(self.root_device.type)
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
         self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(f"lightning_3d: {self._parallel_dims}, policy={self._policy.name or self._policy!r}")
+        rank_zero_info(f"lightning_3d: {dims}, policy={self._policy.name or self._policy!r}")
         zero = self.parallel_config.zero_stage
-        runs, why = zero_stage_that_runs(zero, self._parallel_dims.pp > 1)
-        if runs != zero and self._parallel_dims.dp > 1:  # (dp = 1: warn_about_no_ops says zero does nothing)
+        runs, why = zero_stage_that_runs(zero, dims.pp > 1)
+        if runs != zero and dims.dp > 1:  # (dp = 1: warn_about_no_ops says zero does nothing)
             rank_zero_info(f"lightning_3d: zero_stage={zero} runs as ZeRO-{runs}: {why}"
                            " (lightning_3d.parallel.data_parallel.apply_zero)")
+
+    def set_world_ranks(self) -> None:
+        processes.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_nodes,
+                                  self.num_processes)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        processes.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return processes.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        # Lightning syncs logged values (sync_dist=True) here. Every tensor- and pipeline-parallel rank of a
+        # replica logs the same value (the pipeline engine replays the last stage's), so the default group is
+        # the data-parallel one: over every rank, reduce_fx="sum" would count a value tp * pp times.
+        if group is None and self._device_mesh is not None:
+            group = self._device_mesh["dp"].get_group()
+        return processes.reduce(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Over every rank (ModelCheckpoint, EarlyStopping): not the data-parallel default of reduce().
+        count = processes.reduce(torch.tensor(int(decision), device=self.root_device), processes.WORLD, ReduceOp.SUM)
+        return bool(count == self.world_size) if all else bool(count)
+
+    def _describe_rank(self, rank: int) -> str:
+        c = self.parallel_dims.coords(rank)
+        return f"rank {rank} (dp={c.dp}, pp={c.pp}, tp={c.tp})"
 
     # ------------------------------------------------------------------ model
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        # A model built in configure_model() goes on the meta device unless the user asked for an exact build;
-        # the host random state is kept so that setup() can replay the init from it.
-        # The build is watched (ConstructionRecord) so that setup() uses the meta route only where replaying
-        # the init is proven to give these weights, and can otherwise build again, as written, from here.
-        on_meta = self.parallel_config.model_init != "exact" and empty_init is not False
-        self._init_rng_state = torch.get_rng_state()
-        self._construction = ConstructionRecord() if on_meta else None
-        module = self.lightning_module
-        self._before_build = ModuleAttributes(module) if on_meta and module is not None else None
-        with (torch.device("meta") if on_meta else nullcontext(), self.precision_plugin.tensor_init_context(),
-              self._construction or nullcontext()):
+        # configure_model() builds on the meta device unless the user asked for an exact build; the build is
+        # watched so that setup() replays its init only where that gives the weights as written.
+        with self._build.context(self.lightning_module, self.precision_plugin, empty_init):
             yield
 
     @override
@@ -284,19 +320,9 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        first_setup = self._prepared_module is not module  # setup() runs again for validate()/test() after fit()
-        if first_setup:
-            with self._phase("set-up: preparing the model", "setup_timeout"):
-                self._prepare(module)
-            check_shapes_at_first_call(module, self._model_plan, self.parallel_dims, self.coords)  # at each block's 1st call
-        self.model = self._data_parallel(module) if self._engine is None else module
-        if self._engine is not None:  # when its stages reduce gradients over dp (lightning_3d.pipeline.grad_sync)
-            self._engine.reduce_grads_per_microbatch = self.parallel_config.pipeline_reduce_grads == "per_microbatch"
-        if first_setup and self.parallel_config.init_from:  # each rank reads its slices (a resumed fit then
-            plan = self._model_plan                           # restores over them)
-            with self._phase("set-up: loading init_from", "setup_timeout"):
-                load_pretrained(module, self.parallel_config.init_from, plan.checkpoint_names,
-                                plan.tied_parameters)
+        if self._parallel is None or self._parallel.module is not module:  # (setup() runs again for validate()
+            self._parallel = self._parallelize(module)                    #  and test() after fit())
+        self.model = self._parallel.called
         # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
         # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
         # norm, so its two clip methods are replaced on this instance with global-norm ones.
@@ -308,97 +334,16 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _prepare(self, module: pl.LightningModule) -> None:
-        dims, config = self.parallel_dims, self.parallel_config
-        plan = self._model_plan = self._plan(module)
-        reset_order = None
-        record, self._construction = self._construction, None
-        if record is not None and is_on_meta(module):
-            why = record.verdict(module, plan.init_module, params_loaded=config.init_from is not None)
-            if why is None:
-                reset_order = record.reset_order(module)
-            else:
-                self._build_as_written(module, why)
-                plan = self._model_plan = self._plan(module)
-        stage_blocks, stage_ids = None, []
-        if dims.pp > 1:
-            if not module.automatic_optimization:
-                raise ParallelConfigError(
-                    "pipeline_parallel_size > 1 runs backward inside the pipeline schedule, which manual"
-                    " optimization (self.manual_backward) cannot drive. Use automatic optimization, or pp=1."
-                )
-            check_splittable(module, plan)
-            stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
-                                         **split_options(module, plan, config.pipeline_split))
-            stage_ids = stage_ids_of(self.coords.pp, dims.pp, config.virtual_pipeline_size)
-        init, stages, self._sharded_rng, tied_copies = prepare_model(module, plan, self.device_mesh, self.root_device,
-                                                        self._init_rng_state, stage_blocks, stage_ids,
-                                                        config.activation_checkpointing,
-                                                        params_loaded=config.init_from is not None,
-                                                        reset_order=reset_order)
-        rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
-        self.precision_plugin.convert_module(module)
-        self._blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: DP units
-        if stages:
-            rank_zero_info(f"lightning_3d: pipeline of {len(stage_blocks)} stages, blocks per stage"
-                           f" {[len(b) for b in stage_blocks]}, schedule {config.pipeline_schedule!r},"
-                           f" {self._num_microbatches} micro-batches")
-            self._engine = PipelineEngine(
-                module=module, root_name=plan.pipeline_root, num_stages=len(stage_blocks),
-                stages={i: self._data_parallel(stage) for i, stage in zip(stage_ids, stages)},
-                schedule=config.pipeline_schedule, num_microbatches=self._num_microbatches,
-                pp_group=self.device_mesh["pp"].get_group(), device=self.root_device,
-                last_stage_rank=dims.rank(self.coords._replace(pp=dims.pp - 1)),
-                loss_context=self._loss_context,
-                random_state=partial(preserved_random_state, self._sharded_rng, self.root_device),
-                stage_output=plan.stage_output, dp_group=self.device_mesh["dp"].get_group(),
-            )
-        if dims.pp > 1 and plan.tied_parameters:  # the embedding and the head on the first and last stages
-            self._tied_gradients = TiedGradients(module, tied_copies, embedding_group(dims, self.coords))
-        self._prepared_module = module
-
-    def _build_as_written(self, module: pl.LightningModule, why: str) -> None:
-        """The meta build cannot be initialized by replay (``why``): refuse under model_init="meta"; under
-        "auto", run configure_model() again on the host, from the attributes and random state it started
-        with, so the model gets the weights it was written to have (the exact route)."""
-        fix = ("Give the modules a reset_parameters() that initializes their own tensors, or use"
-               " model_init='auto' (builds on the host as written when replay cannot) or 'exact'.")
-        if self.parallel_config.model_init == "meta" or self._before_build is None:
-            raise InitError(f"model_init={self.parallel_config.model_init!r} builds the model on the meta device"
-                            f" and replays each module's reset_parameters(), which would give other weights than"
-                            f" the model as written: {why}. {fix}")
-        rank_zero_info(f"lightning_3d: model_init='auto' builds the model on the host as written (exact), since"
-                       f" replaying its init on the meta device would give other weights: {why}")
-        self._before_build.restore(module)
-        torch.set_rng_state(self._init_rng_state)
-        with self.precision_plugin.module_init_context():
-            module.configure_model()
-        if is_on_meta(module):
-            raise InitError(f"{type(module).__name__}.configure_model() built nothing new when called again from"
-                            " the state it started in, so the model stays on the meta device. Use"
-                            " model_init='exact', or give the modules reset_parameters() (see"
-                            " lightning_3d.parallel.weight_init).")
-
-    @property
-    def _num_microbatches(self) -> int:
-        return self.parallel_config.num_microbatches or self.parallel_dims.pp
-
-    def _plan(self, module: nn.Module) -> Plan:
-        return plan_model(self._policy, module, self.parallel_config, self.parallel_dims.tp)
-
-    def _data_parallel(self, module: nn.Module) -> nn.Module:
-        """DP over the module Lightning calls, or over one pipeline stage."""
-        config = self.parallel_config
-        # dp = 1 has nothing to replicate or shard over -- but offload still asks FSDP2 to keep parameters,
-        # gradients and optimizer state in host memory, which it does over one rank too (ZeRO-Offload on one GPU).
-        offload_alone = config.offload and config.zero_stage > 0
-        if (self.parallel_dims.dp == 1 and not offload_alone) or isinstance(module, FSDPModule):
-            return module  # (an FSDPModule was sharded in place before)
-        blocks = [m for m in module.modules() if m is not module and any(m is b for b in self._blocks)]
-        return apply_data_parallel(module, blocks, self.device_mesh["dp"], self.root_device,
-                                   pipeline_stage=self.parallel_dims.pp > 1, zero_stage=config.zero_stage,
-                                   mp_policy=mixed_precision_policy(self.precision_plugin),
-                                   offload_policy=offload_policy(config, self.root_device))
+    def _parallelize(self, module: pl.LightningModule) -> ParallelModel:
+        config, dims = self.parallel_config, self.parallel_dims
+        what = "set-up: parallelizing the model" + (" and loading init_from" if config.init_from else "")
+        with self._phases.phase(what, "setup_timeout"):
+            plan, weights = self._build.verdict(module, lambda m: plan_model(self._policy, m, config, dims.tp),
+                                                self.precision_plugin, params_loaded=config.init_from is not None)
+            model = parallelize(module, plan, config, dims, self.device_mesh, rank=self.global_rank,
+                                device=self.root_device, precision=self.precision_plugin, weights=weights)
+        check_shapes_at_first_call(module, plan, dims, self.coords)  # at each block's first call
+        return model
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, self.parallel_dims)
@@ -411,19 +356,145 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         assert self.model is not None
         self.model.to(self.root_device)
 
+    # ------------------------------------------------------------------ steps
+
+    def _step(self, method: str, args: tuple, kwargs: dict) -> Any:
+        phase = method.removesuffix("_step")  # "training", "validation", ...: the hang watchdog's phase
+        self._phases.step_boundary(f"{method} started", phase)  # (lightning_3d.faults), limited by hang_timeout
+        output = run_step(self._parallel, method, args, kwargs, sync_grads=self._gradient_sync,
+                          redirection=self._forward_redirection)
+        self._phases.step_boundary(f"{method} done", phase)
+        return output
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", args, kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        engine = self._parallel.engine
+        if engine is not None:  # the schedule ran backward inside training_step: add its gradients
+            engine.add_step_grads()
+            return closure_loss
+        # The backward of a vocabulary-parallel cross-entropy only exists inside PyTorch's loss_parallel().
+        with self._parallel.loss_context():
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.parallel_dims.tp > 1 and self._gradient_sync:
+            reduce_partial_grads(self.lightning_module)
+        return loss
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization calls backward inside DDP's forward; DDP must be told what to reduce.
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this for all but the last micro-step of gradient accumulation.
+        self._gradient_sync = False
+        try:
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(False)
+                try:
+                    yield
+                finally:
+                    self.model.set_requires_gradient_sync(True)
+            else:
+                with super().block_backward_sync():
+                    yield
+        finally:
+            self._gradient_sync = True
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Once, when the first optimizer step has created gradients and optimizer state: what each rank holds.
         if not self._memory_logged and self.lightning_module.trainer.global_step == 1:
             self._memory_logged = True
             report = memory_report(self.lightning_module, self.optimizers)
-            if self._engine is not None and self.parallel_config.zero_stage and self.parallel_dims.dp > 1:
+            engine = self._parallel.engine
+            if engine is not None and self.parallel_config.zero_stage and self.parallel_dims.dp > 1:
                 # Within a step a ZeRO stage holds more than its shards (lightning_3d.pipeline.grad_sync).
-                report["gradients_in_step"] = step_gradient_bytes(
-                    self._engine.stages.values(), self.parallel_config.pipeline_reduce_grads == "per_microbatch")
+                report["gradients_in_step"] = step_gradient_bytes(engine.stages.values(),
+                                                                  engine.reduce_grads_per_microbatch)
             rank_zero_info(f"lightning_3d: {summarize_memory(report, self._describe_rank)}")
 
-    # ------------------------------------------------------------------ registration and teardown
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.lightning_module)  # this rank's shards: nothing is gathered
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=_OPTIM)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ThreeDStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are"
+                            " written with torch.distributed.checkpoint, not a CheckpointIO plugin.")
+        path = Path(self.broadcast(str(filepath)))  # rank 0 names the directory every rank writes into
+        self._checkpoints.save(path, checkpoint, sharding_of(self.parallel_dims, self.parallel_config),
+                               rank_random_state(self._parallel.sharded_rng))
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self._checkpoints.remove(Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return self._checkpoints.load(path, self.lightning_module, self.optimizers,
+                                      sharding_of(self.parallel_dims, self.parallel_config), weights_only, self.barrier)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # a single-file checkpoint (a sharded one was loaded in load_checkpoint)
+            self._checkpoints.load_full_model(self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._checkpoints.load_full_optimizers(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Resumed mid-epoch, the training loader skips the batches the checkpoint had done.
+        return resumable(dataloader, self.lightning_module.trainer, self._phases)
+
+    @override
+    def on_train_start(self) -> None:
+        # The random streams of a checkpoint of this layout: restored here, not in load_checkpoint, because in
+        # between Lightning creates the epoch's data-loader iterator, which draws from them as it did before
+        # the saved steps in the interrupted run.
+        state = self._checkpoints.take_rank_state()
+        if state is not None:
+            restore_rank_random_state(state, self._parallel.sharded_rng)
+
+    @override
+    def on_train_end(self) -> None:
+        self._checkpoints.take_rank_state()  # from a load during training (NaNGuard's rollback): not a resume
+
+    # ------------------------------------------------------------------ registration, failure and teardown
 
     @classmethod
     @override
@@ -433,19 +504,15 @@ class ThreeDStrategy(ProcessesAndCollectives, ShardedCheckpoints, FaultHandling,
         )
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._phases.announce_failure(exception)
+
+    @override
     def teardown(self) -> None:
-        self._stop_fault_watch()
+        self._phases.stop()
         self.model = self.lightning_module  # unwrap DDP: the next fit()/validate() sets up afresh
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:
-    """The policy's plan for ``module`` under ``config`` at tensor-parallel size ``tp``, completed for a
-    pipeline where it names only its blocks (``policies.auto_pipeline``). Also what the dry run shows."""
-    options = PlanOptions(tp=tp, sequence_parallel=config.sequence_parallel,
-                          vocab_parallel_loss=config.vocab_parallel_loss)
-    return with_pipeline(module, policy.plan(module, options))

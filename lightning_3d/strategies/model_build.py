@@ -1,0 +1,85 @@
+"""The model's build in ``configure_model()`` under the strategy, and the verdict on how to initialize it."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
+from lightning_3d.parallel.parallelize import InitialWeights
+from lightning_3d.parallel.weight_init import InitError, is_on_meta
+from lightning_3d.policies.base import Plan
+
+
+class WatchedBuild:
+    """A model built inside :meth:`context` goes on the meta device unless the user asked for an exact build
+    (``model_init="exact"``, or Lightning's ``empty_init=False``); the host random state it starts from is
+    kept, and the build is watched (``parallel.init_record.ConstructionRecord``). :meth:`verdict` then uses
+    the meta route only where replaying the init is proven to give the weights the model was written to
+    have, and otherwise builds it again, as written, on the host (or refuses under ``model_init="meta"``).
+
+    Example (what ``ThreeDStrategy`` does)::
+
+        build = WatchedBuild("auto")
+        with build.context(module, precision_plugin):
+            module.configure_model()                 # Lightning calls it
+        plan, weights = build.verdict(module, plan_for, precision_plugin, params_loaded=False)
+    """
+
+    def __init__(self, model_init: str) -> None:
+        self.model_init = model_init
+        self._rng_state: Optional[torch.Tensor] = None
+        self._record: Optional[ConstructionRecord] = None
+        self._before: Optional[ModuleAttributes] = None  # the LightningModule before configure_model()
+
+    @contextmanager
+    def context(self, module: Optional[pl.LightningModule], precision: Precision,
+                empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        on_meta = self.model_init != "exact" and empty_init is not False
+        self._rng_state = torch.get_rng_state()
+        self._record = ConstructionRecord() if on_meta else None
+        self._before = ModuleAttributes(module) if on_meta and module is not None else None
+        with (torch.device("meta") if on_meta else nullcontext(), precision.tensor_init_context(),
+              self._record or nullcontext()):
+            yield
+
+    def verdict(self, module: pl.LightningModule, plan_for: Callable[[pl.LightningModule], Plan],
+                precision: Precision, params_loaded: bool) -> tuple[Plan, InitialWeights]:
+        """The plan for the module as it will be parallelized, and where its initial weights come from."""
+        plan = plan_for(module)
+        record, self._record = self._record, None
+        if record is None or not is_on_meta(module):
+            return plan, InitialWeights(self._rng_state)
+        why = record.verdict(module, plan.init_module, params_loaded=params_loaded)
+        if why is None:
+            return plan, InitialWeights(self._rng_state, record.reset_order(module))
+        self._build_as_written(module, precision, why)
+        return plan_for(module), InitialWeights(self._rng_state)
+
+    def _build_as_written(self, module: pl.LightningModule, precision: Precision, why: str) -> None:
+        """Replaying the init on the meta build would not give the model's own weights (``why``): refuse under
+        model_init="meta"; under "auto", run configure_model() again on the host, from the attributes and
+        random state it started with (the exact route)."""
+        fix = ("Give the modules a reset_parameters() that initializes their own tensors, or use"
+               " model_init='auto' (builds on the host as written when replay cannot) or 'exact'.")
+        if self.model_init == "meta" or self._before is None:
+            raise InitError(f"model_init={self.model_init!r} builds the model on the meta device and replays each"
+                            f" module's reset_parameters(), which would give other weights than the model as"
+                            f" written: {why}. {fix}")
+        rank_zero_info(f"lightning_3d: model_init='auto' builds the model on the host as written (exact), since"
+                       f" replaying its init on the meta device would give other weights: {why}")
+        self._before.restore(module)
+        torch.set_rng_state(self._rng_state)
+        with precision.module_init_context():
+            module.configure_model()
+        if is_on_meta(module):
+            raise InitError(f"{type(module).__name__}.configure_model() built nothing new when called again from"
+                            " the state it started in, so the model stays on the meta device. Use"
+                            " model_init='exact', or give the modules reset_parameters() (see"
+                            " lightning_3d.parallel.weight_init).")
