@@ -109,7 +109,7 @@ def main() -> None:
             self.model = GPT(config)
 
     strategy = ThreeDStrategy(pipeline_parallel_size=args.pp, tensor_parallel_size=args.tp, init_from=str(path))
-    trainer = L.Trainer(accelerator="cpu", devices=args.nprocs, strategy=strategy, logger=False,
+    L.Trainer(accelerator="cpu", devices=args.nprocs, strategy=strategy, logger=False,  # connects the strategy
                         enable_progress_bar=False, enable_model_summary=False, max_steps=0)
     module = HFCausalLMModule(pretrained=str(path)) if args.hf_llama else Module()
     strategy._lightning_module = module  # set up the parallel model without training (benchmark only)

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -85,3 +86,16 @@ def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
     for param in parameters:
         if param.grad is not None:
             local(param.grad).clamp_(-clip_value, clip_value)
+
+
+def clip_by_global_norm(precision: Precision, dims: ParallelDims) -> None:
+    """Make Lightning's ``precision`` plugin clip by the global norm (``gradient_clip_val`` with the "norm"
+    algorithm) and by value over the parameters this rank holds.
+
+    Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
+    ``torch.nn.utils``' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the norm,
+    so its two clip methods are replaced on this instance (what a subclass would do, for any plugin class)."""
+    precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
+        precision.main_params(optimizer), clip_val, dims)
+    precision.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(
+        precision.main_params(optimizer), clip_val)

@@ -25,19 +25,24 @@ class RunPhases:
 
     Example (what ``ThreeDStrategy`` does)::
 
-        phases = RunPhases({"hang_timeout": 900.0, "setup_timeout": None, "checkpoint_timeout": None})
-        phases.start("gloo", rank, world_size, describe_rank, exit_timeout=10.0)  # set-up from here on
+        phases = RunPhases({"hang_timeout": 900.0, "setup_timeout": None, "checkpoint_timeout": None}, 10.0)
+        phases.start("gloo", rank, world_size, describe_rank)  # in the set-up phase from here on
         with phases.phase("checkpoint save", "checkpoint_timeout"):
             ...
         phases.step_boundary("training_step started", "training")
     """
 
-    def __init__(self, timeouts: dict[str, Optional[float]]) -> None:
+    def __init__(self, timeouts: dict[str, Optional[float]], exit_timeout: float) -> None:
+        for name, seconds in {**timeouts, "exit_timeout": exit_timeout}.items():
+            if seconds is not None and seconds <= 0:
+                off = "" if name == "exit_timeout" else " (None turns the hang watchdog off for its phase)"
+                raise ValueError(f"{name} ({seconds}) is in seconds and must be positive{off}.")
         self.timeouts = timeouts
+        self.exit_timeout = exit_timeout
+        """Once a rank raises, every other rank is stopped within this many seconds."""
         self._watch: Optional[FaultWatch] = None
 
-    def start(self, backend: str, rank: int, world_size: int, describe_rank: Callable[[int], str],
-              exit_timeout: float) -> None:
+    def start(self, backend: str, rank: int, world_size: int, describe_rank: Callable[[int], str]) -> None:
         """Watch from here on, in the set-up phase; the default process group must exist."""
         # The default group's key-value store is shared by every rank and outlives any collective; PyTorch has
         # no public accessor for it.
@@ -46,7 +51,7 @@ class RunPhases:
         # checkpoint restore and the skip to a resume point all come before it.
         recorder = FlightRecorder.of(backend, rank, os.environ)  # None but on NCCL
         self._watch = FaultWatch(store, rank, world_size, describe_rank, self._timed("set-up", "setup_timeout"),
-                                 exit_timeout, recorder)
+                                 self.exit_timeout, recorder)
         self._watch.start()
 
     @contextmanager

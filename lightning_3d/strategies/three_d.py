@@ -1,12 +1,4 @@
-"""``ThreeDStrategy``: Lightning's hooks for a run with tensor, pipeline and data parallelism at once.
-
-Every hook Lightning calls is here; each delegates to one concern, which takes what it works on as arguments:
-processes and collectives (``strategies/processes.py``), the parallel model (``parallel/parallelize.py``, one
-ordered chain), steps (``strategies/steps.py``), checkpoints (``strategies/checkpoints.py``) and the fault
-watch over the run's phases (``strategies/faults.py``). Data flows one way: arguments -> ``ParallelConfig``
--> ``ParallelDims`` and the device mesh (``setup_environment``) -> the policy's plan -> ``parallelize`` ->
-the ``ParallelModel`` this strategy keeps (``setup``) -> steps.
-"""
+"""``ThreeDStrategy``: every hook Lightning calls, each delegating to one concern (see the class docstring)."""
 
 from __future__ import annotations
 
@@ -42,7 +34,7 @@ from typing_extensions import override
 
 from lightning_3d.checkpoint.pretrained import check_init_from
 from lightning_3d.output import quiet_ranks
-from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_
+from lightning_3d.parallel.clip import clip_by_global_norm
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
@@ -78,6 +70,13 @@ class ThreeDStrategy(ParallelStrategy):
         strategy = ThreeDStrategy(data_parallel_size=2)
         L.Trainer(strategy=strategy, accelerator="cpu", devices=2).fit(module, datamodule)
         # or, after `import lightning_3d`: L.Trainer(strategy="3d", devices=2)
+
+    The hooks below delegate, each to one concern that takes what it works on: processes and collectives
+    (``strategies/processes.py``), the parallel model (``parallel/parallelize.py``: one ordered chain), steps
+    (``strategies/steps.py``), checkpoints (``strategies/checkpoints.py``), the fault watch over the run's
+    phases (``strategies/faults.py``). Data flows one way: arguments -> ``ParallelConfig`` ->
+    ``ParallelDims`` and the mesh (``setup_environment``) -> the policy's plan -> ``parallelize`` -> the
+    ``ParallelModel`` kept here (``setup``) -> steps.
 
     Arguments are those of :class:`~lightning_3d.parallel.config.ParallelConfig` (each documented there),
     plus Lightning's plumbing (accelerator, devices, cluster environment, checkpoint IO, precision plugin),
@@ -151,14 +150,9 @@ class ThreeDStrategy(ParallelStrategy):
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        timeouts = dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout)))
-        for name, seconds in {**timeouts, "exit_timeout": exit_timeout}.items():
-            if seconds is not None and seconds <= 0:
-                off = "" if name == "exit_timeout" else " (None turns the hang watchdog off for its phase)"
-                raise ValueError(f"{name} ({seconds}) is in seconds and must be positive{off}.")
-        self._exit_timeout = exit_timeout
         self.num_nodes = 1
-        self._phases = RunPhases(timeouts)  # the fault watch, started with the process group
+        # The fault watch over the run's phases, started with the process group.
+        self._phases = RunPhases(dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout))), exit_timeout)
         self._checkpoints = ShardedCheckpoints(self._phases)
         self._build = WatchedBuild(model_init)  # configure_model() on the meta device, watched
         self._parallel_dims: Optional[ParallelDims] = None
@@ -261,8 +255,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
         processes.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout,
                                      self.root_device)
-        self._phases.start(self._process_group_backend, self.global_rank, self.world_size, self._describe_rank,
-                           self._exit_timeout)
+        self._phases.start(self._process_group_backend, self.global_rank, self.world_size, self._describe_rank)
         self._device_mesh = dims.build_mesh(self.root_device.type)
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
         self.lightning_module._device_mesh = self._device_mesh
@@ -323,11 +316,7 @@ class ThreeDStrategy(ParallelStrategy):
         if self._parallel is None or self._parallel.module is not module:  # (setup() runs again for validate()
             self._parallel = self._parallelize(module)                    #  and test() after fit())
         self.model = self._parallel.called
-        # Lightning clips in the precision plugin; under tp/pp a rank holds shards and one stage, so
-        # torch.nn.utils' local norm is wrong (or fails on mixed DTensors). The plugin has no hook for the
-        # norm, so its two clip methods are replaced on this instance with global-norm ones.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value
+        clip_by_global_norm(self.precision_plugin, self.parallel_dims)  # gradient_clip_val: the whole model's norm
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -344,12 +333,6 @@ class ThreeDStrategy(ParallelStrategy):
                                 device=self.root_device, precision=self.precision_plugin, weights=weights)
         check_shapes_at_first_call(module, plan, dims, self.coords)  # at each block's first call
         return model
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, self.parallel_dims)
-
-    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_value_(self.precision_plugin.main_params(optimizer), clip_val)
 
     @override
     def model_to_device(self) -> None:
