@@ -146,3 +146,20 @@ def test_no_module_imports_itself_around_a_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_the_strategy_is_one_class_whose_hooks_are_all_in_three_d():
+    """Issue 21 item 2: no mixins sharing private state; every hook Lightning calls is written in three_d.py,
+    and the helpers it delegates to override none."""
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_3d.strategies.three_d import ThreeDStrategy
+
+    ours = [cls for cls in ThreeDStrategy.__mro__ if cls.__module__.startswith("lightning_3d")]
+    assert ours == [ThreeDStrategy], f"ThreeDStrategy has bases of the package: {ours[1:]}"
+    helpers = [p for p in (PACKAGE / "strategies").glob("*.py") if p.name != "three_d.py"]
+    overriding = [p.name for p in helpers if "@override" in p.read_text()]
+    assert not overriding, f"Lightning hooks outside three_d.py: {overriding}"
+    hooks = {name for name in vars(ThreeDStrategy) if hasattr(Strategy, name)}
+    assert {"setup_environment", "setup", "training_step", "backward", "save_checkpoint", "load_checkpoint",
+            "teardown", "on_exception", "reduce", "barrier", "broadcast"} <= hooks
