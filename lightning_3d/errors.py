@@ -19,6 +19,13 @@ class PolicyError(ValueError):
     """A policy that cannot be found or cannot handle the model; the message says what to change."""
 
 
+class LayoutError(ParallelConfigError, PolicyError):
+    """The model and the layout do not fit each other -- heads, key/value heads or the vocabulary not divisible
+    by tensor_parallel_size, fewer blocks than pipeline stages, a ``pipeline_split`` that does not list the
+    model's blocks: the user changes a size (the layout's or the model config's), not the policy. Caught as
+    either parent (it was a ``PolicyError`` before)."""
+
+
 class InitError(RuntimeError):
     """A model that the chosen init cannot handle; the message names the modules and the way out."""
 

@@ -320,5 +320,5 @@ def test_dry_run_of_a_layout_the_devices_cannot_hold_gives_the_real_runs_error(n
     # What a rank finds in set-up (the policy's plan): reported by the dry run, in one line, before any rank.
     _, code, _ = _dry_run("--trainer.strategy.init_args.tensor_parallel_size=8",
                           "--trainer.strategy.init_args.pipeline_parallel_size=1", "--dry_run", capsys=capsys)
-    assert str(code).startswith("lightning-3d: error (dry run): PolicyError: GPTConfig does not fit the layout:"
+    assert str(code).startswith("lightning-3d: error (dry run): LayoutError: GPTConfig does not fit the layout:"
                                 " n_head (4) is not divisible by tensor_parallel_size (8)"), code

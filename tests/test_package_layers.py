@@ -65,9 +65,10 @@ def test_every_error_class_is_still_importable_from_the_module_that_raises_it():
     from lightning_3d.planner.model import PlannerError
     from lightning_3d.planner.search import NoLayoutFits
     from lightning_3d.policies.base import PolicyError
+    from lightning_3d.policies import LayoutError
 
     for cls in (UnsafeCheckpointError, CheckpointError, ParallelConfigError, InitError, ShardedShapeError,
-                StepPatternError, PlannerError, NoLayoutFits, PolicyError):
+                StepPatternError, PlannerError, NoLayoutFits, PolicyError, LayoutError):
         assert getattr(errors, cls.__name__) is cls
 
 

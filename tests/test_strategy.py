@@ -67,11 +67,12 @@ EXPECTED = {
     "non_positive_hang_timeout": ("ValueError", ["hang_timeout (-1)", "None turns the hang watchdog off"]),
     "nccl_on_cpu": ("ParallelConfigError", ["process_group_backend='nccl' needs CUDA", "'gloo'"]),
     "unsupported_precision": ("ParallelConfigError", ["got '64-true'", "precision='bf16-mixed'"]),
+    "manual_optimization_under_pipeline": ("ParallelConfigError", ["manual optimization", "pp=1"]),
 }
 # Errors that need the model or the data, so they come after the process group exists -- but on every rank
 # alike, before any rank sends anything to another, so none can hang.
 EXPECTED_AFTER_SETUP = {
-    "too_few_blocks_for_the_stages": ("PolicyError", ["2 blocks but the pipeline has", "= 4 stages"]),
+    "too_few_blocks_for_the_stages": ("LayoutError", ["2 blocks but the pipeline has", "= 4 stages"]),
     "batch_not_divisible_into_microbatches": ("ParallelConfigError", ["6 samples per data-parallel rank",
                                                                       "num_microbatches=4"]),
     "batch_shape_changes_between_steps": ("ValueError", ["shapes of the first one", "drop_last=True"]),
@@ -79,10 +80,9 @@ EXPECTED_AFTER_SETUP = {
     "meta_init_of_a_model_that_inits_in_its_parent": ("InitError", [
         "model_init='meta'", "outside any reset_parameters()", "user_models.py", "in _init_weights",
         "model_init='auto'"]),
-    "manual_optimization_under_pipeline": ("ParallelConfigError", ["manual optimization", "pp=1"]),
-    "heads_not_divisible_by_tp": ("PolicyError", ["n_head (3) is not divisible by tensor_parallel_size (2)"]),
-    "vocab_not_divisible_by_tp": ("PolicyError", ["vocab_size (63)", "set vocab_size=64"]),
-    "explicit_split_names_a_missing_block": ("PolicyError", ["not blocks of the model: ['model.blocks.7']",
+    "heads_not_divisible_by_tp": ("LayoutError", ["n_head (3) is not divisible by tensor_parallel_size (2)"]),
+    "vocab_not_divisible_by_tp": ("LayoutError", ["vocab_size (63)", "set vocab_size=64"]),
+    "explicit_split_names_a_missing_block": ("LayoutError", ["not blocks of the model: ['model.blocks.7']",
                                                              "missing: ['model.blocks.1']"]),
     # Found by a fake-tensor forward of each block before its first real call (lightning_3d.parallel.shape_check).
     "tp_shapes_a_head_count_auto_does_not_know": ("ShardedShapeError", [

@@ -40,7 +40,7 @@ MODEL_PREFIX = "model."  # DCP name of the model state in our checkpoints: "mode
 def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "") -> dict[str, tuple]:
     """Write the model state of ``checkpoint`` to ``out`` (``.safetensors``, else ``torch.save``), keys
     being the LightningModule's state-dict names with ``strip_prefix`` removed (e.g. ``"model."`` to load
-    into the inner ``nn.Module``). Returns the written layout: name -> (shape, dtype).
+    into the inner ``nn.Module``). Returns what it wrote: name -> (shape, dtype).
 
     Example::
 
@@ -50,7 +50,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "")
     checkpoint, out = Path(checkpoint), Path(out)
     check_complete(checkpoint)
     entries = CheckedReader(checkpoint).read_metadata().state_dict_metadata
-    layout: dict[str, tuple] = {}
+    specs: dict[str, tuple] = {}
     sources: dict[str, str] = {}
     for key, entry in entries.items():
         if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata):
@@ -59,18 +59,18 @@ def consolidate(checkpoint: str | Path, out: str | Path, strip_prefix: str = "")
                 raise ValueError(f"{name} does not start with strip_prefix={strip_prefix!r}; leave it out or pass"
                                  " the prefix every model key has.")
             name = name[len(strip_prefix):]
-            layout[name] = (tuple(entry.size), entry.properties.dtype)
+            specs[name] = (tuple(entry.size), entry.properties.dtype)
             sources[name] = key
-    if not layout:
+    if not specs:
         raise ValueError(f"{checkpoint} holds no model tensors (was it saved by lightning_3d?).")
-    layout = dict(sorted(layout.items()))  # the same file whatever layout wrote the checkpoint
+    specs = dict(sorted(specs.items()))  # the same file whatever layout wrote the checkpoint (dp, pp, tp)
     if out.suffix == ".safetensors":
-        with SafetensorsWriter(out, layout) as writer:
-            for name, (shape, dtype) in layout.items():
+        with SafetensorsWriter(out, specs) as writer:
+            for name, (shape, dtype) in specs.items():
                 writer.write(name, _read(checkpoint, sources[name], shape, dtype))
     else:
-        torch.save({name: _read(checkpoint, sources[name], *layout[name]) for name in layout}, out)
-    return layout
+        torch.save({name: _read(checkpoint, sources[name], *specs[name]) for name in specs}, out)
+    return specs
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> dict[str, tuple]:
@@ -114,8 +114,8 @@ def main(argv: list[str]) -> None:
                         help="write a Hugging Face model directory (config.json + model.safetensors) to OUT")
     args = parser.parse_args(argv)
     if args.hf:
-        layout = export_hf(args.checkpoint, args.out)
+        specs = export_hf(args.checkpoint, args.out)
     else:
-        layout = consolidate(args.checkpoint, args.out, args.strip_prefix)
-    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
-    print(f"wrote {len(layout)} tensors, {total / 2**20:.1f} MiB, to {args.out}")
+        specs = consolidate(args.checkpoint, args.out, args.strip_prefix)
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
+    print(f"wrote {len(specs)} tensors, {total / 2**20:.1f} MiB, to {args.out}")

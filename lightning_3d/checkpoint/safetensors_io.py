@@ -48,12 +48,12 @@ class SafetensorsWriter:
             writer.write("w", torch.randn(4, 8))
     """
 
-    def __init__(self, path: str | os.PathLike, layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    def __init__(self, path: str | os.PathLike, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  metadata: dict[str, str] | None = None) -> None:
         header: dict[str, dict] = {"__metadata__": {"format": "pt", **(metadata or {})}}
         self._offsets: dict[str, tuple[int, int]] = {}
         position = 0
-        for name, (shape, dtype) in layout.items():
+        for name, (shape, dtype) in specs.items():
             if dtype not in DTYPES:
                 raise TypeError(f"{name}: dtype {dtype} has no safetensors equivalent ({sorted(map(str, DTYPES))})")
             size = math.prod(shape) * dtype.itemsize
@@ -62,7 +62,7 @@ class SafetensorsWriter:
             position += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as the package writes it
-        self._layout = layout
+        self._specs = specs
         self._file = open(path, "wb")
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
         self._data_start = self._file.tell()
@@ -70,7 +70,7 @@ class SafetensorsWriter:
         self._written: set[str] = set()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        shape, dtype = self._layout[name]
+        shape, dtype = self._specs[name]
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {tuple(shape)} {dtype}")
         begin, end = self._offsets[name]
@@ -81,7 +81,7 @@ class SafetensorsWriter:
         self._written.add(name)
 
     def close(self) -> None:
-        missing = sorted(set(self._layout) - self._written)
+        missing = sorted(set(self._specs) - self._written)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -11,8 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.pipeline.split import PLACEHOLDERS
-from lightning_3d.policies.base import Plan, PolicyError
+from lightning_3d.policies.base import Plan
 from lightning_3d.policies.kv_heads import ReplicatedKVHeads
 
 
@@ -58,7 +59,7 @@ def check_tp_plan(root: nn.Module, tp_plan: dict[str, ParallelStyle], tp: int) -
             if problem:
                 problems.append(f"{fqn}: {problem}")
     if problems:
-        raise PolicyError(
+        raise LayoutError(
             f"The tensor-parallel plan does not fit the model at tensor_parallel_size={tp}:\n  - "
             + "\n  - ".join(problems)
             + "\nChange the model sizes, tensor_parallel_size, or the policy."

@@ -18,6 +18,7 @@ from functools import partial
 
 from torch import nn
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn, parent_fqn
 from lightning_3d.pipeline.as_written import InputSpec, PassThroughBlock, Shell, StageForward
 from lightning_3d.policies.base import Plan, PolicyError
@@ -89,14 +90,14 @@ def assign_blocks(blocks: list[str], num_stages: int, explicit: list[list[str]] 
             found = "; ".join(f"{what}: {names}" for what, names in
                               [("not blocks of the model", unknown), ("missing", missing), ("repeated", repeated)]
                               if names)
-            raise PolicyError(
+            raise LayoutError(
                 f"pipeline_split lists {len(explicit)} stages covering {len(flat)} blocks, but the layout has"
                 f" {num_stages} stages and the model {len(blocks)} blocks ({blocks[0]} ... {blocks[-1]})"
                 f"{'; ' + found if found else ''}. List every block exactly once, in order, one list per stage."
             )
         return [list(stage) for stage in explicit]
     if len(blocks) < num_stages:
-        raise PolicyError(
+        raise LayoutError(
             f"The model has {len(blocks)} blocks but the pipeline has pipeline_parallel_size x"
             f" virtual_pipeline_size = {num_stages} stages; every stage needs at least one block. Lower"
             " pipeline_parallel_size or virtual_pipeline_size."

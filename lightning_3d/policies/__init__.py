@@ -3,6 +3,7 @@
 Built-ins: ``"gpt"`` (the reference GPT), ``"llama"`` (Hugging Face Llama, Mistral, Qwen2) and ``"auto"``. Register your own with :func:`register_policy`.
 """
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy, registered_policies, resolve_policy
 from lightning_3d.policies import auto as _auto  # noqa: F401  (registers "auto")
@@ -14,6 +15,7 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "Policy",
+    "LayoutError",
     "PolicyError",
     "find_submodule",
     "register_policy",

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.hidden_states import HiddenStates
@@ -172,7 +173,7 @@ def _per_rank_sizes(attention: nn.Module, tp: int) -> dict[str, int]:
     sizes = {a: getattr(attention, a) for a in HEAD_ATTRIBUTES if type(getattr(attention, a, None)) is int}
     uneven = {a: v for a, v in sizes.items() if v % tp}
     if uneven:
-        raise PolicyError(f"{type(attention).__name__}: {uneven} are not divisible by tensor_parallel_size ({tp});"
+        raise LayoutError(f"{type(attention).__name__}: {uneven} are not divisible by tensor_parallel_size ({tp});"
                           " heads are split whole across tp ranks.")
     return {a: v // tp for a, v in sizes.items()}
 

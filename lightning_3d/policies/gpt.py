@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy
@@ -108,4 +109,4 @@ def _check_sizes(config, options: PlanOptions) -> None:
         problems.append(f"block_size ({config.block_size}) is not divisible by tensor_parallel_size ({tp}), which"
                         " sequence_parallel=True needs to split positions")
     if problems:
-        raise PolicyError("GPTConfig does not fit the layout: " + "; ".join(problems) + ".")
+        raise LayoutError("GPTConfig does not fit the layout: " + "; ".join(problems) + ".")

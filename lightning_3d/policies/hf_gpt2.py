@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy
@@ -205,4 +206,4 @@ def _check_sizes(config, options: PlanOptions) -> None:
         problems.append(f"vocab_size ({config.vocab_size}) is not divisible by tensor_parallel_size ({tp}): set"
                         f" vocab_size={padded} (the extra ids are never produced by the data)")
     if problems:
-        raise PolicyError("GPT2Config does not fit the layout: " + "; ".join(problems) + ".")
+        raise LayoutError("GPT2Config does not fit the layout: " + "; ".join(problems) + ".")

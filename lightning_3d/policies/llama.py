@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, class_path, find_submodule
 from lightning_3d.policies.kv_heads import ReplicatedKVHeads, allowed_tp_sizes, kv_head_rule
@@ -126,6 +127,6 @@ def _check_sizes(config: Any, options: PlanOptions) -> str:
         problems.append(f"vocab_size ({config.vocab_size}) is not divisible by tensor_parallel_size ({tp}): pad the"
                         f" vocabulary to {padded} (resize_token_embeddings)")
     if problems:
-        raise PolicyError(f"{type(config).__name__} does not fit the layout: " + "; ".join(problems) + ".")
+        raise LayoutError(f"{type(config).__name__} does not fit the layout: " + "; ".join(problems) + ".")
     return rule
 
