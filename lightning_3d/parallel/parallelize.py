@@ -84,19 +84,23 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     """
     coords = dims.coords(rank)
     # What the plan cannot do to this model fails first, the same on every rank, before any collective.
+    stage_blocks = []  # the blocks of every pipeline stage
     if dims.pp > 1:
         check_splittable(module, plan)
+        stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
+                                     **split_options(module, plan, config.pipeline_split))
     if plan.tp_plan:
         check_tp_plan(module, plan.tp_plan, dims.tp)  # on the whole model, before any split
+    params_loaded = config.init_from is not None  # init_from fills the parameters: only buffers are initialized
+    on_meta = is_on_meta(module)
+    if on_meta:
+        check_replayable(module, plan.init_module, params_loaded)
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
     # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
     rank0 = _from_rank0({"init": weights.rng_state if weights.rng_state is not None else torch.get_rng_state(),
                          "now": torch.get_rng_state(), "seed": torch.initial_seed()})
     torch.set_rng_state(rank0["now"])
-    params_loaded = config.init_from is not None  # init_from fills the parameters: only buffers are initialized
-    on_meta = is_on_meta(module)
     if on_meta:
-        check_replayable(module, plan.init_module, params_loaded)
         # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
         skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
     else:  # exact: rank 0's weights, before any sharding
@@ -105,9 +109,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     # 1. Pipeline split first: a rank then only ever holds (and shards, and allocates) its own stages' blocks,
     #    under the single-device names.
     stages: dict[int, nn.Module] = {}
-    if dims.pp > 1:
-        stage_blocks = assign_blocks(plan.blocks, dims.pp * config.virtual_pipeline_size,
-                                     **split_options(module, plan, config.pipeline_split))
+    if stage_blocks:
         stage_ids = stage_ids_of(coords.pp, dims.pp, config.virtual_pipeline_size)
         stages = dict(zip(stage_ids, split_stages(module, plan, stage_blocks, stage_ids)))
         rank_zero_info(f"lightning_3d: pipeline of {len(stage_blocks)} stages, blocks per stage"
@@ -163,7 +165,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
                 if plan.tied_parameters else None)
         # 10. The pipeline engine over this rank's stages.
         engine = PipelineEngine(
-            module=module, root_name=plan.pipeline_root, num_stages=dims.pp * config.virtual_pipeline_size,
+            module=module, root_name=plan.pipeline_root, num_stages=len(stage_blocks),
             stages=stages, schedule=config.pipeline_schedule, num_microbatches=config.microbatches,
             pp_group=mesh["pp"].get_group(), device=device,
             last_stage_rank=dims.rank(coords._replace(pp=dims.pp - 1)), loss_context=loss_context,
