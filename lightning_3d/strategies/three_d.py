@@ -493,7 +493,7 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._phases.stop()
-        self.model = self.lightning_module  # unwrap DDP: the next fit()/validate() sets up afresh
+        self.model = self.lightning_module  # as Lightning's strategies leave it; setup() hands over the wrapper again
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
