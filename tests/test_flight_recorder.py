@@ -4,7 +4,6 @@ report names the dump file, and gloo runs see none of it."""
 
 import os
 import threading
-import types
 from datetime import timedelta
 
 import pytest
@@ -15,7 +14,6 @@ from lightning_3d.faults import flight_recorder as fr
 from lightning_3d.faults.flight_recorder import FlightRecorder, enable_flight_recorder, flight_recorder_settings
 from lightning_3d.faults.watch import FaultWatch, Phase
 from lightning_3d.strategies import processes
-from lightning_3d.strategies.processes import ProcessesAndCollectives
 
 ALL_NAMES = fr.BUFFER_SIZE + fr.DUMP_ON_TIMEOUT + fr.DUMP_FILE + fr.DUMP_PIPE
 
@@ -49,12 +47,6 @@ def test_the_users_own_settings_are_kept_under_either_of_torchs_names():
     assert "TORCH_FR_BUFFER_SIZE" not in only_buffer and "TORCH_NCCL_DUMP_ON_TIMEOUT" in only_buffer
 
 
-def _strategy(backend: str):
-    """What ``ProcessesAndCollectives._init_process_group`` reads of the strategy."""
-    return types.SimpleNamespace(_process_group_backend=backend, root_device=torch.device("cpu"),
-                                 _timeout=timedelta(seconds=60), cluster_environment=object())
-
-
 def _environment_at_init(monkeypatch, tmp_path, backend: str) -> tuple[dict, dict]:
     for name in ALL_NAMES + ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -64,7 +56,7 @@ def _environment_at_init(monkeypatch, tmp_path, backend: str) -> tuple[dict, dic
     # Instead of creating the process group: what it would read from the environment when created.
     monkeypatch.setattr(processes, "_init_dist_connection", lambda *args, **kwargs: seen.update(os.environ))
     try:
-        ProcessesAndCollectives._init_process_group(_strategy(backend))
+        processes.init_process_group(object(), backend, timedelta(seconds=60), torch.device("cpu"))
     finally:  # the settings go, for the tests that come after in this process
         for name in set(os.environ) - set(before):
             del os.environ[name]
