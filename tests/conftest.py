@@ -1,8 +1,16 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-import warning_filters
+# The tests' shared package, helpers/ (launchers, the parity harness, workers, test models), is imported from
+# this folder: here, and in every process the tests start (ranks, the fork server, the CLI), by the same name.
+TESTS_DIR = str(Path(__file__).parent)
+sys.path.insert(0, TESTS_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
+
+from helpers import warning_filters  # noqa: E402
 
 # Tiny models: one thread per process keeps 8 ranks on 2 cores from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -11,17 +19,18 @@ os.environ["PYTHONWARNINGS"] = warning_filters.pythonwarnings()
 
 
 def pytest_configure(config):
-    # Warnings from lightning_3d code fail the test; third-party ones are ignored only as listed (warning_filters.py).
+    # Warnings from lightning_3d code fail the test; third-party ones are ignored only as listed
+    # (helpers/warning_filters.py).
     for line in warning_filters.pytest_filters():
         config.addinivalue_line("filterwarnings", line)
 
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory):
-    """Every run of the shared launch (tests/hf_cases.py: Hugging Face models, users' models) by name; the
+    """Every run of the shared launch (helpers/hf_cases.py: Hugging Face models, users' models) by name; the
     launch happens once per pytest session, in whichever module asks first."""
     pytest.importorskip("transformers")  # the shared launch also runs the Hugging Face cases
-    from hf_cases import hf_results
+    from helpers.hf_cases import hf_results
 
     return hf_results(tmp_path_factory)
 

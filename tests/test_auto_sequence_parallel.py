@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from helpers.user_models import LlamaStyleLM, NanoGPT
 from lightning_3d.policies import PlanOptions, PolicyError
 from lightning_3d.policies.auto import AutoPolicy
 from lightning_3d.policies.hidden_states import HiddenStates
-from user_models import LlamaStyleLM, NanoGPT
 
 SP = PlanOptions(tp=2, sequence_parallel=True)
 
@@ -47,8 +47,8 @@ def test_auto_refuses_sequence_parallel_for_weights_between_the_regions_it_found
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["nanogpt_tp2_sp", "nanogpt_dp2_tp2_sp", "nanogpt_dp2_pp2_tp2_sp"])
 def test_auto_sequence_parallel_trains_as_in_one_process(shared_runs, name):
-    from harness import assert_parity, reference_for
-    from hf_cases import AUTO_SP_CASES
+    from helpers.harness import assert_parity, reference_for
+    from helpers.hf_cases import AUTO_SP_CASES
 
     # SGD (tests/user_models.py): a parameter's error is about lr x steps x its gradient's rounding error,
     # 0.1 x 3 x ~1e-7; 1e-5 leaves a wide margin, and a wrong split or a missing reduction misses it by far.

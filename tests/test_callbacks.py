@@ -2,11 +2,11 @@
 (tests/harness.py compares it with the single-process run); here: NaNGuard and the monitors' own logic."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
 from lightning_3d.callbacks import GradNormMonitor, NaNGuard
 
 
@@ -32,7 +32,7 @@ def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
 
 
 def _nan_run(tmp_path, action):
-    forkrun(2, str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), action, rank_files=tmp_path)
+    forkrun(2, str(WORKERS / "nan_worker.py"), str(tmp_path), action, rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -76,7 +76,7 @@ def test_nan_guard_rolls_back_to_the_newest_checkpoint_with_a_lower_learning_rat
 def _layouts_run(tmp_path, layouts: list[str]) -> list[dict]:
     """nan_worker.py's fits, one per "dp,pp,tp,zero_stage" layout (same world size), in one launch."""
     dp, pp, tp, _ = (int(x) for x in layouts[0].split(","))
-    forkrun(dp * pp * tp, str(Path(__file__).parent / "nan_worker.py"), str(tmp_path), "layouts", *layouts,
+    forkrun(dp * pp * tp, str(WORKERS / "nan_worker.py"), str(tmp_path), "layouts", *layouts,
             rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(dp * pp * tp)]
 

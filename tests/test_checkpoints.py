@@ -13,12 +13,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from harness import Case, forkrun, reference_for, run_forked
+from helpers import WORKERS
+from helpers.harness import Case, reference_for
+from helpers.launchers import forkrun, run_forked
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 from lightning_3d.models import GPT, GPTConfig
 
-TESTS_DIR = Path(__file__).parent
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
 L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2)
 
@@ -26,7 +27,7 @@ L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size
 def _launch(nprocs: int, jobs: list[dict], out: Path, expect_failure: bool = False) -> dict[str, dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "jobs.json").write_text(json.dumps(jobs))
-    args = [str(TESTS_DIR / "ckpt_worker.py"), str(out / "jobs.json"), str(out)]
+    args = [str(WORKERS / "ckpt_worker.py"), str(out / "jobs.json"), str(out)]
     if expect_failure:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = run_forked(nprocs, args, env=env, timeout=300)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import run_to_end, torchrun
+from helpers.launchers import run_to_end, torchrun
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "example_configs").glob("*.yaml"))
@@ -174,7 +174,7 @@ def test_a_run_without_a_thread_count_splits_the_cpus_and_prints_each_line_once(
     (gpt_tiny_dp_cpu.yaml, checked here as the other example configs are in the test above).
     Each rank gets its share of the CPUs (torch's default is all of them, per rank); Lightning's own pytree
     deprecation warning and its per-rank set-up lines do not repeat per rank; the bar counts steps."""
-    from warning_filters import _our_modules
+    from helpers.warning_filters import _our_modules
 
     config = ROOT / "example_configs" / "gpt_tiny_dp_cpu.yaml"
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -185,11 +185,11 @@ def test_a_run_without_a_thread_count_splits_the_cpus_and_prints_each_line_once(
     proc = run_to_end([sys.executable, "-m", "lightning_3d", "fit", "--config", str(config), "--trainer.max_steps=4",
                        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
                        "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
-                       "--trainer.callbacks+=cli_probe.RankProbe", f"--trainer.callbacks.out_dir={tmp_path}"],
+                       "--trainer.callbacks+=helpers.cli_probe.RankProbe", f"--trainer.callbacks.out_dir={tmp_path}"],
                       env=env, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    from cli_probe import read_ranks
+    from helpers.cli_probe import read_ranks
 
     share = max(1, len(os.sched_getaffinity(0)) // 2)
     threads = [r["intra_op_threads"] for r in read_ranks(tmp_path, 2)]

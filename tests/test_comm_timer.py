@@ -2,11 +2,11 @@
 one 4-rank launch (tests/comm_worker.py), also under Lightning's own DDPStrategy; a single process logs zeros."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
 
 # tests/comm_worker.py: GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64), 4 sequences of
 # 16 tokens per data-parallel rank, fp32; the third training batch is measured (DDP rebuilds its buckets,
@@ -62,7 +62,7 @@ LAYOUTS = {  # comm_worker.py's layouts: (dp, pp, tp, micro-batches, sequence pa
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm_worker")
-    forkrun(4, str(Path(__file__).parent / "comm_worker.py"), str(out), rank_files=out, timeout=420)
+    forkrun(4, str(WORKERS / "comm_worker.py"), str(out), rank_files=out, timeout=420)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 

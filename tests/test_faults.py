@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from harness import run_to_end
+from helpers import WORKERS
+from helpers.launchers import run_to_end
 from lightning_3d.faults.watch import FaultWatch, Phase
 
-WORKER = str(Path(__file__).parent / "faults_worker.py")
+WORKER = str(WORKERS / "faults_worker.py")
 
 
 def _launch_failing(tmp_path: Path, where: str, rank: int, layout: tuple[int, int, int]) -> tuple[str, float]:
@@ -93,11 +94,11 @@ def test_slow_set_up_and_checkpoints_are_not_hangs_but_a_slow_step_is_reported_w
 
 @pytest.mark.multiprocess
 def test_a_job_restarted_by_torchrun_resumes_from_its_newest_checkpoint_with_the_same_losses(tmp_path):
-    from harness import Case, reference_for
+    from helpers.harness import Case, reference_for
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1", "--nproc-per-node=2",
-           str(Path(__file__).parent / "restart_worker.py"), str(tmp_path)]
+           str(WORKERS / "restart_worker.py"), str(tmp_path)]
     proc = run_to_end(cmd, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "losses_rank0.jsonl").read_text().splitlines()]

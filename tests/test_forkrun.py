@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers import run_forked
+from helpers.launchers import run_forked
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, time

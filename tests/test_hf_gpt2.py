@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import assert_parity, launch, reference_for
-from hf_cases import GPT2_CASES, GPT2_SIZES, NO_DROPOUT, gpt2_case
+from helpers.harness import assert_parity, launch, reference_for
+from helpers.hf_cases import GPT2_CASES, GPT2_SIZES, NO_DROPOUT, gpt2_case
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy
 from lightning_3d.policies.hf_gpt2 import Conv1DColwise, Conv1DRowwise
 

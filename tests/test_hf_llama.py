@@ -11,8 +11,8 @@ import torch  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from harness import assert_parity, reference_for  # noqa: E402
-from hf_cases import LLAMA, LLAMA_CASES  # noqa: E402
+from helpers.harness import assert_parity, reference_for  # noqa: E402
+from helpers.hf_cases import LLAMA, LLAMA_CASES  # noqa: E402
 from lightning_3d.models import GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_3d.policies.kv_heads import ReplicatedKVHeads  # noqa: E402
 from lightning_3d.pipeline.split import split_stages  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from harness import Case, assert_parity, launch, reference_for  # noqa: E402
+from helpers.harness import Case, assert_parity, launch, reference_for  # noqa: E402
 from lightning_3d.checkpoint.convert import export_hf  # noqa: E402
 
 # Tied input and output embeddings, and fewer kv heads than query heads.

@@ -1,11 +1,11 @@
 """The DeviceMesh that ParallelDims builds on 8 real ranks has the documented layout."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
 from lightning_3d import ParallelDims, RankCoords
 
 LAYOUTS = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 4, 1), (4, 1, 2), (1, 2, 4)]  # (dp, pp, tp)
@@ -14,7 +14,7 @@ LAYOUTS = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 4, 1), (4, 1, 2), (1,
 @pytest.fixture(scope="module")
 def mesh_views(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
-    forkrun(8, str(Path(__file__).parent / "mesh_worker.py"), str(out),
+    forkrun(8, str(WORKERS / "mesh_worker.py"), str(out),
             *(",".join(map(str, layout)) for layout in LAYOUTS), rank_files=out)
     views = [view for rank in range(8) for view in json.loads((out / f"rank{rank}.json").read_text())]
     assert len(views) == 8 * len(LAYOUTS)

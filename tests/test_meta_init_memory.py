@@ -7,12 +7,12 @@ Measured (GPT 12 x 512, 145 MiB of fp32 parameters): 18.1-18.2 MiB of parameters
 the init is replayed)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import torchrun
-from meta_init_worker import CONFIG
+from helpers import WORKERS
+from helpers.launchers import torchrun
+from helpers.workers.meta_init_worker import CONFIG
 
 pytestmark = pytest.mark.multiprocess
 RANKS = 8
@@ -21,7 +21,7 @@ RANKS = 8
 def test_each_rank_holds_and_allocates_only_its_share(tmp_path):
     # torchrun, not forkrun: a forked rank faults in again the library pages its parent had touched and
     # counts them as growth (measured: 37 -> 52 MiB peak RSS growth per rank).
-    torchrun(RANKS, str(Path(__file__).parent / "meta_init_worker.py"), str(tmp_path), timeout=300,
+    torchrun(RANKS, str(WORKERS / "meta_init_worker.py"), str(tmp_path), timeout=300,
              rank_files=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
     full = CONFIG.num_parameters() * 4  # fp32 bytes, without building the model

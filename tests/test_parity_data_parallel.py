@@ -4,7 +4,7 @@ One launch per world size runs every case of that size (start-up is paid once)."
 
 import pytest
 
-from harness import Case, assert_parity, launch, reference_for
+from helpers.harness import Case, assert_parity, launch, reference_for
 
 pytestmark = pytest.mark.multiprocess
 

@@ -6,11 +6,12 @@ atol 1e-5.
 One launch per world size runs every case of that size."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import SWEEP_STEPS, Case, assert_parity, forkrun, launch_by_world_size, reference_for
+from helpers import WORKERS
+from helpers.harness import SWEEP_STEPS, Case, assert_parity, launch_by_world_size, reference_for
+from helpers.launchers import forkrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,7 +79,7 @@ def test_matches_single_process(name, results):
 
 
 def _eval_run(tmp_path, pp):
-    forkrun(pp, str(Path(__file__).parent / "eval_worker.py"), str(tmp_path), str(pp), rank_files=tmp_path)
+    forkrun(pp, str(WORKERS / "eval_worker.py"), str(tmp_path), str(pp), rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(pp)]
 
 

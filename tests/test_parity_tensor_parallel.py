@@ -5,7 +5,7 @@ One launch per world size runs every case of that size."""
 
 import pytest
 
-from harness import Case, assert_parity, launch, reference_for
+from helpers.harness import Case, assert_parity, launch, reference_for
 
 pytestmark = pytest.mark.multiprocess
 

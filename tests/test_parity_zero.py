@@ -8,7 +8,7 @@ One launch per world size runs every case of that size."""
 
 import pytest
 
-from harness import SWEEP_STEPS, Case, assert_parity, launch_by_world_size, reference_for
+from helpers.harness import SWEEP_STEPS, Case, assert_parity, launch_by_world_size, reference_for
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from helpers.user_models import LlamaStyleLM, NanoGPT
 from lightning_3d.pipeline.as_written import PassThroughBlock, Shell
 from lightning_3d.pipeline.split import check_splittable, split_stages
 from lightning_3d.pipeline.step_checks import StepPatternError
 from lightning_3d.policies import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.auto import AutoPolicy
 from lightning_3d.policies.auto_pipeline import with_pipeline
-from user_models import LlamaStyleLM, NanoGPT
 
 
 def planned(root: nn.Module, options: PlanOptions) -> Plan:
@@ -181,8 +181,8 @@ def test_branches_on_the_inputs_or_inside_one_stage_run_as_in_one_process_and_la
 @pytest.mark.parametrize("name", ["nanogpt_pp2_gpipe", "nanogpt_pp2_1f1b", "nanogpt_pp2_interleaved",
                                   "nanogpt_pp2_zero_bubble", "llama_style_pp2", "nanogpt_dp2_pp2_zero3"])
 def test_a_users_model_trains_as_in_one_process_under_every_schedule(shared_runs, name):
-    from harness import assert_parity, reference_for
-    from hf_cases import AS_WRITTEN_CASES
+    from helpers.harness import assert_parity, reference_for
+    from helpers.hf_cases import AS_WRITTEN_CASES
 
     case = AS_WRITTEN_CASES[name]
     reference = reference_for(case)

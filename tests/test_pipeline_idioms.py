@@ -6,12 +6,12 @@ inside an accumulation window, a last validation batch of another size) ends wit
 rank, naming the pattern. One launch per world size."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import TESTS_DIR, forkrun
-from idioms import run_conformance
+from helpers import WORKERS
+from helpers.idioms import run_conformance
+from helpers.launchers import forkrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,7 +23,7 @@ MASK_RATE = {"conformance_pp2": 0.15, "conformance_dp2_pp2": 0.0}  # a dp run dr
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("idioms")
     for nprocs, names in LAUNCHES.items():
-        forkrun(nprocs, str(TESTS_DIR / "idioms_worker.py"), str(out), *names, timeout=400)
+        forkrun(nprocs, str(WORKERS / "idioms_worker.py"), str(out), *names, timeout=400)
     return {name: json.loads((out / f"{name}.json").read_text()) for names in LAUNCHES.values() for name in names}
 
 

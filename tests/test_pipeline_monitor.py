@@ -2,12 +2,12 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
 from lightning_3d.callbacks.pipeline_monitor import bubble_title, chrome_trace, measured_bubble, theoretical_bubble
 from lightning_3d.callbacks.timeline_image import (BACKGROUND, COLORS, draw_timeline, figure_height, shade,
                                                     timeline_figure)
@@ -124,7 +124,7 @@ def test_on_cuda_actions_are_timed_by_events_with_no_device_sync_between_them(mo
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_monitor")
-    forkrun(2, str(Path(__file__).parent / "pipeline_monitor_worker.py"), str(out), rank_files=out, timeout=300)
+    forkrun(2, str(WORKERS / "pipeline_monitor_worker.py"), str(out), rank_files=out, timeout=300)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

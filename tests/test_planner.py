@@ -321,12 +321,13 @@ def layout_of(case) -> Layout:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from harness import forkrun
+    from helpers import WORKERS
+    from helpers.launchers import forkrun
 
     out = tmp_path_factory.mktemp("planner")
     cases = [{**case, "model": CONFIG} for case in MEASURED]
     (out / "cases.json").write_text(json.dumps(cases))
-    forkrun(4, str(Path(__file__).parent / "planner_worker.py"), str(out / "cases.json"), str(out), timeout=120,
+    forkrun(4, str(WORKERS / "planner_worker.py"), str(out / "cases.json"), str(out), timeout=120,
             rank_files=out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 

@@ -5,7 +5,7 @@ curve of one process and keeps fp32 master weights, replicated (zero_stage=0, au
 import pytest
 import torch
 
-from harness import Case, launch, reference_for
+from helpers.harness import Case, launch, reference_for
 
 pytestmark = pytest.mark.multiprocess
 

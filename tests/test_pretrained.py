@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from harness import Case, assert_parity, launch_by_world_size, reference_for
+from helpers.harness import Case, assert_parity, launch_by_world_size, reference_for
 from lightning_3d.checkpoint.pretrained import check_init_from, load_pretrained
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader, SafetensorsWriter
 from lightning_3d.models import GPT, GPTConfig

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.private_api_scan import scan
 from lightning_3d._private_apis import PRIVATE_NAMES
-from private_api_scan import scan
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
 

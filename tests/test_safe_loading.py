@@ -3,20 +3,18 @@
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-from harness import run_to_end
-
-TESTS_DIR = Path(__file__).parent
+from helpers import WORKERS
+from helpers.launchers import run_to_end
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("safe_load")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = run_to_end([sys.executable, str(TESTS_DIR / "safe_load_worker.py"), str(out)], env=env, timeout=300)
+    proc = run_to_end([sys.executable, str(WORKERS / "safe_load_worker.py"), str(out)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "results.json").read_text())
 

@@ -10,8 +10,6 @@ import os
 
 import pytest
 import torch
-from harness import TESTS_DIR
-from launchers import run_forked
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from helpers import WORKERS
+from helpers.launchers import run_forked
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.shape_check import ShardedShapeError, check_shapes_at_first_call
@@ -127,7 +127,7 @@ def test_a_head_count_auto_cannot_know_fails_before_the_block_computes_naming_mo
 def test_inside_a_pipeline_stage_the_error_ends_every_rank_within_seconds_naming_it(tmp_path):
     """Stage 0's blocks fail their check at the first call; stage 1's ranks, waiting for its activations, stop
     naming the failing rank (the fault watch) instead of hanging."""
-    proc = run_forked(4, [str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), "tp_shapes_inside_a_pipeline_stage"],
+    proc = run_forked(4, [str(WORKERS / "bad_config_worker.py"), str(tmp_path), "tp_shapes_inside_a_pipeline_stage"],
                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
     assert proc.returncode != 0, proc.stderr[-3000:]
     for rank in (0, 1):  # stage 0: caught by the worker, which reports it

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cli_probe import read_ranks
-from harness import GLOO_EXIT_ABORT, torchrun
+from helpers.cli_probe import read_ranks
+from helpers.launchers import GLOO_EXIT_ABORT, torchrun
 from lightning_3d.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).parent.parent
@@ -31,7 +31,7 @@ STEPS = 4
 
 
 def _overrides(out_dir: Path) -> list[str]:
-    probe = f'[{{"class_path": "cli_probe.RankProbe", "init_args": {{"out_dir": "{out_dir}"}}}}]'
+    probe = f'[{{"class_path": "helpers.cli_probe.RankProbe", "init_args": {{"out_dir": "{out_dir}"}}}}]'
     return ["fit", "--config", str(CONFIG), f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0",
             "--trainer.enable_progress_bar=false", "--trainer.logger=false", f"--trainer.callbacks={probe}"]
 
@@ -101,7 +101,7 @@ def slurm_conf():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatch):
-    # Both launches import the probe callback by class path (cli_probe.RankProbe) from this folder.
+    # Both launches import the probe callback by class path (helpers.cli_probe.RankProbe) from this folder.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
     env = _job_env(slurm_conf, MASTER_PORT=str(_free_port()))
     srun_dir = tmp_path / "srun"

@@ -6,16 +6,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import lightning as L
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
 from lightning_3d import ParallelConfigError, ThreeDStrategy
-
-TESTS_DIR = Path(__file__).parent
 
 
 def test_import_registers_the_3d_strategy():
@@ -103,7 +101,7 @@ def test_the_catalogue_has_at_least_25_bad_configurations():
 @pytest.mark.multiprocess
 def test_bad_configurations_fail_on_every_rank_before_any_collective(tmp_path):
     cases = {**EXPECTED, **EXPECTED_AFTER_SETUP}
-    proc = forkrun(2, str(TESTS_DIR / "bad_config_worker.py"), str(tmp_path), *cases, rank_files=tmp_path)
+    proc = forkrun(2, str(WORKERS / "bad_config_worker.py"), str(tmp_path), *cases, rank_files=tmp_path)
     results = [r for rank in range(2) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert len(results) == 2 * len(cases), proc.stdout[-4000:]
     for result in results:

@@ -1,13 +1,13 @@
 """Tensor parallel plans: checked before anything is sharded; communication and memory match theory."""
 
 import json
-from pathlib import Path
 
 import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.parallel.tensor_parallel import check_tp_plan, match_modules
 from lightning_3d.policies import PlanOptions, PolicyError
@@ -78,7 +78,7 @@ def test_an_mlp_width_that_does_not_split_fails_before_sharding():
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_worker")
-    forkrun(4, str(Path(__file__).parent / "tp_worker.py"), str(out), rank_files=out)
+    forkrun(4, str(WORKERS / "tp_worker.py"), str(out), rank_files=out)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 

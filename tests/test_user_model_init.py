@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
+from helpers.toy_model import ToyLM
+from helpers.user_models import NanoGPT
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
 from lightning_3d.parallel.weight_init import replay_init
-from toy_model import ToyLM
-from user_models import NanoGPT
 
 TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64)
 
@@ -153,8 +153,8 @@ def test_configure_model_can_run_again_from_the_attributes_it_started_with():
 @pytest.mark.parametrize("name", ["user_nanogpt_2_1_1", "user_nanogpt_1_1_2", "user_nanogpt_1_2_1",
                                   "user_llama_2_1_1", "user_llama_1_1_2", "user_llama_1_2_1"])
 def test_first_step_loss_and_initial_weights_equal_one_process(shared_runs, name):
-    from harness import assert_parity, reference_for
-    from hf_cases import USER_INIT_CASES
+    from helpers.harness import assert_parity, reference_for
+    from helpers.hf_cases import USER_INIT_CASES
 
     case = USER_INIT_CASES[name]
     # Learning rate 0: the parameters after the step are the initial ones, copied, not computed: equal exactly.

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from harness import forkrun, torchrun
+from helpers.launchers import forkrun, torchrun
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.precision import warn_about_no_ops

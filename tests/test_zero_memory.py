@@ -4,15 +4,15 @@ gathered parameters than stage 2. Under the pipeline, the gradients a rank holds
 run logs and the planner predicts, per step and per micro-batch reduction."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from harness import forkrun
+from helpers import WORKERS
+from helpers.launchers import forkrun
+from helpers.workers.zero_memory_worker import CONFIG, PIPELINED_CONFIG
 from lightning_3d.models import GPT
 from lightning_3d.planner import PRECISIONS, Layout, ModelSpec
 from lightning_3d.planner.memory import step_gradient_bytes
-from zero_memory_worker import CONFIG, PIPELINED_CONFIG
 
 pytestmark = pytest.mark.multiprocess
 DP = 4
@@ -21,7 +21,7 @@ DP = 4
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_memory")
-    proc = forkrun(DP, str(Path(__file__).parent / "zero_memory_worker.py"), str(out), timeout=300, rank_files=out)
+    proc = forkrun(DP, str(WORKERS / "zero_memory_worker.py"), str(out), timeout=300, rank_files=out)
     return out, proc.stdout + proc.stderr
 
 

@@ -1,4 +1,4 @@
-"""A callback that a CLI run under test adds by class path (``cli_probe.RankProbe``, tests/ on PYTHONPATH): each
+"""A callback that a CLI run under test adds by class path (``helpers.cli_probe.RankProbe``): each
 rank writes where it sat and what it trained, so a test can check a launch made by torchrun or srun."""
 
 from __future__ import annotations

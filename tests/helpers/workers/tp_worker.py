@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ParallelConfig, ParallelDims
 from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.parallel.loss import vocab_parallel_cross_entropy

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from harness import Case, end_process_group, run_distributed
+from helpers.harness import Case, run_distributed
+from helpers.launchers import end_process_group
 
 
 def main(cases_file: str, out_dir: str) -> None:

@@ -3,7 +3,7 @@
 A :class:`Case` is plain data (JSON-able), so one launch of N ranks (``launch``) can run many cases in a row:
 process start-up (importing torch and Lightning) is paid once per launch, not per layout -- and not even
 once per launch: the ranks are forked from one interpreter per test session that imported it all
-(tests/forkrun.py).
+(helpers/forkrun.py).
 Each run records the global per-step loss (mean over all ranks) and the full parameters after training
 (gathered from whatever shards and stages hold them), keyed by their single-device FQNs.
 
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from helpers import WORKERS
+from helpers.launchers import run_forked
+from helpers.toy_model import ToyLightningModule
+from helpers.user_models import LlamaStyleModule, NanoGPTModule, UserLlamaModule
 from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, HFCausalLMModule, SyntheticDataModule
-from launchers import GLOO_EXIT_ABORT, end_process_group, forkrun, run_forked, run_to_end, torchrun  # noqa: F401
-from toy_model import ToyLightningModule
-from user_models import LlamaStyleModule, NanoGPTModule, UserLlamaModule
 
-TESTS_DIR = Path(__file__).parent
 SEED = 1234
 ADAM_EPS = 1e-3
 """AdamW's eps in every parity run. Adam divides a gradient by its own size: at the default 1e-8, a weight
@@ -335,7 +335,7 @@ def launch(cases: list[Case], nprocs: int, out_dir: Path, timeout: float = 600) 
     out_dir.mkdir(parents=True, exist_ok=True)
     cases_file = out_dir / "cases.json"
     cases_file.write_text(json.dumps([asdict(c) for c in cases]))
-    args = [str(TESTS_DIR / "parity_worker.py"), str(cases_file), str(out_dir)]
+    args = [str(WORKERS / "parity_worker.py"), str(cases_file), str(out_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = run_forked(nprocs, args, env=env, timeout=timeout)

@@ -7,7 +7,7 @@ runs)."""
 
 from pathlib import Path
 
-from harness import Case, Result, launch_by_world_size
+from helpers.harness import Case, Result, launch_by_world_size
 
 LLAMA = dict(model_type="llama", seq_len=16, vocab_size=64, hidden_size=32, intermediate_size=64,
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)

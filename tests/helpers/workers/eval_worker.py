@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 

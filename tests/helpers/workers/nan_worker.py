@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import NaNGuard
 from lightning_3d.callbacks.layout import dims_of

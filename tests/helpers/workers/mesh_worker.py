@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ParallelConfig, ParallelDims
 
 

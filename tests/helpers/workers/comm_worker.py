@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import CommTimer
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule

@@ -19,9 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
-from harness import SEED, ReferenceDataModule
+from helpers.harness import SEED, ReferenceDataModule
+from helpers.user_models import NanoGPTModule
 from lightning_3d.models import GPTConfig, SyntheticDataModule
-from user_models import NanoGPTModule
 
 CONFIG = dict(n_layer=4, n_embd=32, n_head=4, block_size=16)
 GLOBAL_BATCH = 8

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from lightning_3d.parallel.memory import memory_report

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.distributed.pipelining import schedules
 from torch.overrides import TorchFunctionMode
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import PipelineMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule

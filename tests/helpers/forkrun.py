@@ -96,7 +96,7 @@ def _stop(pids: dict[int, int]) -> None:
 
 def _preload() -> None:
     """What every worker imports; each rank would otherwise import it again."""
-    import harness  # noqa: F401 -- torch, Lightning, torchmetrics, lightning_3d.callbacks/models, test models
+    import helpers.harness  # noqa: F401 -- torch, Lightning, torchmetrics, lightning_3d.callbacks/models, test models
     import lightning_3d  # noqa: F401 -- the strategy, the engine, torch.distributed.pipelining
 
 

@@ -1,6 +1,6 @@
 """Starting the ranks of a test, each launch with a timeout and the ranks' output when it fails.
 
-``forkrun``: the ranks forked from the session's fork server (tests/forkrun.py), which imported torch,
+``forkrun``: the ranks forked from the session's fork server (forkrun.py), which imported torch,
 Lightning and lightning_3d once -- for the tests' own workers. ``torchrun``: real torchrun, where the
 launcher or a process-level property is what the test checks (the CLI under torchrun, fault reports and
 restarts, Slurm, a rank's peak memory)."""
@@ -51,7 +51,7 @@ def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = N
 def forkrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = None,
             rank_files: Path | None = None) -> subprocess.CompletedProcess:
     """:func:`torchrun`'s contract, with the ranks forked from one interpreter that imported torch, Lightning
-    and lightning_3d once (tests/forkrun.py): for the tests' own workers, where the launcher is not under test."""
+    and lightning_3d once (forkrun.py): for the tests' own workers, where the launcher is not under test."""
     return _run_ranks(FORKRUN, nprocs, args, timeout, cwd, rank_files)
 
 
@@ -95,7 +95,7 @@ def end_process_group() -> None:
 def run_forked(nprocs: int, args: list[str], *, env: dict, timeout: float,
                cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``forkrun.py --nproc-per-node=nprocs ARGS`` as :func:`run_to_end` runs a command (output captured, the
-    whole launch killed after ``timeout`` seconds), forked from the session's fork server (tests/forkrun.py
+    whole launch killed after ``timeout`` seconds), forked from the session's fork server (forkrun.py
     --serve: the imports paid once per session, not once per launch) when ``env`` is the one it started with
     (what the imports read), else from a fresh interpreter."""
     global _SERVER

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from harness import Case, LossRecorder, _module_and_data, end_process_group, gather_full_state
+from helpers.harness import Case, LossRecorder, _module_and_data, gather_full_state
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import GradNormMonitor
 from lightning_3d.checkpoint import sharded

@@ -16,7 +16,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from harness import Case, _module_and_data, end_process_group
+from helpers.harness import Case, _module_and_data
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)

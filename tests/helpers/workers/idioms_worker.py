@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from harness import end_process_group
-from idioms import UNSUPPORTED, run_conformance, run_unsupported
+from helpers.idioms import UNSUPPORTED, run_conformance, run_unsupported
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 
 CONFORMANCE = {"conformance_pp2": dict(dp=1, mask_rate=0.15), "conformance_dp2_pp2": dict(dp=2, mask_rate=0.0)}

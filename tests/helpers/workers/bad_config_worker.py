@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
+from helpers.user_models import NanoGPTModule
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
-from user_models import NanoGPTModule
 
 TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from harness import end_process_group
+from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from lightning_3d.parallel.memory import memory_report
