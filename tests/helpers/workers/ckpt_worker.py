@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers.harness import Case, LossRecorder, _module_and_data, gather_full_state
+from helpers.harness import Case, LossRecorder, gather_full_state, module_and_data
 from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import GradNormMonitor
@@ -29,7 +29,7 @@ from lightning_3d.checkpoint import sharded
 def run(job: dict) -> dict:
     case = Case(name=job["name"], steps=job["steps"], model=job["model"], learning_rate=job.get("lr", 1e-2))
     dp = job["layout"].get("data_parallel_size", 1)
-    module, data = _module_and_data(case, case.global_batch_size // dp)
+    module, data = module_and_data(case, case.global_batch_size // dp)
     recorder = LossRecorder()
     callbacks = [GradNormMonitor(every_n_steps=1), recorder]
     if job.get("save_every"):

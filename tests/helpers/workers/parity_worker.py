@@ -1,4 +1,4 @@
-"""Entry point of one parity launch (``harness.launch``): every rank runs every case; rank 0 saves results.
+"""Entry point of one parity launch (``helpers.harness.launch``): every rank runs every case; rank 0 saves results.
 
     python -m torch.distributed.run --standalone --nproc-per-node N parity_worker.py CASES.json OUT_DIR
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from helpers.harness import Case, _module_and_data
+from helpers.harness import Case, module_and_data
 from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 
@@ -41,7 +41,7 @@ class LossLog(L.Callback):
 
 def main(out_dir: str) -> None:
     out = Path(out_dir)
-    module, data = _module_and_data(Case(name="restart", model=MODEL, steps=STEPS), 8 // 2)
+    module, data = module_and_data(Case(name="restart", model=MODEL, steps=STEPS), 8 // 2)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=ThreeDStrategy(data_parallel_size=2), max_steps=STEPS,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
