@@ -10,7 +10,7 @@ import yaml
 
 from helpers.launchers import run_to_end, torchrun
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 CONFIGS = sorted((ROOT / "example_configs").glob("*.yaml"))
 
 

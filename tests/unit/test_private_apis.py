@@ -11,7 +11,7 @@ import pytest
 from helpers.private_api_scan import scan
 from lightning_3d._private_apis import PRIVATE_NAMES
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lightning_3d"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_3d"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from helpers.cli_probe import read_ranks
 from helpers.launchers import GLOO_EXIT_ABORT, torchrun
 from lightning_3d.parallel.dims import ParallelDims
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
 TOOLS = ("slurmctld", "slurmd", "srun", "munged", "mungekey")
 
@@ -101,8 +101,8 @@ def slurm_conf():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatch):
-    # Both launches import the probe callback by class path (helpers.cli_probe.RankProbe) from this folder.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    # Both launches import the probe callback by class path (helpers.cli_probe.RankProbe) from tests/.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     env = _job_env(slurm_conf, MASTER_PORT=str(_free_port()))
     srun_dir = tmp_path / "srun"
     # No --kill-on-bad-exit here (train.sbatch has it): a rank that gloo aborts at exit must not take the

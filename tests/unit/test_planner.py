@@ -395,7 +395,7 @@ def test_command_plans_from_a_fit_config(capsys, tmp_path):
     from lightning_3d.cli import main
 
     out = tmp_path / "plan.yaml"
-    main(["plan", "--fit-config", str(Path(__file__).parents[1] / "example_configs/gpt_1b_8gpu.yaml"),
+    main(["plan", "--fit-config", str(Path(__file__).parents[2] / "example_configs/gpt_1b_8gpu.yaml"),
           "--gpu", "h100", "--global-batch-size", "32", "--top", "3", "--yaml-out", str(out)])
     printed = capsys.readouterr().out
     assert "1.22B parameters" in printed and "tokens/s" in printed

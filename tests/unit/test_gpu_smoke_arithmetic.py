@@ -12,7 +12,7 @@ from lightning_3d.models import GPT, GPTConfig
 
 
 def _load_gpu_smoke():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_smoke.py"
     spec = importlib.util.spec_from_file_location("gpu_smoke", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpu_smoke"] = module  # dataclasses look their module up while the class is made
