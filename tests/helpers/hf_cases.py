@@ -1,7 +1,7 @@
 """The Hugging Face parity runs (Llama and GPT-2), the runs of users' models (their init; pipelines of their
 forward as written; sequence parallelism from "auto"), and one shared launch per world size for all of them:
-``tests/test_hf_llama.py``, ``tests/test_hf_gpt2.py``, ``tests/test_user_model_init.py``,
-``tests/test_pipeline_as_written.py`` and ``tests/test_auto_sequence_parallel.py`` each
+``parity/test_parity_hf_llama.py``, ``parity/test_parity_hf_gpt2.py``, ``parity/test_parity_user_model_init.py``,
+``parity/test_parity_pipeline_as_written.py`` and ``parity/test_parity_auto_sequence_parallel.py`` each
 check their own cases, whichever runs first launches every set (torchrun start-up dominates these tiny
 runs)."""
 
@@ -54,7 +54,7 @@ GPT2_CASES = {c.name: c for c in [
 
 
 def user_init_case(module, dp, pp, tp, **strategy):
-    """One step at learning rate 0 of a model that initializes itself its own way (tests/user_models.py):
+    """One step at learning rate 0 of a model that initializes itself its own way (helpers/user_models.py):
     the parameters after it are the initial ones, the loss and gradient norm are those at init."""
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
     return Case(name=f"{module}_{dp}_{pp}_{tp}", module=module, strategy_kwargs=kwargs, dp=dp, steps=1,
@@ -90,7 +90,7 @@ AS_WRITTEN_CASES = {c.name: c for c in [
 ]}
 
 # Sequence parallelism that policy="auto" plans by structure, for a model it has no policy for (issue 17
-# item 7): tests/test_auto_sequence_parallel.py.
+# item 7): parity/test_parity_auto_sequence_parallel.py.
 AUTO_SP_CASES = {c.name: c for c in [
     as_written_case("nanogpt_tp2_sp", "user_nanogpt", 1, 1, 2, sequence_parallel=True),
     as_written_case("nanogpt_dp2_tp2_sp", "user_nanogpt", 2, 1, 2, sequence_parallel=True),

@@ -1,5 +1,5 @@
 """The private names of torch and Lightning that lightning_3d's source uses, read from the source (ast), for
-tests/test_private_apis.py. Two kinds of finding:
+tests/unit/test_private_apis.py. Two kinds of finding:
 
 * a dotted path, for what is reached through an import: ``from torch.utils._pytree import tree_flatten``,
   ``dist.distributed_c10d._get_default_store()``, ``torch.ops._c10d_functional`` -- any path under torch or

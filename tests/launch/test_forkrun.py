@@ -1,4 +1,4 @@
-"""tests/forkrun.py, the launcher of the tests' own workers (through the session's fork server, as every
+"""tests/helpers/forkrun.py, the launcher of the tests' own workers (through the session's fork server, as every
 ``forkrun``/``launch`` call goes): each rank sees what torchrun would give it; one failing rank ends the
 launch, named, instead of leaving the others waiting; a launch past its timeout is killed, every rank of it."""
 

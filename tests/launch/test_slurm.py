@@ -37,7 +37,7 @@ def _overrides(out_dir: Path) -> list[str]:
 
 
 def _assert_finished(proc: subprocess.CompletedProcess, what: str, output: str, done: bool) -> None:
-    """A zero exit; or, as harness.torchrun allows, gloo's abort of a rank on its way out after every rank's
+    """A zero exit; or, as launchers.torchrun allows, gloo's abort of a rank on its way out after every rank's
     work was done (``done``), which is a warning with the output, not a failure."""
     if proc.returncode != 0 and done and GLOO_EXIT_ABORT in output:
         warnings.warn(f"{what} exited with {proc.returncode} after all its work was done: {output[-1500:]}")

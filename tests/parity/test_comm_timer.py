@@ -1,5 +1,6 @@
 """CommTimer: bytes per parallel dimension equal the analytic count for the reference GPT, in every layout of
-one 4-rank launch (tests/comm_worker.py), also under Lightning's own DDPStrategy; a single process logs zeros."""
+one 4-rank launch (helpers/workers/comm_worker.py), also under Lightning's own DDPStrategy (a single process
+logs zeros: unit/test_callbacks.py)."""
 
 import json
 
@@ -8,7 +9,7 @@ import pytest
 from helpers import WORKERS
 from helpers.launchers import forkrun
 
-# tests/comm_worker.py: GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64), 4 sequences of
+# comm_worker.py: GPT(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64), 4 sequences of
 # 16 tokens per data-parallel rank, fp32; the third training batch is measured (DDP rebuilds its buckets,
 # with a broadcast, in the second).
 L, C, T, V, B, FP32 = 2, 32, 16, 64, 4, 4
@@ -133,18 +134,3 @@ def test_logged_values_are_the_maximum_over_ranks(measured):
     shares = [r["dp1_pp2_tp2"]["values"]["pp_time_s"] / r["dp1_pp2_tp2"]["values"]["step_time_s"] for r in measured]
     assert logged["comm/pp_share"] == pytest.approx(max(shares))
     assert 0 < logged["comm/pp_share"] < 1
-
-
-def test_a_single_process_logs_zero_communication(tmp_path):
-    import lightning as L
-
-    from lightning_3d.callbacks import CommTimer
-    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
-
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[CommTimer(every_n_steps=1)], default_root_dir=tmp_path)
-    trainer.fit(GPTLightningModule(config=GPTConfig(n_layer=1, n_embd=32, block_size=16)),
-                SyntheticDataModule(seq_len=16, batch_size=2))
-    comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
-    assert comm and all(value == 0.0 for value in comm.values()), comm

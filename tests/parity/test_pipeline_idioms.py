@@ -1,4 +1,4 @@
-"""A LightningModule written the ordinary Lightning way (tests/idioms.py: torchmetrics, reduce_fx, on_epoch,
+"""A LightningModule written the ordinary Lightning way (helpers/idioms.py: torchmetrics, reduce_fx, on_epoch,
 sync_dist, a dict with extra keys, attribute access on the model, MLM-style masking, a step-interval LR
 scheduler, ModelCheckpoint / EarlyStopping / LearningRateMonitor, clipping, accumulation and validation
 inside an accumulation window, a last validation batch of another size) ends with one process's

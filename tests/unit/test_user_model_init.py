@@ -3,8 +3,9 @@
 The meta route (build on meta, replay ``reset_parameters()``) is taken only where a record of the build proves
 it equivalent (``lightning_3d.parallel.init_record``); models that initialize themselves otherwise -- nanoGPT's
 ``self.apply(self._init_weights)``, Hugging Face's ``post_init()`` -- are built again on the host as written.
-Unit tests of that judgement first, then the user's view: first-step loss and initial weights equal one
-process's at dp=2, tp=2 and pp=2 (tests/user_models.py, written independently of our policies)."""
+Unit tests of that judgement; the user's view -- first-step loss and initial weights equal one process's at
+dp=2, tp=2 and pp=2 (helpers/user_models.py, written independently of our policies) -- is
+parity/test_parity_user_model_init.py."""
 
 import copy
 
@@ -143,20 +144,3 @@ def test_configure_model_can_run_again_from_the_attributes_it_started_with():
     before.restore(module)
     assert module.model is None and not hasattr(module, "extra") and module.note == "kept"
     assert dict(module.named_children()) == {}
-
-
-# ----------------------------------------------------------------------------------------- the user's view
-
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["user_nanogpt_2_1_1", "user_nanogpt_1_1_2", "user_nanogpt_1_2_1",
-                                  "user_llama_2_1_1", "user_llama_1_1_2", "user_llama_1_2_1"])
-def test_first_step_loss_and_initial_weights_equal_one_process(shared_runs, name):
-    from helpers.harness import assert_parity, reference_for
-    from helpers.hf_cases import USER_INIT_CASES
-
-    case = USER_INIT_CASES[name]
-    # Learning rate 0: the parameters after the step are the initial ones, copied, not computed: equal exactly.
-    # The loss is computed, on shards under tp: 1e-5 as every parity case (a wrong init moves it by ~0.1).
-    assert_parity(shared_runs[name], reference_for(case), loss_atol=1e-5, param_atol=0.0)

@@ -1,13 +1,12 @@
-"""The tests' warning rules (warning_filters.py): a warning from lightning_3d code -- ours, or a deprecation
-torch or Lightning reports at our call -- fails the test that provokes it, here and in the ranks it launches."""
+"""The tests' warning rules (helpers/warning_filters.py): a warning from lightning_3d code -- ours, or a deprecation
+torch or Lightning reports at our call -- fails the test that provokes it (in the ranks it launches:
+launch/test_warning_filters_in_ranks.py)."""
 
-import textwrap
 import warnings
 
 import pytest
 import torch
 
-from helpers.launchers import forkrun, torchrun
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.precision import warn_about_no_ops
@@ -25,19 +24,3 @@ def test_a_deprecation_reported_at_our_call_is_an_error():
     with pytest.raises(FutureWarning, match="old_api is deprecated"):
         warnings.warn_explicit("old_api is deprecated", FutureWarning, "three_d.py", 1,
                                module="lightning_3d.strategies.three_d")
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("launcher", [torchrun, forkrun], ids=["torchrun", "forkrun"])
-def test_a_warning_of_ours_fails_a_launched_rank(tmp_path, launcher):
-    script = tmp_path / "warns.py"
-    script.write_text(textwrap.dedent("""
-        import torch
-        from lightning_3d.parallel.config import ParallelConfig
-        from lightning_3d.parallel.dims import ParallelDims
-        from lightning_3d.parallel.precision import warn_about_no_ops
-
-        warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), torch.device("cpu"))
-    """))
-    with pytest.raises(AssertionError, match=f"UserWarning: {NO_OP_ZERO}"):
-        launcher(1, str(script), timeout=120)
