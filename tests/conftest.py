@@ -45,7 +45,7 @@ def each_test_starts_without_a_process_group():
     default process group and the variables it set (MASTER_PORT, ...) behind, as Lightning does so that fit and
     test can follow each other. Left there, the next test's ``init_process_group`` fails, a worker it launches
     inherits a port that is taken, and a layout check reads the old world size. Each test starts from the
-    process as the session began."""
+    process as the session began; a fixture that starts a group for its test leaves the end to this one."""
     import torch.distributed as dist
 
     yield

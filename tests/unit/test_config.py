@@ -225,13 +225,10 @@ def _free_port() -> int:
 
 @pytest.fixture
 def one_process_group(monkeypatch):
+    """A gloo group of one; conftest's each_test_starts_without_a_process_group ends it after the test."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_build_mesh_names_dims_pp_dp_tp(one_process_group):

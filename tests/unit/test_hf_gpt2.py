@@ -85,14 +85,12 @@ def test_vocabulary_not_divisible_by_tp_says_what_to_pad_to():
 
 @pytest.fixture
 def fake_world():
-    """A 2-rank fake process group in this process: DTensor placements and local slices, no communication."""
+    """A 2-rank fake process group in this process: DTensor placements and local slices, no communication
+    (conftest's each_test_starts_without_a_process_group ends it after the test)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
-    try:
-        yield torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
+    return torch.distributed.device_mesh.init_device_mesh("cpu", (2,))
 
 
 def test_conv1d_styles_place_columns_rows_and_fused_qkv_per_head(fake_world):
