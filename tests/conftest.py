@@ -1,3 +1,13 @@
+"""The tests by kind, one folder each (``python -m pytest tests/unit`` runs the fast ones):
+
+unit/     one process, no rank launched: config, dims, plans, policies, the planner's model, the CLI's parsing
+parity/   runs on several gloo ranks that must match one process (or the theory: bytes, collectives, memory)
+faults/   what happens when something goes wrong: failing or hanging ranks, NaNs, restarts, bad configurations,
+          unsafe files
+launch/   how ranks start: the CLI under its launcher and torchrun, Slurm, the tests' own fork launcher
+helpers/  what they share: launchers, the parity harness, the workers ranks run, test models, warning rules
+"""
+
 import os
 import sys
 from pathlib import Path
