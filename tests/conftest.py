@@ -1,8 +1,26 @@
+"""The tests by kind, one folder each (``python -m pytest tests/unit`` runs the fast ones):
+
+unit/     one process, no rank launched: config, dims, plans, policies, the planner's model, the CLI's parsing
+parity/   runs on several gloo ranks that must match one process (or the theory: bytes, collectives, memory)
+faults/   what happens when something goes wrong: failing or hanging ranks, NaNs, restarts, bad configurations,
+          unsafe files
+launch/   how ranks start: the CLI under its launcher and torchrun, Slurm, the tests' own fork launcher
+helpers/  what they share: launchers, the parity harness, the workers ranks run, test models, warning rules
+"""
+
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-import warning_filters
+# The tests' shared package, helpers/ (launchers, the parity harness, workers, test models), is imported from
+# this folder: here, and in every process the tests start (ranks, the fork server, the CLI), by the same name.
+TESTS_DIR = str(Path(__file__).parent)
+sys.path.insert(0, TESTS_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
+
+from helpers import warning_filters  # noqa: E402
 
 # Tiny models: one thread per process keeps 8 ranks on 2 cores from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -11,17 +29,18 @@ os.environ["PYTHONWARNINGS"] = warning_filters.pythonwarnings()
 
 
 def pytest_configure(config):
-    # Warnings from lightning_3d code fail the test; third-party ones are ignored only as listed (warning_filters.py).
+    # Warnings from lightning_3d code fail the test; third-party ones are ignored only as listed
+    # (helpers/warning_filters.py).
     for line in warning_filters.pytest_filters():
         config.addinivalue_line("filterwarnings", line)
 
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory):
-    """Every run of the shared launch (tests/hf_cases.py: Hugging Face models, users' models) by name; the
+    """Every run of the shared launch (helpers/hf_cases.py: Hugging Face models, users' models) by name; the
     launch happens once per pytest session, in whichever module asks first."""
     pytest.importorskip("transformers")  # the shared launch also runs the Hugging Face cases
-    from hf_cases import hf_results
+    from helpers.hf_cases import hf_results
 
     return hf_results(tmp_path_factory)
 
@@ -36,7 +55,7 @@ def each_test_starts_without_a_process_group():
     default process group and the variables it set (MASTER_PORT, ...) behind, as Lightning does so that fit and
     test can follow each other. Left there, the next test's ``init_process_group`` fails, a worker it launches
     inherits a port that is taken, and a layout check reads the old world size. Each test starts from the
-    process as the session began."""
+    process as the session began; a fixture that starts a group for its test leaves the end to this one."""
     import torch.distributed as dist
 
     yield

@@ -1,0 +1,63 @@
+"""The case on every rank of a launch (this runs inside the ranks, ``workers/parity_worker.py``): trained under
+its strategy, its full state gathered by single-device names on rank 0."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from helpers.harness.cases import Case, Result
+from helpers.harness.modules import module_and_data
+from helpers.harness.training import LossRecorder, model_parameters, trainer_for
+
+
+def run_distributed(case: Case) -> Result | None:
+    """The case on every rank of the current launch; the result on global rank 0, None elsewhere."""
+    from lightning_3d import ThreeDStrategy
+
+    world = int(os.environ["WORLD_SIZE"])
+    module, data = module_and_data(case, case.global_batch_size // case.dp)
+    strategy = ThreeDStrategy(**case.strategy_kwargs) if case.strategy == "3d" else case.strategy
+    recorder = LossRecorder()
+    trainer = trainer_for(case, strategy, world, recorder)
+    trainer.fit(module, data)
+    if case.save_checkpoint:
+        trainer.save_checkpoint(case.save_checkpoint)
+    params = gather_full_state(module)
+    result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, model_parameters(trainer),
+                    _parameter_bytes_per_rank(module))
+    return result if dist.get_rank() == 0 else None
+
+
+def _parameter_bytes_per_rank(module: torch.nn.Module) -> list[int]:
+    from torch.distributed.tensor import DTensor
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, local)
+    return per_rank
+
+
+def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full CPU tensor under its single-device FQN, on global rank 0 (other
+    ranks: empty). Collective: every rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    local = {}
+    persistent = module.state_dict().keys()  # not, e.g., a rotary embedding's frequencies (as the reference)
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:  # tied parameters under each of their names, as in a state dict
+        if name not in persistent:
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        local[name] = full.detach().cpu().clone()
+    # To rank 0 only: an all-gather had every rank unpickle every rank's copy (8 x 8 at world 8), ~10% of a
+    # one-step case's CPU time.
+    per_rank = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, per_rank, dst=0)
+    merged: dict[str, torch.Tensor] = {}
+    for state in per_rank or []:
+        merged.update(state)
+    return merged

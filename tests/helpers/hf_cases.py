@@ -1,0 +1,110 @@
+"""The Hugging Face parity runs (Llama and GPT-2), the runs of users' models (their init; pipelines of their
+forward as written; sequence parallelism from "auto"), and one shared launch per world size for all of them:
+``parity/test_parity_hf_llama.py``, ``parity/test_parity_hf_gpt2.py``, ``parity/test_parity_user_model_init.py``,
+``parity/test_parity_pipeline_as_written.py`` and ``parity/test_parity_auto_sequence_parallel.py`` each
+check their own cases, whichever runs first launches every set (torchrun start-up dominates these tiny
+runs)."""
+
+from pathlib import Path
+
+from helpers.harness import Case, Result, launch_by_world_size
+
+LLAMA = dict(model_type="llama", seq_len=16, vocab_size=64, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+GPT2_SIZES = dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4)
+NO_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+
+
+def llama_case(name, dp, pp, tp, model=(), module="hf", **strategy):
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, model=dict(LLAMA, **dict(model)), steps=4)
+
+
+def gpt2_case(name, dp, pp, tp, module="hf", **strategy):
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, policy="gpt2", **strategy)
+    model = dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, steps=4, model=model)
+
+
+LLAMA_CASES = {c.name: c for c in [
+    llama_case("tp2_kv_split", 1, 1, 2),
+    llama_case("tp2_sp", 1, 1, 2, sequence_parallel=True),
+    llama_case("tp2_kv1_replicated", 1, 1, 2, model=dict(num_key_value_heads=1)),
+    llama_case("pp2_padding_mask", 1, 2, 1, module="hf_padded"),  # the mask travels with the hidden states
+    llama_case("pp2_labels", 1, 2, 1, module="hf_labels"),  # the model's own loss, on the last stage
+    llama_case("tp2_tied", 1, 1, 2, model=dict(tie_word_embeddings=True)),
+    llama_case("pp2_tp2_sp", 1, 2, 2, sequence_parallel=True),
+    llama_case("pp2_tp2_sp_padding_mask", 1, 2, 2, module="hf_padded", sequence_parallel=True),
+    llama_case("tp4_kv2_replicated", 1, 1, 4),
+    llama_case("pp2_tp2_tied_across_stages", 1, 2, 2, model=dict(tie_word_embeddings=True)),
+    llama_case("dp2_pp2_tp2", 2, 2, 2),
+    llama_case("dp2_pp2_tp2_zero3_interleaved", 2, 2, 2, zero_stage=3, pipeline_schedule="interleaved_1f1b",
+               virtual_pipeline_size=2),
+]}
+
+GPT2_CASES = {c.name: c for c in [
+    gpt2_case("gpt2_1_1_2", 1, 1, 2),
+    gpt2_case("gpt2_1_1_2_sp", 1, 1, 2, sequence_parallel=True),
+    gpt2_case("gpt2_1_2_1", 1, 2, 1),
+    gpt2_case("gpt2_1_2_1_padding_mask", 1, 2, 1, module="hf_padded"),  # later stages get the mask too
+    gpt2_case("gpt2_1_2_2", 1, 2, 2),
+    gpt2_case("gpt2_1_2_2_sp", 1, 2, 2, sequence_parallel=True),
+    gpt2_case("gpt2_2_2_2", 2, 2, 2),
+]}
+
+
+def user_init_case(module, dp, pp, tp, **strategy):
+    """One step at learning rate 0 of a model that initializes itself its own way (helpers/user_models.py):
+    the parameters after it are the initial ones, the loss and gradient norm are those at init."""
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    return Case(name=f"{module}_{dp}_{pp}_{tp}", module=module, strategy_kwargs=kwargs, dp=dp, steps=1,
+                learning_rate=0.0, model=dict(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+
+
+USER_INIT_CASES = {c.name: c for c in [
+    user_init_case("user_nanogpt", 2, 1, 1),
+    user_init_case("user_nanogpt", 1, 1, 2),
+    user_init_case("user_nanogpt", 1, 2, 1),
+    user_init_case("user_llama", 2, 1, 1),
+    user_init_case("user_llama", 1, 1, 2),
+    user_init_case("user_llama", 1, 2, 1),
+]}
+
+
+def as_written_case(name, module, dp, pp, tp=1, steps=3, **strategy):
+    """A user's model under a pipeline with policy="auto": each stage runs its forward as written."""
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    return Case(name=name, module=module, strategy_kwargs=kwargs, dp=dp, steps=steps, learning_rate=0.1,
+                model=dict(n_layer=4, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+
+
+AS_WRITTEN_CASES = {c.name: c for c in [
+    as_written_case("nanogpt_pp2_gpipe", "user_nanogpt", 1, 2, pipeline_schedule="gpipe"),
+    as_written_case("nanogpt_pp2_1f1b", "user_nanogpt", 1, 2, pipeline_schedule="1f1b", num_microbatches=4),
+    as_written_case("nanogpt_pp2_interleaved", "user_nanogpt", 1, 2, pipeline_schedule="interleaved_1f1b",
+                    virtual_pipeline_size=2),
+    as_written_case("nanogpt_pp2_zero_bubble", "user_nanogpt", 1, 2, pipeline_schedule="zero_bubble",
+                    virtual_pipeline_size=2),
+    as_written_case("llama_style_pp2", "user_llama_style", 1, 2),
+    as_written_case("nanogpt_dp2_pp2_zero3", "user_nanogpt", 2, 2, zero_stage=3),
+]}
+
+# Sequence parallelism that policy="auto" plans by structure, for a model it has no policy for (issue 17
+# item 7): parity/test_parity_auto_sequence_parallel.py.
+AUTO_SP_CASES = {c.name: c for c in [
+    as_written_case("nanogpt_tp2_sp", "user_nanogpt", 1, 1, 2, sequence_parallel=True),
+    as_written_case("nanogpt_dp2_tp2_sp", "user_nanogpt", 2, 1, 2, sequence_parallel=True),
+    as_written_case("nanogpt_dp2_pp2_tp2_sp", "user_nanogpt", 2, 2, 2, sequence_parallel=True),
+]}
+
+_RESULTS: dict[str, Result] = {}
+
+
+def hf_results(tmp_path_factory) -> dict[str, Result]:
+    """Every Hugging Face parity run's result by name, launched once per pytest session."""
+    if not _RESULTS:
+        out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
+        cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(),
+                 *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values()]
+        _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
+    return _RESULTS

@@ -1,0 +1,39 @@
+"""Run under torchrun with 8 ranks: build the device mesh of several layouts and report each rank's view.
+
+Writes one JSON file per rank (stdout lines of 8 ranks can interleave): per layout, the rank's coordinates and
+the global ranks of its tp, dp and pp sub-meshes, as the DeviceMesh itself reports them.
+
+    python -m torch.distributed.run --nproc-per-node 8 mesh_worker.py OUT_DIR 2,2,2 8,1,1 ...
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from helpers.launchers import end_process_group
+from lightning_3d import ParallelConfig, ParallelDims
+
+
+def main(out_dir: str, layouts: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    views = []
+    for layout in layouts:
+        dp, pp, tp = (int(x) for x in layout.split(","))
+        dims = ParallelDims.from_config(
+            ParallelConfig(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp),
+            dist.get_world_size(),
+        )
+        mesh = dims.build_mesh("cpu")
+        view = {dim: mesh[dim].mesh.flatten().tolist() for dim in ("pp", "dp", "tp")}
+        local = {dim: mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp")}
+        views.append({"layout": layout, "rank": rank, "groups": view, "local": local,
+                      "names": list(mesh.mesh_dim_names)})
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(views))
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,64 @@
+"""The planner's memory model against what our own runs hold on 4 gloo ranks (helpers/workers/planner_worker.py):
+parameters, gradients, optimizer state and saved activations per rank, at five (dp, pp, tp) layouts, within 5%."""
+
+import json
+
+import pytest
+
+from lightning_3d.models import GPTConfig
+from lightning_3d.planner import PRECISIONS, Layout, ModelSpec, estimate_memory
+
+CONFIG = dict(n_layer=4, n_embd=64, n_head=4, block_size=32)
+FP32 = PRECISIONS["32-true"]
+
+
+# (dp, pp, tp) layouts of the reference GPT run on 4 gloo ranks; batch_size is per data-parallel replica.
+MEASURED = [
+    dict(name="dp2_tp2_sp_zero2", batch_size=4,
+         strategy=dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=2)),
+    dict(name="pp2_tp2_1f1b", batch_size=8,
+         strategy=dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=4)),
+    dict(name="pp4_gpipe", batch_size=8,
+         strategy=dict(pipeline_parallel_size=4, pipeline_schedule="gpipe", num_microbatches=4)),
+    dict(name="dp2_pp2_selective", batch_size=4,
+         strategy=dict(data_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
+                       activation_checkpointing="selective")),
+    dict(name="dp4_zero3_full", batch_size=4, strategy=dict(data_parallel_size=4, zero_stage=3,
+                                                            activation_checkpointing="full")),
+]
+
+
+def layout_of(case) -> Layout:
+    k = case["strategy"]
+    pp, m = k.get("pipeline_parallel_size", 1), k.get("num_microbatches", 1)
+    return Layout(dp=k.get("data_parallel_size", 1), tp=k.get("tensor_parallel_size", 1), pp=pp,
+                  num_microbatches=m, micro_batch_size=case["batch_size"] // m,
+                  schedule=k.get("pipeline_schedule", "1f1b"), sequence_parallel=k.get("sequence_parallel", False),
+                  zero_stage=k.get("zero_stage", 0), recompute=k.get("activation_checkpointing"))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from helpers import WORKERS
+    from helpers.launchers import forkrun
+
+    out = tmp_path_factory.mktemp("planner")
+    cases = [{**case, "model": CONFIG} for case in MEASURED]
+    (out / "cases.json").write_text(json.dumps(cases))
+    forkrun(4, str(WORKERS / "planner_worker.py"), str(out / "cases.json"), str(out), timeout=120,
+            rank_files=out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", MEASURED, ids=[c["name"] for c in MEASURED])
+def test_bytes_per_rank_of_our_runs_match_the_planner(measured, case):
+    model, layout = ModelSpec.from_gpt_config(GPTConfig(**CONFIG)), layout_of(case)
+    for rank, results in enumerate(measured):
+        ours = results[case["name"]]
+        dp_rank, pp_rank, tp_rank = ours["coords"]
+        predicted = estimate_memory(model, layout, FP32, pp_rank)
+        for kind in ("parameters", "gradients", "optimizer_state", "activations"):
+            print(f"{case['name']} rank {rank} (pp {pp_rank}) {kind}: measured {ours[kind]}, planner"
+                  f" {getattr(predicted, kind):.0f} ({getattr(predicted, kind) / ours[kind] - 1:+.1%})")
+            assert getattr(predicted, kind) == pytest.approx(ours[kind], rel=0.05), (kind, rank)

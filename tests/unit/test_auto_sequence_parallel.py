@@ -1,0 +1,43 @@
+"""Sequence parallelism from policy="auto" for a model no policy was written for (issue 17 item 7).
+
+The model is the user's nanoGPT (helpers/user_models.py: blocks in a ModuleList, ln_1/ln_2, attention q/k/v/c_proj,
+MLP c_fc/c_proj, tied embedding and head). "auto" finds its norms by structure and keeps the hidden states split
+along the sequence between the attention and the MLP (the runs that match one process:
+parity/test_parity_auto_sequence_parallel.py)."""
+
+import pytest
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from helpers.user_models import LlamaStyleLM, NanoGPT
+from lightning_3d.policies import PlanOptions, PolicyError
+from lightning_3d.policies.auto import AutoPolicy
+from lightning_3d.policies.hidden_states import HiddenStates
+
+SP = PlanOptions(tp=2, sequence_parallel=True)
+
+
+def test_auto_keeps_nanogpts_hidden_states_split_along_the_sequence_between_attention_and_mlp():
+    plan = AutoPolicy().plan(nn.ModuleDict({"model": NanoGPT(64, 16, 3, 32, 4)}), SP)
+    styles = {fqn: style for fqn, style in plan.tp_plan.items() if fqn.startswith("model.h.1.")}
+    assert {fqn for fqn, s in styles.items() if isinstance(s, SequenceParallel)} == {"model.h.1.ln_1", "model.h.1.ln_2"}
+    for region, out in (("attn", "c_proj"), ("mlp", "c_proj")):
+        assert styles[f"model.h.1.{region}"].input == (Shard(1), Replicate())  # all-gathered entering
+        assert styles[f"model.h.1.{region}.{out}"].output_layouts == (Shard(1),)  # reduce-scattered leaving
+    assert all(isinstance(styles[f"model.h.1.attn.{n}"], ColwiseParallel) for n in "qkv")
+    assert isinstance(styles["model.h.1.attn.c_proj"], RowwiseParallel)
+    assert plan.attribute_fixes["model.h.1.attn"] == {"n_head": 2}
+    # Cut entering the first block, gathered leaving the last: ln_f and the tied head see every position.
+    first, last = plan.tp_plan["model.h.0"], plan.tp_plan["model.h.2"]
+    assert isinstance(first, HiddenStates) and first.input == (Replicate(), Shard(1)) and first.output is None
+    assert isinstance(last, HiddenStates) and last.output == (Shard(1), Replicate()) and last.input is None
+    assert not any(fqn.startswith(("model.ln_f", "model.lm_head", "model.wte")) for fqn in plan.tp_plan)
+
+
+def test_auto_refuses_sequence_parallel_for_weights_between_the_regions_it_found():
+    # Meta-Llama layout with the feed-forward's w1/w2/w3 on the block itself, not in an MLP module: on sequence
+    # shards their gradients would hold this rank's positions only.
+    with pytest.raises(PolicyError, match=r"cannot keep the hidden states of model.layers.0 split along the"
+                                          r" sequence.*model.layers.0.w1 \(Linear\).*sequence_parallel=False"):
+        AutoPolicy().plan(nn.ModuleDict({"model": LlamaStyleLM(64, 2, 32, 4)}), SP)

@@ -1,0 +1,96 @@
+"""Callbacks that watch a 3D run. GradNormMonitor's global norm is checked in every parity case
+(helpers/harness compares it with the single-process run); here: NaNGuard and the monitors' own logic in one
+process (NaNGuard on ranks: faults/test_nan_guard.py)."""
+
+import pytest
+
+from lightning_3d.callbacks import GradNormMonitor, NaNGuard
+
+
+def test_unknown_nan_guard_actions_are_rejected():
+    with pytest.raises(ValueError, match=r"NaNGuard\(action='ignore'\) is not one of \('raise', 'skip', 'rollback'\)"):
+        NaNGuard(action="ignore")
+    with pytest.raises(ValueError, match=r"rollback_lr_factor=2\) must be in \(0, 1\]"):
+        NaNGuard(action="rollback", rollback_lr_factor=2)
+
+
+def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
+    import torch
+
+    from lightning_3d import ParallelDims
+
+    monitor = GradNormMonitor(outlier_factor=10.0)
+    dims = ParallelDims(dp=2, pp=2, tp=1)  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
+    norms = torch.tensor([1.0, 1.1, 0.9, 50.0])
+    stages = torch.tensor([dims.coords(r).pp for r in range(4)])
+    for stage in range(2):
+        monitor._flag_outliers(7, dims, norms, stages == stage)
+    assert [(o["step"], o["rank"], o["coords"]) for o in monitor.outliers] == [(7, 3, {"dp": 1, "pp": 1, "tp": 0})]
+
+
+def test_gradients_no_hook_saw_are_still_checked_and_the_guard_says_so(tmp_path):
+    import lightning as L
+    import torch
+
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    class ManualGradients(GPTLightningModule):
+        def backward(self, loss, *args, **kwargs):  # as an unknown wrapper computing gradients elsewhere would
+            for param in self.parameters():
+                param.grad = torch.zeros_like(param)
+            self.model.lm_head.weight.grad[0, 0] = float("nan")
+
+    guard = NaNGuard(action="skip")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[guard], default_root_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"at step 0, \d+ parameters have a gradient that no hook saw"):
+        trainer.fit(ManualGradients(config=GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8)),
+                    SyntheticDataModule(seq_len=8, batch_size=2))
+    assert guard.skipped_steps == [0, 1]
+
+
+def test_rollback_without_a_model_checkpoint_is_refused_at_the_start(tmp_path):
+    import lightning as L
+
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[NaNGuard(action="rollback")])
+    with pytest.raises(ValueError, match="has no ModelCheckpoint callback. Add one"):
+        trainer.fit(GPTLightningModule(config=GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8)),
+                    SyntheticDataModule(seq_len=8, batch_size=2))
+
+
+def test_throughput_monitor_logs_rates_and_mfu_from_the_whole_model(tmp_path):
+    import lightning as L
+
+    from lightning_3d.callbacks import ThroughputMonitor
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    config = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
+    monitor = ThroughputMonitor(every_n_steps=2, peak_flops=1e12)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[monitor], default_root_dir=tmp_path)
+    trainer.fit(GPTLightningModule(config=config), SyntheticDataModule(seq_len=16, batch_size=4))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("throughput/")}
+    assert monitor.model_parameters == config.num_parameters()
+    assert metrics["throughput/tokens_per_sec"] == pytest.approx(16 * metrics["throughput/samples_per_sec"])
+    assert metrics["throughput/mfu"] == pytest.approx(6 * config.num_parameters() * metrics["throughput/tokens_per_sec"] / 1e12)
+    assert metrics["throughput/step_time_skew"] == 1.0
+
+
+def test_a_single_process_logs_zero_communication(tmp_path):
+    import lightning as L
+
+    from lightning_3d.callbacks import CommTimer
+    from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[CommTimer(every_n_steps=1)], default_root_dir=tmp_path)
+    trainer.fit(GPTLightningModule(config=GPTConfig(n_layer=1, n_embd=32, block_size=16)),
+                SyntheticDataModule(seq_len=16, batch_size=2))
+    comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
+    assert comm and all(value == 0.0 for value in comm.values()), comm

@@ -1,0 +1,361 @@
+"""The planner's cost model against published figures (ZeRO, Korthikanti et al., Narayanan et al.) and against
+the activations one process saves (what our runs hold on 4 ranks: parity/test_planner_on_ranks.py)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_3d.models import GPT, GPTConfig
+from lightning_3d.planner import PRECISIONS, Cluster, Layout, ModelSpec, PlannerError, estimate_memory, zero_model_state_bytes
+from lightning_3d.planner.memory import (
+    autocast_weight_bytes,
+    block_activation_bytes,
+    microbatch_activation_bytes,
+    microbatches_in_flight,
+)
+from lightning_3d.planner.search import NoLayoutFits, plan
+from lightning_3d.planner.time import estimate_step_time, step_flops
+
+GB = 1e9
+MEGATRON = PRECISIONS["megatron-mixed"]
+
+
+# ------------------------------------------------------------------------------------------ published figures
+
+
+def test_zero_memory_matches_the_zero_papers_worked_example():
+    # Rajbhandari et al. 2020 (ZeRO), Figure 1: Psi = 7.5B parameters, mixed-precision Adam (K = 12),
+    # N_d = 64: 120 GB per GPU replicated, 31.4 / 16.6 / 1.9 GB with ZeRO stage 1 / 2 / 3.
+    published = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in published.items():
+        states = zero_model_state_bytes(7.5e9, 64, stage, MEGATRON)
+        assert sum(states.values()) / GB == pytest.approx(gb, abs=0.05), stage
+
+
+def test_zero_1_runs_as_2_and_3_under_the_pipeline_as_2_in_the_planner_as_in_the_strategy():
+    # lightning-3d runs zero_stage=1 as 2 (FSDP2 has no optimizer-only sharding) and 3 as 2 under the
+    # pipeline (parallel/data_parallel.apply_zero): the planner gives those the same memory and time.
+    model = ModelSpec.from_gpt_config(GPTConfig(n_layer=8, n_embd=256, n_head=4, block_size=64))
+    cluster = Cluster.preset("a100-40gb")
+    for pp, same in [(1, (1, 2)), (2, (1, 2)), (2, (2, 3))]:
+        layouts = [Layout(dp=4, pp=pp, num_microbatches=4, micro_batch_size=1, zero_stage=z) for z in same]
+        memory = [estimate_memory(model, layout, FP32, 0) for layout in layouts]
+        time = [estimate_step_time(model, layout, cluster, FP32) for layout in layouts]
+        assert memory[0] == memory[1] and time[0] == time[1], (pp, same)
+
+
+def test_reducing_per_microbatch_under_the_pipeline_trades_gradient_memory_for_reduce_scatters():
+    model = ModelSpec.from_gpt_config(GPTConfig(n_layer=8, n_embd=256, n_head=4, block_size=64))
+    cluster = Cluster.preset("a100-40gb")
+    per_step, per_microbatch = (Layout(dp=4, pp=2, num_microbatches=8, micro_batch_size=1, zero_stage=2,
+                                       pipeline_reduce_grads=when) for when in ("per_step", "per_microbatch"))
+    held = [estimate_memory(model, layout, FP32, 0) for layout in (per_step, per_microbatch)]
+    assert held[1].gathered < held[0].gathered and held[1].gradients == held[0].gradients
+    wire = [estimate_step_time(model, layout, cluster, FP32, dp_overlap=False).dp_communication
+            for layout in (per_step, per_microbatch)]
+    # 8 reduce-scatters of the gradients instead of 1, the all-gather of the parameters once: (8 + 1) / (1 + 1)
+    assert wire[1] == pytest.approx(wire[0] * 9 / 2)
+
+
+def korthikanti_model(**overrides):
+    # Their setting: attention scores kept (no fused attention), dropout on, 2-byte activations.
+    return ModelSpec(**{**dict(num_layers=8, hidden_size=4096, num_heads=32, vocab_size=51200, seq_length=2048,
+                               flash_attention=False, dropout=0.1), **overrides})
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (8, False), (8, True)])
+def test_activations_per_layer_match_korthikanti_et_al(tp, sp):
+    # Korthikanti et al. 2022, section 4: 34 sbh + 5 as^2 b bytes per layer; with tp, sbh (10 + 24/t) +
+    # 5 as^2 b / t; with sequence parallelism everything / t (Megatron saves the sequence shard of the norm
+    # outputs, hence gathered_region_inputs=False).
+    model = korthikanti_model()
+    s, b, h, a = model.seq_length, 2, model.hidden_size, model.num_heads
+    layout = Layout(tp=tp, micro_batch_size=b, sequence_parallel=sp)
+    ours = block_activation_bytes(model, layout, MEGATRON, gathered_region_inputs=False)
+    if sp:
+        paper = (34 * s * b * h + 5 * a * s * s * b) / tp
+    else:
+        paper = s * b * h * (10 + 24 / tp) + 5 * a * s * s * b / tp
+    assert ours == pytest.approx(paper, rel=0.005)  # the norms' mean and 1/std (8 bytes per token) on top
+
+
+def test_full_recompute_keeps_each_layers_input_only():
+    model, layout = korthikanti_model(), Layout(micro_batch_size=2, recompute="full")
+    assert block_activation_bytes(model, layout, MEGATRON, checkpointed=True) == 2 * 2048 * 2 * 4096  # 2 sbh
+
+
+def test_schedules_keep_the_published_micro_batches_in_flight():
+    p, m, v = 8, 64, 4
+    assert microbatches_in_flight(Layout(pp=p, num_microbatches=m, schedule="1f1b"), 0) == p
+    assert microbatches_in_flight(Layout(pp=p, num_microbatches=m, schedule="gpipe"), 0) == m
+    assert microbatches_in_flight(Layout(pp=p, num_microbatches=m, schedule="1f1b"), p - 1) == 1
+    # Interleaving: the first rank holds L (1 + (p - 1) / (p v)) layers' worth (Korthikanti et al., 4.2.3),
+    # i.e. p (1 + (p - 1) / (p v)) micro-batches through its L / p layers.
+    interleaved = Layout(pp=p, num_microbatches=m, schedule="interleaved_1f1b", virtual_stages=v)
+    assert microbatches_in_flight(interleaved, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_pipeline_bubble_is_p_minus_1_over_v_m():
+    model = korthikanti_model(num_layers=16)
+    fast_links = Cluster(intra_node_bandwidth_gbs=1e12, inter_node_bandwidth_gbs=1e12)
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        layout = Layout(pp=4, num_microbatches=16, schedule=schedule, virtual_stages=v)
+        time = estimate_step_time(model, layout, fast_links, MEGATRON)
+        assert time.pp_bubble / (time.compute + time.pp_communication) == pytest.approx(3 / (v * 16), rel=1e-6)
+
+
+def test_step_flops_are_narayanan_et_als_formula():
+    # Narayanan et al. 2021, eq. (3): 96 B s l h^2 (1 + s / 6h + V / 16 l h) with full recompute.
+    model = korthikanti_model()
+    B, s, l, h, V = 64, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
+    published = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert step_flops(model, B, recompute="full") == pytest.approx(published, rel=1e-12)
+
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+# (SC '21), Table 1: weak scaling on Selene (A100 80GB, 8 per node, 8 x 200 Gb/s InfiniBand per node), GPT with
+# V = 51,200 and s = 2048, mixed precision, full activation recomputation. Columns: parameters (billions),
+# heads, hidden, layers, tensor-parallel size, pipeline-parallel size, GPUs, batch size, achieved teraFLOP/s
+# per GPU (counted with eq. (3)).
+NARAYANAN_TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def test_throughput_reproduces_narayanan_et_al_table_1_within_15_percent():
+    report = []
+    for billions, heads, hidden, layers, tp, pp, gpus, batch, published in NARAYANAN_TABLE_1:
+        # GPT as Megatron-LM builds it: tied embeddings, learned positions, unfused attention with dropout.
+        model = ModelSpec(num_layers=layers, hidden_size=hidden, num_heads=heads, vocab_size=51200,
+                          seq_length=2048, tied_embeddings=True, flash_attention=False, dropout=0.1)
+        assert model.num_parameters() / 1e9 == pytest.approx(billions, abs=0.05)  # the table rounds to 0.1B
+        dp = gpus // (tp * pp)
+        # Micro-batches of one sequence, 1F1B (the table names neither: an assumption).
+        layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=1, num_microbatches=batch // dp, recompute="full")
+        # Megatron-LM then all-reduced its fp32 main gradients after backward, not overlapped with it.
+        time = estimate_step_time(model, layout, Cluster.preset("a100-80gb", nodes=gpus // 8), MEGATRON,
+                                  dp_overlap=False, dp_reduce_bytes=4)
+        ours = time.hardware_flops / time.total / gpus / 1e12
+        report.append((billions, ours, published, ours / published - 1))
+    print("\n".join(f"{b:7.1f}B: planner {o:6.1f} TFLOP/s per GPU, published {p}, {e:+.1%}" for b, o, p, e in report))
+    assert all(abs(error) <= 0.15 for *_, error in report), report
+
+
+# Published runs of other models, sizes and GPUs (docs/planner.md, "Published runs": sources and assumptions).
+# Megatron-style GPT blocks: unfused attention with dropout; Llama blocks: SwiGLU, RMSNorm, rotary, GQA.
+BLOOM_176B = ModelSpec(num_layers=70, hidden_size=14336, num_heads=112, vocab_size=250880, seq_length=2048,
+                       tied_embeddings=True, learned_positions=False, flash_attention=False, dropout=0.1)
+MT_NLG_530B = ModelSpec(num_layers=105, hidden_size=20480, num_heads=128, vocab_size=51200, seq_length=2048,
+                        tied_embeddings=True, flash_attention=False, dropout=0.1)
+
+
+def llama3(layers, hidden, heads, ffn, vocab, seq=8192):
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=8, ffn_hidden_size=ffn,
+                     vocab_size=vocab, seq_length=seq, gated_mlp=True, bias=False, norm="rmsnorm",
+                     learned_positions=False, fused_qkv=False)
+
+
+LLAMA3_405B = llama3(126, 16384, 128, 53248, 128000)
+
+
+def llama3_405b_table_4(gpus, dp, per_dp, v=4):
+    # Meta's 8K-token stage: tp 8, pp 16, FSDP over dp (optimizer and gradients sharded, parameters kept
+    # from forward to backward: ZeRO-2), no recompute; micro-batches of one sequence assumed.
+    return Layout(dp=dp, tp=8, pp=16, micro_batch_size=1, num_microbatches=per_dp, schedule="interleaved_1f1b",
+                  virtual_stages=v, zero_stage=2, sequence_parallel=True)
+
+
+def test_interleaving_sends_each_chunks_activations_and_gradients():
+    # Narayanan et al. 2021, 2.2.2: with v model chunks per rank a micro-batch enters and leaves each rank v
+    # times, so the point-to-point traffic is v times 1F1B's (on Llama 3 405B's first Table 4 layout).
+    cluster = Cluster.preset("h100", nodes=1024)
+    one = estimate_step_time(LLAMA3_405B, replace(llama3_405b_table_4(8192, 64, 32), schedule="1f1b",
+                                                  virtual_stages=1), cluster, MEGATRON)
+    four = estimate_step_time(LLAMA3_405B, llama3_405b_table_4(8192, 64, 32), cluster, MEGATRON)
+    assert four.pp_communication == pytest.approx(4 * one.pp_communication)
+
+
+def published_runs():
+    """(name, model, layout, cluster, reported, unit, estimate_step_time keywords) of each published run."""
+    fp32_reduce = dict(dp_reduce_bytes=4)  # every run reduces fp32 gradients
+    megatron = dict(fp32_reduce, dp_overlap=False)  # Megatron-DeepSpeed: after backward, not overlapped
+    a100 = lambda nodes, **kw: Cluster.preset("a100-80gb", nodes=nodes, **kw)  # noqa: E731
+    runs = [("BLOOM-176B, 384 A100", BLOOM_176B, Layout(dp=8, tp=4, pp=12, micro_batch_size=2, num_microbatches=128,
+             recompute="full"), a100(48, inter_node_bandwidth_gbs=6.25), 149.77, "TFLOP/s", megatron)]
+    runs += [(f"MT-NLG 530B, {nodes * 8} A100", MT_NLG_530B, Layout(dp=nodes // 35, tp=8, pp=35, num_microbatches=
+              1920 // (nodes // 35), recompute="full"), a100(nodes), tflops, "TFLOP/s", megatron)
+             for nodes, tflops in [(280, 126), (350, 121), (420, 113)]]
+    runs += [(f"Llama 3 405B, {gpus} H100", LLAMA3_405B, llama3_405b_table_4(gpus, dp, per_dp),
+              Cluster.preset("h100", nodes=gpus // 8), mfu, "MFU", fp32_reduce)
+             for gpus, dp, per_dp, mfu in [(8192, 64, 32, 0.43), (16384, 128, 16, 0.41)]]
+    fsdp = dict(dp=64, zero_stage=3)  # torchtitan: FSDP2, bf16 parameters, fp32 gradient reduce-scatter
+    runs += [("torchtitan Llama 3 8B, 64 A100", llama3(32, 4096, 32, 14336, 128256),
+              Layout(**fsdp, recompute="selective"), a100(8), 2904, "tokens/s", fp32_reduce),
+             ("torchtitan Llama 3 70B, 64 A100", llama3(80, 8192, 64, 28672, 128256),
+              Layout(**fsdp, recompute="full"), a100(8), 331, "tokens/s", fp32_reduce),
+             # H100 of 96 GB HBM2e at a 500 W cap: torchtitan states its peak is unknown.
+             ("torchtitan Llama 3.1 8B, 8 H100", llama3(32, 4096, 32, 14336, 128256), Layout(dp=8, zero_stage=3,
+              micro_batch_size=2, recompute="selective"), Cluster.preset("h100", memory_gib=96,
+              hbm_bandwidth_gbs=2400), 5762, "tokens/s", fp32_reduce)]
+    return runs
+
+
+LLAMA3_RUN_CHUNKS = 8
+"""Llama 3 ran 8 one-layer chunks per rank, the first holding only the embedding and the last only the head;
+lightning-3d cuts 126 blocks over 16 ranks into at most 4 chunks per rank, with the same 8 blocks on the
+busiest rank."""
+
+
+def predicted(name, model, layout, cluster, unit, keywords) -> float:
+    time = estimate_step_time(model, layout, cluster, MEGATRON, **keywords)
+    seconds = time.total
+    if name.startswith("Llama 3 405B"):
+        # From the v chunks we can cut to the run's, in the planner's own terms: bubble / v, p2p traffic * v.
+        scale = LLAMA3_RUN_CHUNKS / layout.virtual_stages
+        seconds += time.pp_communication * (scale - 1) - time.pp_bubble * (1 - 1 / scale)
+    gpus = layout.world_size
+    return {"TFLOP/s": time.hardware_flops / seconds / gpus / 1e12,
+            "MFU": time.model_flops / seconds / gpus / (cluster.peak_tflops * 1e12),
+            "tokens/s": layout.global_batch_size * model.seq_length / seconds / gpus}[unit]
+
+
+KNOWN_MISSES = ("MT-NLG", "torchtitan Llama 3.1 8B, 8 H100")
+"""Runs the planner over-predicts by more than 15 % for reasons its inputs do not carry (docs/planner.md)."""
+
+
+def test_step_time_reproduces_published_runs_of_other_models_and_gpus_within_15_percent():
+    report = []
+    for name, model, layout, cluster, reported, unit, keywords in published_runs():
+        ours = predicted(name, model, layout, cluster, unit, keywords)
+        report.append((name, ours, reported, unit, ours / reported - 1))
+    print("\n".join(f"{n:32s} planner {o:8.4g} {u}, published {p}, {e:+.1%}" for n, o, p, u, e in report))
+    for name, *_, error in report:
+        if name.startswith(KNOWN_MISSES):
+            assert error > 0.15, (name, error)  # still the optimistic miss the documentation explains
+        else:
+            assert abs(error) <= 0.15, (name, error)
+
+
+# ---------------------------------------------------------------------------------------------- measured
+
+CONFIG = dict(n_layer=4, n_embd=64, n_head=4, block_size=32)
+FP32 = PRECISIONS["32-true"]
+
+
+def saved_bytes(module, run) -> int:
+    """What ``run()``'s forward leaves saved for backward, parameters excluded, each storage once."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("recompute, precision", [(None, "32-true"), ("selective", "32-true"), ("full", "32-true"),
+                                                  (None, "bf16-mixed")])
+def test_saved_activations_of_one_process_match_the_planner(recompute, precision):
+    from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
+    from lightning_3d.policies import PlanOptions
+    from lightning_3d.policies.gpt import GPTPolicy
+
+    torch.manual_seed(0)
+    config = GPTConfig(**CONFIG)
+    model = GPT(config)
+    if recompute:
+        apply_activation_checkpointing(model, GPTPolicy().plan(model, PlanOptions()), recompute)
+    tokens = torch.randint(0, config.vocab_size, (8, config.block_size))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+
+    measured = saved_bytes(model, step)
+    layout, spec, precision = Layout(micro_batch_size=8, recompute=recompute), ModelSpec.from_gpt_config(config), PRECISIONS[precision]
+    # Under autocast the bf16 weight copies are saved too (not parameters, so the measurement counts them).
+    predicted = (microbatch_activation_bytes(spec, layout, precision, 0)
+                 + autocast_weight_bytes(spec, layout, precision, 0))
+    print(f"{recompute} {precision.name}: measured {measured} B, planner {predicted:.0f} B"
+          f" ({predicted / measured - 1:+.1%})")
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+# ------------------------------------------------------------------------------------------- search and inputs
+
+
+def test_plan_ranks_fitting_layouts_and_writes_a_config_the_strategy_accepts():
+    import yaml
+
+    from lightning_3d.parallel.config import ParallelConfig
+
+    model = ModelSpec.from_gpt_config(GPTConfig(vocab_size=50304, block_size=2048, n_layer=20, n_head=16, n_embd=2048))
+    result = plan(model, Cluster.preset("a100-40gb"), global_batch_size=64)
+    times = [c.time.total for c in result.candidates]
+    assert times == sorted(times)
+    assert 0 < len(result.candidates) < result.considered  # some layouts were refused for memory
+    config = yaml.safe_load(result.to_yaml())
+    ParallelConfig(**config["trainer"]["strategy"]["init_args"])
+    GPTConfig(**config["model"]["init_args"]["config"])
+    layout = result.best.layout
+    per_replica = config["data"]["init_args"]["batch_size"] * config["trainer"].get("accumulate_grad_batches", 1)
+    assert per_replica * layout.dp == 64
+    assert result.best.layout.describe() in result.table()
+
+
+def test_a_model_that_fits_nowhere_says_how_much_it_needs_and_what_to_change():
+    gpt3 = ModelSpec(num_layers=96, hidden_size=12288, num_heads=96, vocab_size=51200, seq_length=2048)
+    with pytest.raises(NoLayoutFits, match=r"smallest need is \d+\.\d GiB per GPU.*To fit: \d+ nodes"):
+        plan(gpt3, Cluster.preset("a100-80gb"), global_batch_size=64)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(hidden_size=100, num_heads=3), "does not divide hidden_size"),
+    (dict(num_heads=32, num_kv_heads=5), "does not divide num_heads"),
+    (dict(num_layers=0), "num_layers must be a positive integer"),
+])
+def test_inconsistent_sizes_are_refused_with_the_numbers(sizes, message):
+    with pytest.raises(PlannerError, match=message):
+        ModelSpec(**{**dict(num_layers=4, hidden_size=4096, num_heads=32, vocab_size=32000, seq_length=128), **sizes})
+
+
+def test_no_tensor_parallel_size_divides_the_vocabulary_and_heads_is_an_error():
+    # tp = 2 splits neither 3 heads nor 50257 ids, one layer allows no pp = 2, and dp = 2 does not divide 3.
+    model = ModelSpec(num_layers=1, hidden_size=96, num_heads=3, vocab_size=50257, seq_length=64)
+    with pytest.raises(PlannerError, match="Pad vocab_size"):
+        plan(model, Cluster(gpus_per_node=2, memory_gib=1), global_batch_size=3)
+
+
+def test_command_plans_from_a_fit_config(capsys, tmp_path):
+    from lightning_3d.cli import main
+
+    out = tmp_path / "plan.yaml"
+    main(["plan", "--fit-config", str(Path(__file__).parents[2] / "example_configs/gpt_1b_8gpu.yaml"),
+          "--gpu", "h100", "--global-batch-size", "32", "--top", "3", "--yaml-out", str(out)])
+    printed = capsys.readouterr().out
+    assert "1.22B parameters" in printed and "tokens/s" in printed
+    assert "class_path: lightning_3d.ThreeDStrategy" in out.read_text()
+    with pytest.raises(SystemExit, match="does not divide hidden_size"):
+        main(["plan", "--layers", "2", "--hidden", "100", "--heads", "3", "--vocab", "64", "--seq-len", "32",
+              "--global-batch-size", "8"])
+
+
+def test_hugging_face_llama_config_gives_its_parameter_count():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1000)
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert ModelSpec.from_hf_config(config, seq_length=128).num_parameters() == expected
