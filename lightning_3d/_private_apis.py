@@ -1,7 +1,7 @@
 """Every private name of torch and Lightning that lightning_3d uses: why, and what public API would replace it.
 
 Private names change without notice between releases, so ``pyproject.toml`` bounds torch and lightning to
-the minor versions these were checked on (torch 2.13, lightning 2.6). ``tests/test_private_apis.py`` reads
+the minor versions these were checked on (torch 2.13, lightning 2.6). ``tests/unit/test_private_apis.py`` reads
 the package's source and fails on a private name that is missing here, and on one listed here that the
 source no longer uses; an upgrade starts by going through this list.
 

@@ -18,7 +18,7 @@ from packaging.version import Version
 # is applied only where that version is installed, so an upgrade shows the warning again until rechecked.
 # Lightning 2.6's pytree helper (lightning.pytorch.utilities._pytree) builds torch's LeafSpec, deprecated in
 # torch 2.10: one FutureWarning per rank at the first step, about Lightning's code, not the user's.
-# (tests/warning_filters.py ignores it for the tests, by message.)
+# (tests/helpers/warning_filters.py ignores it for the tests, by message.)
 THIRD_PARTY_WARNINGS = [
     ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "lightning.pytorch.utilities._pytree",
      Version(lightning.__version__) < Version("2.7")),

@@ -14,7 +14,7 @@ a 260 MiB file; the same load time in that benchmark (0.10-0.21 s, before 0.08-0
 Writing (``SafetensorsWriter``) stays home-made: the package's ``save_file`` / ``serialize_file`` take every
 tensor at once, while consolidating a sharded checkpoint (``convert.py``) should hold one tensor at a time.
 Since the header only needs names, shapes and dtypes, it is written first and each tensor is streamed into
-its place as it becomes available. Files written here load with the package (tests/test_checkpoints.py).
+its place as it becomes available. Files written here load with the package (tests/parity/test_checkpoints.py).
 """
 
 from __future__ import annotations

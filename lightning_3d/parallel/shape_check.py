@@ -11,7 +11,7 @@ the layout, this rank's sizes and what to change, and the real forward never sta
 Why at the first call and not at set-up: only then are the inputs known (the batch's shapes, and whatever
 else the model hands its blocks: masks, rotary tables). Every stage of a pipeline checks the blocks it holds,
 on its own tp rank's shapes; the first block of a stage runs during the pipeline's metadata inference, before
-any micro-batch, and the other stages' ranks stop, naming the failing rank (tests/test_shape_check.py at
+any micro-batch, and the other stages' ranks stop, naming the failing rank (tests/faults/test_bad_configs.py at
 pp=2 x tp=2). Under Lightning's sanity check (on by default) the first call is an evaluation step, so the
 error comes before the first training step. The modules before and after the blocks (embeddings, head) are
 not checked: what tensor parallelism changes there (a vocabulary split) is checked against the config at

@@ -12,8 +12,8 @@ parallelism divides all but 10 sbh of it by t (sequence parallelism divides the 
 schedules multiply it by the micro-batches in flight on a rank (Narayanan et al. 2021): 1F1B keeps at most
 p on the first stage, GPipe all m; interleaving v chunks keeps L (1 + (p - 1) / (p v)) layers' worth.
 
-What lightning-3d itself does where it differs from those papers (each checked by tests/test_planner.py
-against what a CPU run saves):
+What lightning-3d itself does where it differs from those papers (each checked against what a CPU run
+saves: tests/parity/test_planner_on_ranks.py):
   * attention runs through ``scaled_dot_product_attention``; its fused kernels keep the output and a
     log-sum-exp per head and token, never the (s x s) scores;
   * with sequence parallelism the all-gathered norm outputs that enter q/k/v and the MLP are saved whole

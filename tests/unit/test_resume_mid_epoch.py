@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from lightning_3d import ThreeDStrategy
-from lightning_3d.checkpoint.resumable import ResumableLoader
 
 BATCH, BATCHES = 2, 64  # per epoch
 
