@@ -1,6 +1,7 @@
 """Never hang, never fail silently (lightning_3d.faults): a rank that raises takes every rank down within
 the exit timeout with its name, coordinates and exception; a hang ends with every rank's report of what it
-waits in. Each case is one launch that is meant to fail."""
+waits in. Each case is one launch that is meant to fail: forked from the tests' fork server, except one failing
+rank under real torchrun (its "Root Cause" summary names our failure) and the restart (torchrun's own)."""
 
 import json
 import os
@@ -13,19 +14,26 @@ import pytest
 import torch.distributed as dist
 
 from helpers import WORKERS
-from helpers.launchers import run_to_end
+from helpers.launchers import run_forked, run_to_end
 from lightning_3d.faults.watch import FaultWatch, Phase
 
 WORKER = str(WORKERS / "faults_worker.py")
 
 
-def _launch_failing(tmp_path: Path, where: str, rank: int, layout: tuple[int, int, int]) -> tuple[str, float]:
-    """Run the job; returns torchrun's stderr and the seconds from the injected fault to the job's end."""
+def _launch_failing(tmp_path: Path, where: str, rank: int, layout: tuple[int, int, int],
+                    launcher: str = "torchrun") -> tuple[str, float]:
+    """Run the job under ``launcher``: torchrun, or ``forkrun`` (the ranks forked from the tests' fork server,
+    with torchrun's environment but not its agent: no error file, no "Root Cause" summary; it spares each rank
+    the imports of a fresh interpreter). Returns the launch's stderr and the seconds from the injected fault to
+    the job's end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nprocs = layout[0] * layout[1] * layout[2]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", WORKER,
-           str(tmp_path), where, str(rank), ",".join(map(str, layout))]
-    proc = run_to_end(cmd, env=env, timeout=240)
+    args = [WORKER, str(tmp_path), where, str(rank), ",".join(map(str, layout))]
+    if launcher == "forkrun":
+        proc = run_forked(nprocs, args, env=env, timeout=240)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}", *args]
+        proc = run_to_end(cmd, env=env, timeout=240)
     ended = time.time()
     assert proc.returncode != 0, "the job was meant to fail"
     ours = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("lightning_3d:"))
@@ -40,22 +48,23 @@ def _coords(rank: int, layout: tuple[int, int, int]) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("where, rank, layout", [
-    ("forward", 5, (2, 2, 2)),
-    ("backward", 1, (1, 2, 1)),
-    ("optimizer", 1, (2, 1, 1)),
-    ("callback", 0, (1, 1, 2)),
-    ("dataloader", 1, (2, 1, 1)),
+@pytest.mark.parametrize("where, rank, layout, launcher", [
+    ("forward", 5, (2, 2, 2), "forkrun"),
+    ("backward", 1, (1, 2, 1), "torchrun"),  # torchrun's own summary: its root cause names our failure
+    ("optimizer", 1, (2, 1, 1), "forkrun"),
+    ("callback", 0, (1, 1, 2), "forkrun"),
+    ("dataloader", 1, (2, 1, 1), "forkrun"),
 ])
-def test_one_failing_rank_takes_the_job_down_naming_itself(tmp_path, where, rank, layout):
-    stderr, seconds = _launch_failing(tmp_path, where, rank, layout)
+def test_one_failing_rank_takes_the_job_down_naming_itself(tmp_path, where, rank, layout, launcher):
+    stderr, seconds = _launch_failing(tmp_path, where, rank, layout, launcher)
     failed = f"{_coords(rank, layout)} failed: ValueError: injected failure in {where}"
     assert f"lightning_3d: {failed}" in stderr, stderr[-3000:]
     for other in set(range(layout[0] * layout[1] * layout[2])) - {rank}:
         assert f"lightning_3d: {_coords(other, layout)} stops: {failed}" in stderr, (other, stderr[-3000:])
-    # torchrun's root cause is the failing rank (its traceback) or a rank stopped in the same second (its
-    # error file says which rank failed and why): either way it names the injected exception.
-    assert f"injected failure in {where}" in stderr.split("Root Cause (first observed failure):")[1], stderr[-3000:]
+    if launcher == "torchrun":
+        # torchrun's root cause is the failing rank (its traceback) or a rank stopped in the same second (its
+        # error file says which rank failed and why): either way it names the injected exception.
+        assert f"injected failure in {where}" in stderr.split("Root Cause (first observed failure):")[1], stderr[-3000:]
     assert seconds < 5 + 10, f"the job took {seconds:.1f} s to end after the failure (exit_timeout=5)"
     print(f"[faults] {where}: job ended {seconds:.1f} s after the failure")
 
@@ -63,7 +72,7 @@ def test_one_failing_rank_takes_the_job_down_naming_itself(tmp_path, where, rank
 @pytest.mark.multiprocess
 def test_a_hang_ends_the_job_with_what_every_rank_waits_in(tmp_path):
     layout = (1, 2, 2)  # rank 1 (stage 0, tp 1) sleeps in training_step; its tp peer and stage 1 wait for it
-    stderr, seconds = _launch_failing(tmp_path, "hang", 1, layout)
+    stderr, seconds = _launch_failing(tmp_path, "hang", 1, layout, "forkrun")
     reports = {rank: stderr.split(f"lightning_3d: {_coords(rank, layout)} made no progress for")[1][:1500]
                for rank in range(4) if f"lightning_3d: {_coords(rank, layout)} made no progress for" in stderr}
     assert sorted(reports) == [0, 1, 2, 3], stderr[-4000:]
@@ -80,7 +89,7 @@ def test_slow_set_up_and_checkpoints_are_not_hangs_but_a_slow_step_is_reported_w
     # Rank 1 builds its model, saves a checkpoint and, in a second fit, loads it, each 4.5 s > hang_timeout
     # (3 s), with no limit of their own (setup_timeout and checkpoint_timeout are None); then hangs in a step.
     layout = (2, 1, 1)
-    stderr, seconds = _launch_failing(tmp_path, "slow_phases", 1, layout)
+    stderr, seconds = _launch_failing(tmp_path, "slow_phases", 1, layout, "forkrun")
     assert all((tmp_path / f"slow_{name}").exists() for name in ("configure_model", "save", "load")), stderr[-3000:]
     reports = re.findall(r"^lightning_3d: (rank \d .*) made no progress for [\d.]+ s in (.*)$", stderr, re.M)
     assert sorted(who for who, _ in reports) == [_coords(0, layout), _coords(1, layout)], stderr[-3000:]
