@@ -2,7 +2,7 @@
 scripts/slurm/local_cluster.sh (it installs Debian's Slurm and munge when they are missing).
 
 The run must take its ranks from Lightning's SLURMEnvironment, sit where the rank layout says, and train
-exactly as the same config started by torchrun."""
+exactly as the same config started with torchrun's environment (ranks forked by tests/helpers/forkrun.py)."""
 
 import os
 import shutil
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cli_probe import read_ranks
-from helpers.launchers import GLOO_EXIT_ABORT, torchrun
+from helpers.launchers import GLOO_EXIT_ABORT, forkrun
 from lightning_3d.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).parents[2]
@@ -130,9 +130,11 @@ def test_srun_on_two_nodes_trains_like_torchrun(slurm_conf, tmp_path, monkeypatc
 
     torchrun_dir = tmp_path / "torchrun"
     started = time.monotonic()
-    torchrun(4, "-m", "lightning_3d", *_overrides(torchrun_dir), "--trainer.devices=4", cwd=tmp_path,
-             timeout=300, rank_files=torchrun_dir)
-    print(f"torchrun run: {time.monotonic() - started:.1f} s")
+    # The same run with torchrun's environment, its ranks forked from one interpreter that imported torch and
+    # Lightning (tests/helpers/forkrun.py; torchrun itself is tested in tests/launch/test_cli_launch.py).
+    forkrun(4, "-m", "lightning_3d", *_overrides(torchrun_dir), "--trainer.devices=4", cwd=tmp_path,
+            timeout=300, rank_files=torchrun_dir)
+    print(f"torchrun-style run: {time.monotonic() - started:.1f} s")
     by_torchrun = read_ranks(torchrun_dir, 4)
     assert {r["cluster_environment"] for r in by_torchrun} == {"TorchElasticEnvironment"}
     assert [r["coords"] for r in by_torchrun] == [r["coords"] for r in by_slurm]
