@@ -58,10 +58,6 @@ class ParallelModel:
     called: nn.Module
     """What Lightning calls: the data-parallel wrapper (DDP) or ``module`` itself (FSDP2 works in place; under
     pipeline parallelism the engine calls the stages)."""
-    plan: Plan
-    """The policy's plan that was applied."""
-    init: str
-    """"meta" or "exact": how the weights were initialized (``parallel.weight_init``)."""
     engine: PipelineEngine | None
     """The micro-batch engine over this rank's stages; None without pipeline parallelism."""
     sharded_rng: ShardedRNG | None
@@ -173,8 +169,8 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
             dp_group=mesh["dp"].get_group(), finish_grads=partial(_finish_grads, dims.tp > 1, tied),
             reduce_grads_per_microbatch=config.pipeline_reduce_grads == "per_microbatch",
         )
-    return ParallelModel(module=module, called=called, plan=plan, init=init, engine=engine,
-                         sharded_rng=sharded_rng, loss_context=loss_context)
+    return ParallelModel(module=module, called=called, engine=engine, sharded_rng=sharded_rng,
+                         loss_context=loss_context)
 
 
 def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:

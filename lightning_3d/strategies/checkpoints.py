@@ -48,6 +48,15 @@ class ShardedCheckpoints:
         self.phases = phases
         self._rank_state_to_load: Optional[dict] = None
 
+    def model_state(self, module: nn.Module) -> dict[str, Any]:
+        """This rank's shards of the model's state, by single-device name: nothing is gathered."""
+        return get_model_state_dict(module)
+
+    def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state, keyed by parameter name (readable at any layout)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        return get_optimizer_state_dict(module, optimizer, options=_OPTIM)
+
     def save(self, path: Path, checkpoint: dict[str, Any], sharding: dict[str, int], rank_state: dict[str, Any]) -> None:
         """Write Lightning's ``checkpoint`` dict to directory ``path``. Collective."""
         state = {"model": checkpoint.pop("state_dict")}

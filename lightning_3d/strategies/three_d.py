@@ -26,7 +26,6 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -47,7 +46,7 @@ from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.strategies import processes
-from lightning_3d.strategies.checkpoints import _OPTIM, ShardedCheckpoints, resumable, sharding_of
+from lightning_3d.strategies.checkpoints import ShardedCheckpoints, resumable, sharding_of
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
 from lightning_3d.strategies.model_build import WatchedBuild
@@ -423,12 +422,11 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module)  # this rank's shards: nothing is gathered
+        return self._checkpoints.model_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=_OPTIM)
+        return self._checkpoints.optimizer_state(self.lightning_module, optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
