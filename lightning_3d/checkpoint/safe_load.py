@@ -16,6 +16,7 @@ A type of your own in a module's hyper-parameters is allowed with ``torch.serial
 
 from __future__ import annotations
 
+import enum
 import pickle
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,22 @@ def _globals_in(path: str | Path) -> str:
     return ", ".join(unsafe)
 
 
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
+def _enum_member(cls: Any, name: Any) -> enum.Enum:
+    """``getattr(cls, name)`` for one member of one of DCP's metadata enums, and nothing else.
+
+    Python before 3.11.3 pickles an Enum member as ``getattr(TheEnum, "NAME")`` (later ones as
+    ``TheEnum(value)``), and DCP's ``.metadata`` holds one (``_MEM_FORMAT_ENCODING``): a plain ``getattr`` would
+    let a file reach any attribute of anything it can name, so this one reaches only a member by its name.
+    """
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ == _DCP_METADATA \
+            and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise UnsafeCheckpointError(f"builtins.getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r})")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only what DCP writes into ``.metadata``; anything else is refused before it is called."""
 
@@ -91,8 +108,10 @@ class _MetadataUnpickler(pickle.Unpickler):
                 ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
 
     def find_class(self, module: str, name: str) -> Any:
+        if module in ("builtins", "__builtin__") and name == "getattr":  # an enum member, pickled by name
+            return _enum_member
         value = getattr(torch, name, None) if module == "torch" else None
-        if (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata" \
+        if (module, name) in self._ALLOWED or module == _DCP_METADATA \
                 or isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"{module}.{name}")
