@@ -31,7 +31,8 @@ from lightning_3d.parallel.precision import mixed_precision_policy, offload_poli
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng, preserved_random_state
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, reduce_partial_grads
 from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
-from lightning_3d.parallel.weight_init import broadcast_from_rank0, check_replayable, is_on_meta, replay_init
+from lightning_3d.parallel.weight_init import (broadcast_from_rank0, check_replayable, is_on_meta, materialize,
+                                              replay_init)
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
 from lightning_3d.policies import Policy
@@ -131,7 +132,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
     #    keep the broadcast weights (exact).
     if on_meta:
-        module.to_empty(device=device)
+        materialize(module, device)
         replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded, weights.reset_order)
     module.to(device)
     init = "meta" if on_meta else "exact"

@@ -49,6 +49,26 @@ def is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate, uninitialized, the tensors of ``model`` that are on the meta device, and only those.
+
+    ``model.to_empty()`` would allocate every tensor anew, and so throw away what was built for real next to
+    the meta model: a parameter made in ``__init__`` beside a model built in ``configure_model()``, or a
+    torchmetrics ``Metric``'s state (which ``Metric._apply`` maps too, defaults included: its counts would
+    then start from whatever the new memory held).
+    """
+    for fqn, module in model.named_modules():
+        own = list(_own_tensors(module).values())
+        if not any(t.is_meta for t in own):
+            continue
+        if not all(t.is_meta for t in own):
+            real = [name for name, t in _own_tensors(module).items() if not t.is_meta]
+            raise InitError(f"{fqn or '<root>'} ({type(module).__name__}) holds tensors on the meta device and"
+                            f" real ones ({', '.join(real)}); build all of its tensors in configure_model(), or"
+                            " pass ThreeDStrategy(model_init='exact').")
+        module.to_empty(device=device, recurse=False)
+
+
 def modules_without_reset(model: nn.Module, init_module: InitModule | None = None,
                           params_loaded: bool = False) -> list[str]:
     """FQNs of modules that own parameters or buffers but have no ``reset_parameters()`` to replay (nor an

@@ -54,9 +54,10 @@ class WatchedBuild:
         """The plan for the module as it will be parallelized, and where its initial weights come from."""
         plan = plan_for(module)
         record, self._record = self._record, None
-        if record is None or not is_on_meta(module):
+        metrics = _metrics_on_meta(module)
+        if record is None or not (is_on_meta(module) or metrics):
             return plan, InitialWeights(self._rng_state)
-        why = record.verdict(module, plan.init_module, params_loaded=params_loaded)
+        why = metrics or record.verdict(module, plan.init_module, params_loaded=params_loaded)
         if why is None:
             return plan, InitialWeights(self._rng_state, record.reset_order(module))
         self._build_as_written(module, precision, why)
@@ -83,3 +84,20 @@ class WatchedBuild:
                             " the state it started in, so the model stays on the meta device. Use"
                             " model_init='exact', or give the modules reset_parameters() (see"
                             " lightning_3d.parallel.weight_init).")
+
+
+def _metrics_on_meta(module: pl.LightningModule) -> str | None:
+    """Why a torchmetrics ``Metric`` made in ``configure_model()`` cannot stay on the meta build: its state
+    (counts starting at zero, a running max starting at -inf) has no values there, and no
+    ``reset_parameters()`` to replay. None if there is none such."""
+    from torchmetrics import Metric  # a dependency of Lightning's: always there
+
+    def on_meta(metric: Metric) -> bool:  # a state is a tensor, or a list of them ("cat" states)
+        states = [t for v in metric.metric_state.values() for t in (v if isinstance(v, list) else [v])]
+        return any(isinstance(t, torch.Tensor) and t.is_meta for t in states)
+
+    found = [f"{fqn} ({type(m).__name__})" for fqn, m in module.named_modules() if isinstance(m, Metric) and on_meta(m)]
+    if not found:
+        return None
+    return (f"the torchmetrics state of {', '.join(found)} was made on the meta device and has no values there"
+            " (make metrics in __init__ to keep the meta route)")

@@ -20,49 +20,76 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from helpers.harness import SEED, ReferenceDataModule
-from helpers.user_models import NanoGPTModule
-from lightning_3d.models import GPTConfig, SyntheticDataModule
+from helpers.user_models import NanoGPT, NanoGPTModule, SkipNoneLM, SkipNonePolicy, user_llama
+from lightning_3d.models import GPT, GPTConfig, SyntheticDataModule
 
 CONFIG = dict(n_layer=4, n_embd=32, n_head=4, block_size=16)
 GLOBAL_BATCH = 8
 VAL_SAMPLES = 22  # batches of 8, 8 and 6 in one process (11 per rank at dp=2: 8 and 3)
 
 
-class ConformanceModule(NanoGPTModule):
-    def __init__(self, config, mask_rate: float = 0.15, **kwargs) -> None:
-        super().__init__(config, **kwargs)
-        self.mask_rate = mask_rate
+class ConformanceModule(L.LightningModule):
+    """The idioms around the model of one pipeline route (:data:`ROUTES`), built in ``configure_model()``."""
+
+    def __init__(self, config, route: str = "as_written", mask_rate: float = 0.15, learning_rate: float = 0.05) -> None:
+        super().__init__()
+        self.config, self.route, self.mask_rate, self.learning_rate = config, route, mask_rate, learning_rate
+        self.model = None
         self.train_acc = MulticlassAccuracy(num_classes=config.vocab_size)
+        self.train_acc_micro = MulticlassAccuracy(num_classes=config.vocab_size, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=config.vocab_size)
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = ROUTES[self.route][0](self.config)
+
+    def logits(self, tokens):
+        output = self.model(tokens)
+        return output.logits if hasattr(output, "logits") else output  # a Hugging Face model's output
 
     def training_step(self, batch, batch_idx):
         tokens, targets = batch
         if self.mask_rate:  # MLM-style masking: random draws before the model call
             tokens = tokens.masked_fill(torch.rand(tokens.shape) < self.mask_rate, 0)
-        assert len(self.model.h) == self.config.n_layer  # attribute access on the model
-        logits = self.model(tokens)
+        assert self.model.training  # attribute access on the model
+        logits = self.logits(tokens)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         preds = logits.argmax(-1)
         self.train_acc(preds.flatten(), targets.flatten())
+        self.train_acc_micro(preds.flatten(), targets.flatten())
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         self.log("loss_over_epoch", loss, on_step=False, on_epoch=True, sync_dist=True)
         self.log("tokens", float(tokens.numel()), reduce_fx="sum", on_step=True, on_epoch=True, sync_dist=True)
         self.log("logit_max", logits.detach().max(), reduce_fx="max", on_step=True, on_epoch=True, sync_dist=True)
         self.log("logit_min", logits.detach().min(), reduce_fx=torch.min, on_epoch=True, sync_dist=True)
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train_acc_micro", self.train_acc_micro, on_step=True, on_epoch=True)
         return {"loss": loss, "correct": (preds == targets).sum(), "preds": preds}
 
     def validation_step(self, batch, batch_idx):
         tokens, targets = batch
-        logits = self.model(tokens)
+        logits = self.logits(tokens)
         self.val_acc(logits.argmax(-1).flatten(), targets.flatten())
         self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()), sync_dist=True)
         self.log("val_acc", self.val_acc)
 
     def configure_optimizers(self):
-        optimizer = super().configure_optimizers()
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.learning_rate, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _sizes(config) -> tuple:
+    return config.vocab_size, config.block_size, config.n_layer, config.n_embd, config.n_head
+
+
+ROUTES = {
+    "gpt": (GPT, "gpt"),                                               # the reference GPT and its policy
+    "user_policy": (lambda c: SkipNoneLM(*_sizes(c)), SkipNonePolicy()),  # a user's policy naming pipeline_root
+    "as_written": (lambda c: NanoGPT(*_sizes(c)), "auto"),             # nanoGPT, its forward run as written
+    "hf": (user_llama, "auto"),                                        # transformers' Llama: policy "llama"
+}
+"""Pipeline route -> (config -> model, the policy that takes it there)."""
 
 
 class StepOutputs(L.Callback):
@@ -72,8 +99,10 @@ class StepOutputs(L.Callback):
         self.correct: list[int] = []
         self.preds_sum: list[int] = []
         self.lr: list[float] = []
+        self.acc: list[list[float]] = []  # per batch: the step values of the two accuracies
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.acc.append([float(trainer.callback_metrics[k]) for k in ("train_acc_step", "train_acc_micro_step")])
         self.correct.append(int(trainer.strategy.reduce(outputs["correct"], reduce_op="sum")))
         assert outputs["preds"].shape == batch[1].shape, (outputs["preds"].shape, batch[1].shape)
         self.preds_sum.append(int(trainer.strategy.reduce(outputs["preds"].sum(), reduce_op="sum")))
@@ -91,10 +120,10 @@ class ReferenceData(ReferenceDataModule, ValidationData):
     pass
 
 
-def run_conformance(strategy, devices: int, dp: int, out_dir: Path, mask_rate: float) -> dict:
+def run_conformance(strategy, devices: int, dp: int, out_dir: Path, mask_rate: float, route: str = "as_written") -> dict:
     L.seed_everything(SEED, verbose=False)
     config = GPTConfig(**CONFIG)
-    module = ConformanceModule(config, mask_rate=mask_rate, learning_rate=0.05)
+    module = ConformanceModule(config, route=route, mask_rate=mask_rate)
     data_cls = ReferenceData if devices == 1 else ValidationData
     data = data_cls(vocab_size=config.vocab_size, seq_len=config.block_size, batch_size=GLOBAL_BATCH // dp,
                     num_val_samples=VAL_SAMPLES, seed=SEED)
@@ -111,7 +140,7 @@ def run_conformance(strategy, devices: int, dp: int, out_dir: Path, mask_rate: f
     trainer.fit(module, data)
     return {
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        "correct": outputs.correct, "preds_sum": outputs.preds_sum, "lr": outputs.lr,
+        "correct": outputs.correct, "preds_sum": outputs.preds_sum, "lr": outputs.lr, "acc": outputs.acc,
         "best_val_loss": float(checkpoint.best_model_score), "global_step": trainer.global_step,
     }
 

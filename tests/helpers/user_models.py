@@ -9,8 +9,10 @@
   ordinary Lightning way: Hugging Face initializes it in ``post_init()``, not in ``reset_parameters()``.
 * :class:`LlamaStyleLM` follows Meta's reference Llama: blocks called with a mask, RMSNorm weights made by
   ``torch.ones`` (no ``reset_parameters()``), untied head.
+* :class:`SkipNoneLM` is the exception: written with its own policy (:class:`SkipNonePolicy`) that names
+  ``pipeline_root``, ``before`` and ``after``, its forward skipping the modules a stage does not hold.
 
-None of them is written for lightning_3d: under pipeline parallelism ``policy="auto"`` runs their forward as
+None of the others is written for lightning_3d: under pipeline parallelism ``policy="auto"`` runs their forward as
 written.
 """
 
@@ -22,6 +24,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_3d.policies import Plan, PlanOptions, Policy
+from lightning_3d.policies.base import find_submodule
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,16 +128,21 @@ class NanoGPTModule(_NextTokenModule):
         return self.model(tokens)
 
 
+def user_llama(config) -> nn.Module:
+    """``transformers.LlamaForCausalLM`` built from its config, in the harness's sizes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = config
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=2 * c.n_embd,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head // 2,
+        max_position_embeddings=c.block_size))
+
+
 class UserLlamaModule(_NextTokenModule):
     def configure_model(self):
         if self.model is None:
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            c = self.config
-            self.model = LlamaForCausalLM(LlamaConfig(
-                vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=2 * c.n_embd,
-                num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head // 2,
-                max_position_embeddings=c.block_size))
+            self.model = user_llama(self.config)
 
     def logits(self, tokens):
         return self.model(input_ids=tokens).logits
@@ -209,3 +219,36 @@ class LlamaStyleModule(_NextTokenModule):
         padding_mask = torch.ones_like(tokens)
         padding_mask[::2, -3:] = 0
         return self.model(tokens, padding_mask)
+
+
+class SkipNoneLM(nn.Module):
+    """Written for a policy of its user's (:class:`SkipNonePolicy`), the pipeline route before models ran as
+    written: its forward skips the modules a pipeline stage does not hold (None, or a block missing from
+    ``blocks``). Plain ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` init, so it builds on the meta
+    device and its init is replayed."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleDict({str(i): Block(n_embd, n_head) for i in range(n_layer)})
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, x):
+        if self.wte is not None:  # (B, T) token ids on the first stage, (B, T, C) hidden states elsewhere
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return x if self.lm_head is None else self.lm_head(self.ln_f(x))
+
+
+class SkipNonePolicy(Policy):
+    """A user's policy for :class:`SkipNoneLM`: blocks, the pipeline root and what runs before and after them."""
+
+    model_classes = (f"{__name__}.SkipNoneLM",)
+
+    def plan(self, root, options=PlanOptions()):
+        prefix = find_submodule(root, self.model_classes)
+        model = root.get_submodule(prefix)
+        return Plan(blocks=[f"{prefix}.blocks.{name}" for name in model.blocks], pipeline_root=prefix,
+                    before=[f"{prefix}.wte", f"{prefix}.wpe"], after=[f"{prefix}.ln_f", f"{prefix}.lm_head"])

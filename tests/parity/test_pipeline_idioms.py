@@ -2,50 +2,61 @@
 sync_dist, a dict with extra keys, attribute access on the model, MLM-style masking, a step-interval LR
 scheduler, ModelCheckpoint / EarlyStopping / LearningRateMonitor, clipping, accumulation and validation
 inside an accumulation window, a last validation batch of another size) ends with one process's
-``trainer.callback_metrics`` at pp=2 and dp2 x pp2; steps the pipeline cannot run fail at step 1, on every
-rank, naming the pattern. One launch per world size."""
+``trainer.callback_metrics`` at pp=2 and dp2 x pp2, on every pipeline route (``idioms.ROUTES``: the reference
+GPT and its policy, a user's policy naming ``pipeline_root``, nanoGPT as written, transformers' Llama); its
+accuracies match one process step by step. Steps the pipeline cannot run fail at step 1, on every rank,
+naming the pattern. One launch per world size."""
 
 import json
 
 import pytest
 
 from helpers import WORKERS
-from helpers.idioms import run_conformance
+from helpers.idioms import ROUTES, run_conformance
 from helpers.launchers import forkrun
+from helpers.workers.idioms_worker import LAYOUTS
 
 pytestmark = pytest.mark.multiprocess
 
-LAUNCHES = {2: ["conformance_pp2", "model_called_twice", "collective_in_step"], 4: ["conformance_dp2_pp2"]}
-MASK_RATE = {"conformance_pp2": 0.15, "conformance_dp2_pp2": 0.0}  # a dp run draws other masks (as DDP does)
+CASES = [(layout, route) for layout in LAYOUTS for route in ROUTES]
+LAUNCHES = {2: [f"conformance_pp2_{route}" for route in ROUTES] + ["model_called_twice", "collective_in_step"],
+            4: [f"conformance_dp2_pp2_{route}" for route in ROUTES]}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("idioms")
     for nprocs, names in LAUNCHES.items():
-        forkrun(nprocs, str(WORKERS / "idioms_worker.py"), str(out), *names, timeout=400)
+        forkrun(nprocs, str(WORKERS / "idioms_worker.py"), str(out), *names, timeout=600)
     return {name: json.loads((out / f"{name}.json").read_text()) for names in LAUNCHES.values() for name in names}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     out = tmp_path_factory.mktemp("idioms_reference")
-    return {rate: run_conformance("auto", 1, 1, out / str(rate), rate) for rate in set(MASK_RATE.values())}
+    rates = {spec["mask_rate"] for spec in LAYOUTS.values()}
+    return {(route, rate): run_conformance("auto", 1, 1, out / f"{route}_{rate}", rate, route)
+            for route in ROUTES for rate in rates}
 
 
 def _close(a: float, b: float, rel: float = 1e-4) -> bool:
     return abs(a - b) <= rel * max(1.0, abs(b))
 
 
-@pytest.mark.parametrize("name", list(MASK_RATE))
-def test_callback_metrics_match_one_process(name, results, references):
-    ours, reference = results[name], references[MASK_RATE[name]]
+def _ours_and_reference(layout, route, results, references):
+    return results[f"conformance_{layout}_{route}"], references[(route, LAYOUTS[layout]["mask_rate"])]
+
+
+@pytest.mark.parametrize("layout, route", CASES)
+def test_callback_metrics_match_one_process(layout, route, results, references):
+    ours, reference = _ours_and_reference(layout, route, results, references)
     expected = dict(reference["metrics"])
-    if name == "conformance_dp2_pp2":
+    if LAYOUTS[layout]["dp"] > 1:
         # A Metric's step value is the rank's own batch under data parallelism, in DDP too (its epoch value is
         # synced): not one process's.
-        expected.pop("train_acc_step")
-        ours["metrics"].pop("train_acc_step")
+        for step_value in ("train_acc_step", "train_acc_micro_step"):
+            expected.pop(step_value)
+            ours["metrics"].pop(step_value)
     assert ours["metrics"].keys() == expected.keys()
     differ = {k: (ours["metrics"][k], v) for k, v in expected.items() if not _close(ours["metrics"][k], v)}
     assert not differ, differ
@@ -56,11 +67,22 @@ def test_callback_metrics_match_one_process(name, results, references):
     assert ours["global_step"] == reference["global_step"] == 4
 
 
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_accuracy_matches_one_process_at_every_step(route, results, references):
+    # An accuracy is a ratio of integer counts over the same predictions: equal up to float division, 1e-6.
+    ours, reference = _ours_and_reference("pp2", route, results, references)
+    assert len(ours["acc"]) == len(reference["acc"]) == 8  # 4 optimizer steps of 2 batches
+    differ = [(i, a, b) for i, (a, b) in enumerate(zip(ours["acc"], reference["acc"]))
+              if any(abs(x - y) > 1e-6 for x, y in zip(a, b))]
+    assert not differ, differ
+
+
 def test_last_smaller_validation_batch_gives_one_process_val_loss(results, references):
     # 22 samples in batches of 8: 8, 8, 6 at pp=2 (2 micro-batches); 8 and 3 per rank at dp=2 (3: one micro-batch).
-    for name, rate in MASK_RATE.items():
+    for layout, route in CASES:
+        ours, reference = _ours_and_reference(layout, route, results, references)
         for key in ("val_loss", "val_acc"):
-            assert _close(results[name]["metrics"][key], references[rate]["metrics"][key], rel=1e-5), (name, key)
+            assert _close(ours["metrics"][key], reference["metrics"][key], rel=1e-5), (layout, route, key)
 
 
 @pytest.mark.parametrize("name, says", [
