@@ -29,6 +29,7 @@ from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng, preserved_random_state
+from lightning_3d.parallel.sequence_length import check_sequence_length, guard_sequence_lengths
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, reduce_partial_grads
 from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
 from lightning_3d.parallel.weight_init import (broadcast_from_rank0, check_replayable, is_on_meta, materialize,
@@ -120,6 +121,8 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         apply_tensor_parallel(module, plan, mesh["tp"])
         sharded_rng = ShardedRNG(rank0["seed"] + SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank(), device)
         apply_sharded_rng(module, plan.sharded_rng_regions, sharded_rng)
+    if config.sequence_parallel and not stages:  # (under pp the engine checks the inputs it captures)
+        guard_sequence_lengths(module, plan.tp_plan, dims.tp)
 
     # 3. Tied weights (embedding and head) tied again where this rank holds both ends; the FQNs of the ends
     #    whose partner another stage holds.
@@ -169,6 +172,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
             random_state=partial(preserved_random_state, sharded_rng, device), stage_output=plan.stage_output,
             dp_group=mesh["dp"].get_group(), finish_grads=partial(_finish_grads, dims.tp > 1, tied),
             reduce_grads_per_microbatch=config.pipeline_reduce_grads == "per_microbatch",
+            check_inputs=partial(check_sequence_length, tp=dims.tp) if config.sequence_parallel else None,
         )
     return ParallelModel(module=module, called=called, engine=engine, sharded_rng=sharded_rng,
                          loss_context=loss_context)

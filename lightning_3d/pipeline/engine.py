@@ -68,7 +68,8 @@ class PipelineEngine:
                  random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None,
                  dp_group: dist.ProcessGroup | None = None,
                  finish_grads: Callable[[nn.Module], None] | None = None,
-                 reduce_grads_per_microbatch: bool = False) -> None:
+                 reduce_grads_per_microbatch: bool = False,
+                 check_inputs: Callable[[tuple, dict], None] | None = None) -> None:
         self.module = module
         self.root_name = root_name
         self.stages = stages  # stage index -> this rank's module for it
@@ -85,6 +86,9 @@ class PipelineEngine:
         self.reduce_grads_per_microbatch = reduce_grads_per_microbatch
         """Stages reduce-scatter each block's gradient in every micro-batch, not once per step
         (``pipeline/grad_sync.py``; ``ParallelConfig.pipeline_reduce_grads``)."""
+        self.check_inputs = check_inputs
+        """Called with the model call's inputs on every rank of the pipeline, before the schedule sends anything
+        (the sequence length under sequence parallelism: ``parallel/sequence_length.py``)."""
         self._train_stages: list[GradSyncStage] = []
         self._sync_grads = True
         # (train, batch shapes) -> schedule over the same modules: one for training, one per evaluation shape
@@ -170,10 +174,12 @@ class PipelineEngine:
         explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
         replay: list[RandomState | None] = [None] * num_microbatches
         if explicit:
-            stage_inputs = self.has_first_stage or self._as_written_inputs is not None
+            stage_inputs = self.has_first_stage or self._as_written_inputs is not None or self.check_inputs is not None
             inputs, kwargs = (tuple(self.module.pipeline_inputs(batch)) if stage_inputs else ()), {}
         else:
             inputs, kwargs, replay = self._capture_inputs(method, microbatches, *args, **step_kwargs)
+        if self.check_inputs is not None:
+            self.check_inputs(inputs, kwargs, model=f"self.{self.root_name}")
         if self._as_written_inputs is not None:  # every stage rebuilds the model call from the tensors it gets
             self._as_written_inputs.spec = tree_flatten((inputs, kwargs))[1]
         if not self.has_first_stage:

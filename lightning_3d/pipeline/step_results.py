@@ -5,8 +5,10 @@ batch, and the step returns one loss (or dict). Under the pipeline the last stag
 micro-batch (equal slices of the batch); here those runs are combined into what the one call would have given:
 
 * ``self.log`` values by their ``reduce_fx``: the mean of the micro-batches' values for "mean" (a mean over
-  equal slices is the mean over the batch), their sum for "sum", max for "max", min for "min". Lightning then
-  aggregates the batches of an epoch (``on_epoch=True``) and syncs (``sync_dist=True``) as it always does.
+  equal slices is the mean over the batch), their sum for "sum", max for "max", min for "min"; a
+  ``batch_size=`` given per micro-batch becomes their sum, the batch's (Lightning weighs the batches of an
+  epoch by it). Lightning then aggregates the batches of an epoch (``on_epoch=True``) and syncs
+  (``sync_dist=True``) as it always does.
 * a torchmetrics ``Metric`` logged as an object travels as :class:`MetricRef` (its name in the module): every
   rank logs its own copy of that metric, whose state ``step_metrics.StepMetrics`` keeps equal to the last
   stage's.
@@ -47,13 +49,17 @@ def combine_logs(per_microbatch: list[list[tuple]], metric_names: dict[int, str]
     ``metric_names`` maps ``id(metric)`` to its name in the module, for Metric objects logged as values."""
     calls: dict[str, tuple] = {}
     values: dict[str, list] = {}
+    batch_sizes: dict[str, list] = {}
     for recorded in per_microbatch:
         for name, value, args, kwargs in recorded:
             calls[name] = (args, kwargs)  # the arguments of the last call (Lightning refuses calls that differ)
             values.setdefault(name, []).append(value)
+            batch_sizes.setdefault(name, []).append(kwargs.get("batch_size"))
     combined = []
     for name, (args, kwargs) in calls.items():
         seen = values[name]
+        if None not in batch_sizes[name]:  # a batch_size given per micro-batch: the whole batch's, its sum
+            kwargs = {**kwargs, "batch_size": sum(batch_sizes[name])}
         if isinstance(seen[-1], Metric):
             if id(seen[-1]) not in metric_names:
                 raise TypeError(f"self.log({name!r}, ...) logged a torchmetrics {type(seen[-1]).__name__} that is"

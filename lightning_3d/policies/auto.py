@@ -7,7 +7,9 @@ For an unknown model, inside each repeated block (the longest list of same-class
   for the output, the one other ``nn.Linear``, such as nanoGPT's ``c_proj``):
   q, k, v column-wise (heads split over tp), output row-wise. Its integer head-count and width attributes
   (``HEAD_ATTRIBUTES``: ``num_heads``, ``n_heads``, ``n_kv_heads``, ``embed_dim``, ...) are divided by tp, since
-  such modules often reshape by them; per-head sizes (``head_dim``) stay.
+  such modules often reshape by them; per-head sizes (``head_dim``) stay. A module that reshapes by a count
+  under another name would then attend over parts of heads without any error: that is refused, found by
+  running it on the meta device (``policies.head_check``).
 * **MLP** -- a module whose ``nn.Linear`` children are widening ones (``C -> H``: up, gate) and exactly one
   narrowing one (``H -> C``): the widening ones column-wise, the narrowing one row-wise.
 
@@ -34,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
+from lightning_3d.policies.head_check import check_heads_stay_whole
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.registry import register_policy, registered_policies
 
@@ -107,6 +110,7 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], tp: int, sequence_par
     tp_plan: dict[str, ParallelStyle] = {}
     fixes: dict[str, dict[str, int]] = {}
     sharded_rng: list[str] = []
+    checked: set[type] = set()
     for block in blocks:
         regions = []
         for name, module in root.get_submodule(block).named_modules():
@@ -123,6 +127,9 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], tp: int, sequence_par
             tp_plan.update({join_fqn(fqn, child): style for child, style in styles.items()})
             if attention:
                 fixes[fqn] = _per_rank_sizes(module, tp)
+                if type(module) not in checked:  # one of each class: the blocks repeat it
+                    checked.add(type(module))
+                    check_heads_stay_whole(module, fqn, attention, fixes[fqn], tp)
         if sequence_parallel:
             norms, dropouts = sequence_parallel_parts(root, block, regions)
             tp_plan.update({norm: SequenceParallel(use_local_output=True) for norm in norms})
