@@ -115,18 +115,32 @@ class ShardedCheckpoints:
         return meta
 
     def load_full_model(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """A single-file checkpoint's full tensors, redistributed to this layout."""
+        """A single-file checkpoint's full tensors, redistributed to this layout: each rank takes the entries
+        it holds (a pipeline stage holds some), and ``strict`` checks the names over all ranks. Collective."""
+        held = set(module.state_dict())
         with self.phases.phase("checkpoint load", "checkpoint_timeout"):
-            set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(held))  # names only: strings, no tensor
+            anywhere = {name for names in everyone for name in names}
+            unexpected, missing = sorted(set(state_dict) - anywhere), sorted(held - set(state_dict))
+            if strict and (unexpected or missing):
+                raise RuntimeError(f"The single-file checkpoint does not match {type(module).__name__}: no rank"
+                                   f" holds {unexpected or 'nothing'} of it, and it lacks {missing or 'nothing'}"
+                                   " of what this rank holds. Pass strict loading off"
+                                   " (LightningModule.strict_loading = False) to load what matches.")
+            mine = {name: value for name, value in state_dict.items() if name in held}
+            set_model_state_dict(module, mine, options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def load_full_optimizers(self, module: nn.Module, optimizers: list[Optimizer], states: list[Any]) -> None:
-        """Optimizer states of a single-file checkpoint (sharded ones were loaded with the model in load)."""
+    def load_full_optimizers(self, module: nn.Module, optimizers: list[Optimizer], states: list[Any],
+                             saved_names: list[str]) -> None:
+        """Optimizer states of a single-file checkpoint (sharded ones were loaded with the model in load).
+        ``saved_names``: the checkpoint's model entries in the order they were saved. Collective."""
         for optimizer, state in zip(optimizers, states):
             if state != _IN_SHARDS:
                 optimizer = getattr(optimizer, "_optimizer", optimizer)
                 with self.phases.phase("checkpoint load", "checkpoint_timeout"):
-                    set_optimizer_state_dict(module, optimizer, _keyed_by_name(state, module, optimizer),
-                                             options=StateDictOptions(full_state_dict=True))
+                    by_name = _keyed_by_name(state, module, optimizer, saved_names)
+                    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
     def take_rank_state(self) -> Optional[dict[str, Any]]:
         """The random streams a checkpoint of this sharding held for this rank, once; else None."""
@@ -155,30 +169,42 @@ def resumable(dataloader: object, trainer: pl.Trainer, phases: RunPhases) -> obj
                            skipping=lambda: phases.phase("set-up: skipping to the resume point", "setup_timeout"))
 
 
-def _keyed_by_name(state: dict[str, Any], module: torch.nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``state`` with parameters keyed by name, as torch's distributed state-dict functions read it.
+def _keyed_by_name(state: dict[str, Any], module: torch.nn.Module, optimizer: Optimizer,
+                   saved_names: list[str]) -> dict[str, Any]:
+    """``state`` with parameters keyed by name, as torch's distributed state-dict functions read it, holding
+    the parameters this rank's ``optimizer`` holds.
 
     ``optimizer.state_dict()`` -- what Lightning saves under one device or DDP -- keys each parameter by its
     position in the optimizer's param groups. The optimizer built here by the same ``configure_optimizers``
-    holds the same parameters in the same order, group for group, unless pipeline stages split them over
-    ranks: then positions cannot be matched, and the error says how to resume instead."""
+    holds the same parameters in the same order, group for group -- under pipeline parallelism each rank
+    the part its stages hold. So the names of a group are those every rank of this pipeline holds in it, in
+    the order the checkpoint saved the model (the order ``parameters()`` gives them); collective over the world."""
     positions = [p for group in state["param_groups"] for p in group["params"]]
     if all(isinstance(p, str) for p in positions):
         return state
+    names = {param: name for name, param in module.named_parameters()}
+    held = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
+    everyone = [held]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held)  # names only: strings, no tensor
+    order = {name: i for i, name in enumerate(saved_names)}
+    groups = [sorted({n for rank in everyone for n in rank[g]}, key=lambda n: order.get(n, len(order)))
+              for g in range(len(held))]
     saved = [len(group["params"]) for group in state["param_groups"]]
-    held = [len(group["params"]) for group in optimizer.param_groups]
-    if saved != held:
+    if saved != [len(g) for g in groups] or any(n not in order for g in groups for n in g):
         raise ValueError(
             f"This single-file checkpoint's optimizer state names parameters by position, as torch's"
             f" optimizer.state_dict() does: the process that saved it held {saved} parameters per param group,"
-            f" this rank's optimizer holds {held} (its pipeline stage's part), so they cannot be matched. Resume"
-            f" once with pipeline_parallel_size=1 (any dp and tp) and save: ThreeDStrategy's sharded checkpoint"
-            f" then loads at any layout. Or start from the weights only (ThreeDStrategy(init_from=...)).")
-    names = {param: name for name, param in module.named_parameters()}
-    name_of = {position: names[param] for group, ours in zip(state["param_groups"], optimizer.param_groups)
-               for position, param in zip(group["params"], ours["params"])}
-    return {"state": {name_of[position]: value for position, value in state["state"].items()},
-            "param_groups": [{**group, "params": [name_of[p] for p in group["params"]]}
+            f" the ranks here hold {[len(g) for g in groups]}, so they cannot be matched (different models, or"
+            " param groups that configure_optimizers builds differently per layout). Start from the weights"
+            " only (ThreeDStrategy(init_from=...)), or resume at the layout that saved it.")
+    mine = set(names.values())
+    name_of = {position: name for group, full in zip(state["param_groups"], groups)
+               for position, name in zip(group["params"], full)}
+    return {"state": {name_of[position]: value for position, value in state["state"].items()
+                      if name_of[position] in mine},
+            "param_groups": [{**group, "params": [name_of[p] for p in group["params"] if name_of[p] in mine]}
                              for group in state["param_groups"]]}
 
 

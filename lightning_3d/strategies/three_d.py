@@ -455,7 +455,8 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._checkpoints.load_full_optimizers(self.lightning_module, self.optimizers, checkpoint["optimizer_states"])
+        self._checkpoints.load_full_optimizers(self.lightning_module, self.optimizers, checkpoint["optimizer_states"],
+                                               list(checkpoint.get("state_dict", {})))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -2,7 +2,6 @@
 export to one file, and clear errors for checkpoints that do not fit."""
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -15,27 +14,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from helpers import WORKERS
 from helpers.harness import Case, reference_for
-from helpers.launchers import forkrun, run_forked
+from helpers.workers.ckpt_worker import launch_jobs
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 from lightning_3d.models import GPT, GPTConfig
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
 L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2)
-
-
-def _launch(nprocs: int, jobs: list[dict], out: Path, expect_failure: bool = False) -> dict[str, dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "jobs.json").write_text(json.dumps(jobs))
-    args = [str(WORKERS / "ckpt_worker.py"), str(out / "jobs.json"), str(out)]
-    if expect_failure:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = run_forked(nprocs, args, env=env, timeout=300)
-        assert proc.returncode != 0, "the launch was expected to die"
-    else:
-        forkrun(nprocs, *args, timeout=600)
-    return {job["name"]: torch.load(out / f"{job['name']}.pt", weights_only=False)
-            for job in jobs if (out / f"{job['name']}.pt").exists()}
 
 
 def _step3(directory: Path) -> str:
@@ -49,7 +34,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     dropout, plain = root / "dropout", root / "plain"
     big = dict(MODEL, dropout=0.1)
-    results = _launch(8, [
+    results = launch_jobs(8, [
         dict(name="dropout_through", layout=L222, model=big, steps=6, save_every=3, ckpt_dir=str(dropout)),
         dict(name="dropout_resumed", layout=L222, model=big, steps=6, resume=_step3(dropout)),
         dict(name="plain_through", layout=L222, model=MODEL, steps=6, save_every=3, ckpt_dir=str(plain)),
@@ -59,7 +44,7 @@ def runs(tmp_path_factory):
         dict(name="to_1_2_4", layout=dict(pipeline_parallel_size=2, tensor_parallel_size=4,
                                           pipeline_schedule="gpipe"), model=MODEL, steps=6, resume=_step3(plain)),
     ], root / "eight")
-    results.update(_launch(2, [
+    results.update(launch_jobs(2, [
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
              resume=_step3(plain)),
         dict(name="other_model", layout=dict(data_parallel_size=2), model=dict(MODEL, n_embd=48), steps=6,
@@ -67,7 +52,7 @@ def runs(tmp_path_factory):
         dict(name="missing", layout=dict(data_parallel_size=2), model=MODEL, steps=6,
              resume=str(root / "nowhere.ckpt"), expect_error=True),
     ], root / "two"))
-    results.update(_launch(1, [
+    results.update(launch_jobs(1, [
         dict(name="to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(plain)),
     ], root / "one"))
     return root, results
@@ -151,11 +136,11 @@ def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_whole_and_last_res
     directory = tmp_path / "checkpoints"
     job = dict(layout=dict(data_parallel_size=2), model=MODEL, steps=6, save_every=2, ckpt_dir=str(directory))
     # Saves: 1 = step=2, 2 = last (step 2), 3 = step=4, 4 = last (step 4): rank 1 dies in the 4th, shards written.
-    _launch(2, [dict(job, name="killed", kill_rank_during_save=1, kill_at_save=4)], tmp_path / "killed",
+    launch_jobs(2, [dict(job, name="killed", kill_rank_during_save=1, kill_at_save=4)], tmp_path / "killed",
             expect_failure=True)
     assert (directory / ".last.ckpt.partial").is_dir()  # the unfinished save, never loaded
     assert torch.load(directory / "last.ckpt" / "lightning_3d.meta.pt", weights_only=False)["global_step"] == 2
-    resumed = _launch(2, [dict(job, name="resumed", resume="last")], tmp_path / "resumed")["resumed"]
+    resumed = launch_jobs(2, [dict(job, name="resumed", resume="last")], tmp_path / "resumed")["resumed"]
     reference = reference_for(Case(name="reference", model=MODEL, steps=6))
     assert resumed["global_step"] == 6 and len(resumed["losses"]) == 4  # steps 3..6, from the step-2 checkpoint
     assert max(abs(a - b) for a, b in zip(reference.losses[2:], resumed["losses"])) <= 1e-5

@@ -46,13 +46,13 @@ def test_a_plain_lightning_checkpoint_resumes_with_its_optimizer_state(tmp_path)
         assert torch.equal(at_start.moments[name][1], saved[position]["exp_avg_sq"]), name
 
 
-def test_positions_that_do_not_match_this_ranks_optimizer_fail_saying_how_to_resume():
+def test_positions_that_match_no_optimizer_here_fail_saying_what_to_do():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    names = list(model.state_dict())
     saved = torch.optim.AdamW(model.parameters()).state_dict()  # 4 parameters in one group
-    stage_part = torch.optim.AdamW(model[1].parameters())  # a pipeline stage holds 2 of them
-    with pytest.raises(ValueError, match=r"held \[4\] parameters per param group, this rank's optimizer holds"
-                                         r" \[2\].*pipeline_parallel_size=1"):
-        _keyed_by_name(saved, model, stage_part)
+    fewer = torch.optim.AdamW(model[1].parameters())  # an optimizer of another model: 2 of them, on every rank
+    with pytest.raises(ValueError, match=r"held \[4\] parameters per param group, the ranks here hold \[2\].*init_from"):
+        _keyed_by_name(saved, model, fewer, names)
     whole = torch.optim.AdamW(model.parameters())
-    assert _keyed_by_name(saved, model, whole)["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight",
-                                                                               "1.bias"]
+    assert _keyed_by_name(saved, model, whole, names)["param_groups"][0]["params"] == ["0.weight", "0.bias",
+                                                                                      "1.weight", "1.bias"]

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from helpers import WORKERS
 from helpers.harness import Case, LossRecorder, gather_full_state, module_and_data
-from helpers.launchers import end_process_group
+from helpers.launchers import end_process_group, forkrun, run_forked
 from lightning_3d import ThreeDStrategy
 from lightning_3d.callbacks import GradNormMonitor
 from lightning_3d.checkpoint import sharded
@@ -48,6 +49,22 @@ def run(job: dict) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
     assert not job.get("expect_error"), f"{job['name']} was expected to fail"
     return {"losses": recorder.losses, "global_step": trainer.global_step, "params": gather_full_state(module)}
+
+
+def launch_jobs(nprocs: int, jobs: list[dict], out: Path, expect_failure: bool = False) -> dict[str, dict]:
+    """Run ``jobs`` one after another in one launch of ``nprocs`` ranks; each job's result by its name (a job
+    that wrote none -- the launch died first -- is left out)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    args = [str(WORKERS / "ckpt_worker.py"), str(out / "jobs.json"), str(out)]
+    if expect_failure:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = run_forked(nprocs, args, env=env, timeout=300)
+        assert proc.returncode != 0, "the launch was expected to die"
+    else:
+        forkrun(nprocs, *args, timeout=600)
+    return {job["name"]: torch.load(out / f"{job['name']}.pt", weights_only=False)
+            for job in jobs if (out / f"{job['name']}.pt").exists()}
 
 
 def kill_during_save(rank: int, at_save: int) -> None:
