@@ -88,7 +88,9 @@ class TinyLM(nn.Module):
 @dataclass(kw_only=True)
 class SizeCase:
     strategy: dict
-    """ThreeDStrategy's keyword arguments (2 ranks)."""
+    """ThreeDStrategy's keyword arguments."""
+    world: int = 2
+    """How many ranks the case runs on."""
     model: str = "tiny"
     """"tiny" (:class:`TinyLM`, policy "auto") or "gpt" (the reference GPT, policy "gpt")."""
     sizes: dict = field(default_factory=dict)
@@ -185,6 +187,8 @@ CASES = {
     "sp_sequence_of_31_on_the_reference_gpt": SizeCase(strategy=SP, model="gpt", seq_len=31),
     "sp_sequence_of_32_on_a_model_auto_plans": SizeCase(strategy=SP, seq_len=32),
     "sp_last_smaller_batch": SizeCase(strategy=SP, batch_size=4, train_samples=10, steps=3),
+    "sp_pp_sequence_of_31": SizeCase(strategy=dict(SP, **PP), seq_len=31, sizes=dict(layers=4), world=4),
+    "sp_pp_sequence_of_32": SizeCase(strategy=dict(SP, **PP), seq_len=32, sizes=dict(layers=4), world=4),
     # The batch is split into micro-batches, the micro-batches over the schedule's stages.
     "pp_batch_not_divisible_by_num_microbatches": SizeCase(strategy=dict(PP, num_microbatches=3), batch_size=4),
     "pp_fewer_microbatches_than_stages_1f1b": SizeCase(strategy=dict(PP, num_microbatches=1)),
@@ -211,4 +215,4 @@ CASES = {
                                                               sizes=dict(attention="heads")),
     "tp_plain": SizeCase(strategy=dict(tensor_parallel_size=2)),
 }
-"""Name -> case, each run on 2 ranks (tp=2 or pp=2)."""
+"""Name -> case, each run on ``world`` ranks."""

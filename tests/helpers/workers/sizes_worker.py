@@ -1,7 +1,7 @@
-"""Entry point of the sizes catalogue's launch: every rank runs each named case of ``helpers.sizes.CASES``
-on 2 ranks; rank 0 writes ``results.json``.
+"""Entry point of a sizes catalogue's launch: every rank runs each named case of ``helpers.sizes.CASES`` (of
+this launch's world size); rank 0 writes ``results.json``.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 sizes_worker.py OUT_DIR NAME [NAME ...]
+    python -m torch.distributed.run --standalone --nproc-per-node N sizes_worker.py OUT_DIR NAME [NAME ...]
 """
 
 import json
@@ -19,7 +19,7 @@ from lightning_3d import ThreeDStrategy
 def main(out_dir: str, names: list[str]) -> None:
     results = {}
     for name in names:
-        results[name] = run_case(CASES[name], partial(ThreeDStrategy, **CASES[name].strategy), devices=2)
+        results[name] = run_case(CASES[name], partial(ThreeDStrategy, **CASES[name].strategy), CASES[name].world)
     if not dist.is_initialized() or dist.get_rank() == 0:
         (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=1))
     end_process_group()
