@@ -44,14 +44,16 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
     """This rank's (share of the whole model's squared gradient norm, squared norm of its local gradients).
     The shares of all ranks sum to the squared global norm; no communication."""
     squares, local_squares = [], []
+    device = None  # where the parameters are: the sums go into an all-reduce, which NCCL serves on the GPU only
     for param in parameters:
+        device = device or local(param).device
         if param.grad is None:
             continue
         piece, copies = local_piece(param.grad, dims, of=param)
         local_squares.append(piece.detach().float().pow(2).sum())
         squares.append(local_squares[-1] / copies)
-    if not squares:
-        return torch.zeros(()), torch.zeros(())
+    if not squares:  # a rank without gradients (frozen stage) still joins the all-reduce, on its device
+        return torch.zeros((), device=device), torch.zeros((), device=device)
     return torch.stack(squares).sum(), torch.stack(local_squares).sum()
 
 

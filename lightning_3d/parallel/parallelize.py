@@ -35,6 +35,7 @@ from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
 from lightning_3d.parallel.weight_init import (broadcast_from_rank0, check_replayable, is_on_meta, materialize,
                                               replay_init)
 from lightning_3d.pipeline.engine import PipelineEngine
+from lightning_3d.pipeline.random_replay import state_bytes, state_tensor
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
 from lightning_3d.policies import Policy
 from lightning_3d.policies.auto_pipeline import with_pipeline
@@ -95,9 +96,10 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         check_replayable(module, plan.init_module, params_loaded)
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
     # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
-    rank0 = _from_rank0({"init": weights.rng_state if weights.rng_state is not None else torch.get_rng_state(),
-                         "now": torch.get_rng_state(), "seed": torch.initial_seed()})
-    torch.set_rng_state(rank0["now"])
+    init_state = weights.rng_state if weights.rng_state is not None else torch.get_rng_state()
+    rank0 = _from_rank0({"init": state_bytes(init_state), "now": state_bytes(torch.get_rng_state()),
+                         "seed": torch.initial_seed()})
+    torch.set_rng_state(state_tensor(rank0["now"]))
     if on_meta:
         # The unsharded skeleton to replay the init on: deep copies of the (meta, so free) children.
         skeleton = nn.ModuleDict({name: copy.deepcopy(child) for name, child in module.named_children()})
@@ -136,7 +138,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     #    keep the broadcast weights (exact).
     if on_meta:
         materialize(module, device)
-        replay_init(skeleton, module, rank0["init"], plan.init_module, params_loaded, weights.reset_order)
+        replay_init(skeleton, module, state_tensor(rank0["init"]), plan.init_module, params_loaded, weights.reset_order)
     module.to(device)
     init = "meta" if on_meta else "exact"
     rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
@@ -208,7 +210,7 @@ def _finish_grads(tp_sums_pending: bool, tied: TiedGradients | None, module: nn.
 
 
 def _from_rank0(obj: dict) -> dict:
-    """Rank 0's object, for every rank."""
+    """Rank 0's object (numbers and bytes: no tensor is pickled), for every rank."""
     if not dist.is_initialized():
         return obj
     holder = [obj]

@@ -84,11 +84,3 @@ def offload_policy(config: ParallelConfig, device: torch.device) -> OffloadPolic
         # Pinned host memory lets the copies to and from the GPU overlap with compute.
         return CPUOffloadPolicy(pin_memory=True)
     return OffloadPolicy()
-
-
-def offload_backend(config: ParallelConfig, device: torch.device, backend: str) -> str:
-    """The process group backend for ``backend`` on ``device``: with offload on CUDA, gradients and their
-    global norm live in host memory, so CPU tensors get gloo next to NCCL (as torchtitan does)."""
-    if config.offload and device.type == "cuda" and backend == "nccl":
-        return "cuda:nccl,cpu:gloo"
-    return backend

@@ -14,7 +14,8 @@ Per step, on the ranks of one pipeline (one pp group):
    ``self.log`` calls are recorded, not sent (a collective there, like ``sync_dist=True``, would hang the
    other stages); patterns that cannot run this way (the model called twice, a collective with other
    stages) are found here, at the first step (``step_checks.py``).
-4. **Every stage** -- the last stage broadcasts the step's results to its pp group: the return value and the
+4. **Every stage** -- the last stage broadcasts the step's results to its pp group (``shared_results.py``:
+   no tensor pickled): the return value and the
    logged values combined over the micro-batches as one process computes them for the whole batch
    (``step_results.py``: by ``reduce_fx``), and the state its torchmetrics objects gained (``step_metrics.py``).
    Every rank returns that value and replays those ``self.log`` calls, so every rank logs one process's value
@@ -52,6 +53,7 @@ from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
 from lightning_3d.pipeline.microbatches import concatenate, split_batch
 from lightning_3d.pipeline.random_replay import RandomState, replayed
 from lightning_3d.pipeline.schedules import SCHEDULES, CurrentLoss, ScheduleGPipe, placeholder_loss
+from lightning_3d.pipeline.shared_results import share
 from lightning_3d.pipeline.stand_ins import CaptureInputs, ModelInputs, ReturnOutput, swapped
 from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
 from lightning_3d.pipeline.step_metrics import StepMetrics
@@ -322,15 +324,15 @@ class PipelineEngine:
     # ------------------------------------------------------------------ results to every rank
 
     def _share_results(self, method: str, results: list[Any], logs: list[list[tuple]], errors: list[str]) -> Any:
-        payload = [None]
+        payload = None
         if self.has_last_stage:
-            payload = [{"errors": errors} if errors else {
+            payload = {"errors": errors} if errors else {
                 "value": concatenate(results) if method == "predict_step" else combine_outputs(results),
                 "logs": combine_logs(logs, self._metrics.names()),
                 "metrics": self._metrics.step_states(),
-            }]
-        dist.broadcast_object_list(payload, src=self.last_stage_rank, group=self.pp_group)
-        shared = payload[0]
+            }
+        # Numbers and names pickled, tensors packed on the device (no tensor is pickled: shared_results.py).
+        shared = share(payload, src=self.last_stage_rank, group=self.pp_group, device=self.device)
         if "errors" in shared:
             raise StepPatternError(shared["errors"][0])
         self._metrics.end(shared["metrics"])

@@ -27,32 +27,41 @@ import torch
 
 @dataclass
 class RandomState:
-    """The random streams of this process at one moment (picklable, so one rank can send it to others)."""
+    """The random streams of this process at one moment. Plain bytes and NumPy's tuple, no tensor: one rank
+    sends it to the others pickled, and a pickled tensor would carry its device."""
 
-    host: torch.Tensor
-    device: torch.Tensor | None
+    host: bytes
+    device: bytes | None
     python: Any
     numpy: Any
 
     @classmethod
     def now(cls, device: torch.device) -> "RandomState":
         on_device = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return cls(torch.get_rng_state(), on_device, random.getstate(), np.random.get_state())
+        return cls(state_bytes(torch.get_rng_state()), None if on_device is None else state_bytes(on_device),
+                   random.getstate(), np.random.get_state())
 
     def restore(self, device: torch.device) -> None:
-        torch.set_rng_state(self.host)
+        torch.set_rng_state(state_tensor(self.host))
         if self.device is not None:
-            torch.cuda.set_rng_state(self.device, device)
+            torch.cuda.set_rng_state(state_tensor(self.device), device)
         random.setstate(self.python)
         np.random.set_state(self.numpy)
 
     def same_as(self, other: "RandomState") -> bool:
-        same_device = (self.device is None) == (other.device is None) and (
-            self.device is None or torch.equal(self.device, other.device))
         numpy_same = all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
                          for a, b in zip(self.numpy, other.numpy))
-        return (torch.equal(self.host, other.host) and same_device and self.python == other.python
-                and numpy_same)
+        return self.host == other.host and self.device == other.device and self.python == other.python and numpy_same
+
+
+def state_bytes(state: torch.Tensor) -> bytes:
+    """A generator state (torch's ``ByteTensor``, on the host) as bytes."""
+    return state.numpy().tobytes()
+
+
+def state_tensor(data: bytes) -> torch.Tensor:
+    """The generator state ``torch.set_rng_state`` takes, from :func:`state_bytes`."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 @contextmanager

@@ -19,10 +19,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
-from lightning_3d.faults.flight_recorder import enable_flight_recorder
+from lightning_3d.faults.flight_recorder import enable_flight_recorder, uses_nccl
+from lightning_3d.pipeline.shared_results import share
 
 
 WORLD = _group.WORLD
+
+
+def backend_for(device: torch.device, backend: str) -> str:
+    """The default group's backend for ``backend`` on ``device``: NCCL on CUDA gets gloo next to it for host
+    tensors ("cuda:nccl,cpu:gloo", as torchtitan does with offload), so a collective on a host tensor -- an
+    offloaded gradient and its global norm, anything a library keeps on the host -- is served by gloo instead
+    of failing with "No backend type associated with device type cpu" on the first GPU run; device tensors
+    still go through NCCL."""
+    if device.type == "cuda" and backend == "nccl":
+        return "cuda:nccl,cpu:gloo"
+    return backend
 
 
 def init_process_group(cluster_environment: ClusterEnvironment, backend: str, timeout: timedelta,
@@ -49,19 +61,18 @@ def set_world_ranks(cluster_environment: Optional[ClusterEnvironment], node_rank
 def barrier(device: torch.device) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if dist.get_backend() == "nccl":
+    if uses_nccl(dist.get_backend()):
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
 
 
-def broadcast(obj: TBroadcast, src: int = 0) -> TBroadcast:
-    """``obj`` from global rank ``src``, on every rank."""
+def broadcast(obj: TBroadcast, device: torch.device, src: int = 0) -> TBroadcast:
+    """``obj`` from global rank ``src``, on every rank; its tensors (Lightning broadcasts scores, too) travel
+    as tensors on ``device``, not pickled (``pipeline.shared_results``)."""
     if not (dist.is_available() and dist.is_initialized()):
         return obj
-    objects = [obj]
-    dist.broadcast_object_list(objects, src, group=WORLD)
-    return objects[0]
+    return share(obj, src, group=WORLD, device=device)
 
 
 def reduce(tensor: Union[Tensor, Any], group: Optional[Any], reduce_op: Optional[Union[ReduceOp, str]]) -> Union[Tensor, Any]:

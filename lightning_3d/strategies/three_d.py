@@ -39,7 +39,7 @@ from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.memory import memory_report, step_gradient_bytes, summarize_memory
 from lightning_3d.parallel.parallelize import ParallelModel, parallelize, plan_model
-from lightning_3d.parallel.precision import check_precision, offload_backend, warn_about_no_ops
+from lightning_3d.parallel.precision import check_precision, warn_about_no_ops
 from lightning_3d.parallel.rng import rank_random_state, restore_rank_random_state
 from lightning_3d.parallel.shape_check import check_shapes_at_first_call
 from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
@@ -251,7 +251,7 @@ class ThreeDStrategy(ParallelStrategy):
 
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         check_backend(backend, self.root_device)
-        self._process_group_backend = offload_backend(self.parallel_config, self.root_device, backend)
+        self._process_group_backend = processes.backend_for(self.root_device, backend)
         processes.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout,
                                      self.root_device)
         self._phases.start(self._process_group_backend, self.global_rank, self.world_size, self._describe_rank)
@@ -275,7 +275,7 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return processes.broadcast(obj, src)
+        return processes.broadcast(obj, self.root_device, src)
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,

@@ -8,7 +8,7 @@ from lightning_3d import ThreeDStrategy
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.precision import (
-    check_precision, mixed_precision_policy, offload_backend, offload_policy, warn_about_no_ops)
+    check_precision, mixed_precision_policy, offload_policy, warn_about_no_ops)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 DP2 = ParallelDims(dp=2, pp=1, tp=1)
@@ -57,13 +57,6 @@ def test_offload_is_a_no_op_on_cpu_and_says_so():
 def test_zero_without_data_parallel_says_it_shards_nothing():
     with pytest.warns(UserWarning, match="zero_stage=2 shards over the data-parallel ranks, but dp=1"):
         warn_about_no_ops(ParallelConfig(zero_stage=2), ParallelDims(dp=1, pp=2, tp=2), CPU)
-
-
-def test_offload_on_cuda_adds_gloo_for_the_tensors_left_on_the_host():
-    offloaded = ParallelConfig(zero_stage=2, offload=True)
-    assert offload_backend(offloaded, CUDA, "nccl") == "cuda:nccl,cpu:gloo"
-    assert offload_backend(ParallelConfig(zero_stage=2), CUDA, "nccl") == "nccl"
-    assert offload_backend(offloaded, CPU, "gloo") == "gloo"
 
 
 @pytest.mark.parametrize("stage", [-1, 4, "3", 2.0, True])
