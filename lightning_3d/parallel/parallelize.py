@@ -33,7 +33,7 @@ from lightning_3d.parallel.sequence_length import check_sequence_length, guard_s
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, reduce_partial_grads
 from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
 from lightning_3d.parallel.weight_init import (broadcast_from_rank0, check_replayable, is_on_meta, materialize,
-                                              replay_init)
+                                              replay_init, stream_from_rank0)
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.random_replay import state_bytes, state_tensor
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
@@ -50,6 +50,12 @@ class InitialWeights:
     """The host random state ``configure_model()`` started from: the init is replayed from it."""
     reset_order: list[str] | None = None
     """Module FQNs in the order the build initialized them (``parallel.init_record``); None: construction order."""
+    streamed: bool = False
+    """The weights are global rank 0's host build as written, streamed tensor by tensor into every rank's
+    shards (``weight_init.stream_from_rank0``) instead of replayed: the exact route for a meta build whose init
+    cannot be replayed."""
+    source: nn.Module | None = None
+    """On global rank 0 when ``streamed``: that host build (the LightningModule's children by name)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         check_tp_plan(module, plan.tp_plan, dims.tp)  # on the whole model, before any split
     params_loaded = config.init_from is not None  # init_from fills the parameters: only buffers are initialized
     on_meta = is_on_meta(module)
-    if on_meta:
+    if on_meta and not weights.streamed:
         check_replayable(module, plan.init_module, params_loaded)
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
     # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
@@ -135,12 +141,17 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         apply_activation_checkpointing(module, plan, config.activation_checkpointing)
 
     # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
-    #    keep the broadcast weights (exact).
+    #    fill them from rank 0's host build, one full tensor at a time (exact, streamed), or keep the
+    #    broadcast weights (exact, built on every rank).
     if on_meta:
         materialize(module, device)
-        replay_init(skeleton, module, state_tensor(rank0["init"]), plan.init_module, params_loaded, weights.reset_order)
+        if weights.streamed:
+            stream_from_rank0(skeleton, module, weights.source, device)
+        else:
+            replay_init(skeleton, module, state_tensor(rank0["init"]), plan.init_module, params_loaded,
+                        weights.reset_order)
     module.to(device)
-    init = "meta" if on_meta else "exact"
+    init = "exact" if weights.streamed or not on_meta else "meta"
     rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
 
     # 6. Precision: Lightning's plugin converts the weights ("bf16-true") before data parallel shards them.

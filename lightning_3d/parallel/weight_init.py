@@ -2,8 +2,11 @@
 
 Two ways there (``ParallelConfig.model_init``):
 
-* **exact** -- the model was built on the host as the user wrote it (in ``__init__``, or in
-  ``configure_model()`` with ``model_init="exact"``). Rank 0's weights are broadcast to every rank, as
+* **exact** -- the model as the user wrote it, built on the host. Built in ``configure_model()`` under
+  ``model_init="auto"`` (when its init cannot be replayed): only global rank 0 builds it on the host; every
+  rank goes on with the meta build, and :func:`stream_from_rank0` fills each rank's shards from rank 0's
+  build one full tensor at a time, so no other rank ever holds the whole model. Built in ``__init__``, or
+  with ``model_init="exact"`` (every rank holds it already): rank 0's weights are broadcast to every rank, as
   ``DistributedDataParallel`` does, then each rank keeps its shard. Any model, including ones whose init runs
   after construction (Hugging Face ``post_init``).
 * **meta** -- the model was built on the meta device (no memory, no random numbers drawn). After it is
@@ -50,23 +53,30 @@ def is_on_meta(model: nn.Module) -> bool:
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate, uninitialized, the tensors of ``model`` that are on the meta device, and only those.
+    """Allocate, uninitialized, the tensors of ``model`` that are on the meta device, and only those; a tensor
+    that several modules hold (tied weights) stays one tensor.
 
     ``model.to_empty()`` would allocate every tensor anew, and so throw away what was built for real next to
     the meta model: a parameter made in ``__init__`` beside a model built in ``configure_model()``, or a
     torchmetrics ``Metric``'s state (which ``Metric._apply`` maps too, defaults included: its counts would
     then start from whatever the new memory held).
     """
+    made: dict[int, Tensor] = {}  # id of a meta tensor -> what replaces it, for every module that holds it
     for fqn, module in model.named_modules():
-        own = list(_own_tensors(module).values())
-        if not any(t.is_meta for t in own):
+        own = _own_tensors(module)
+        if not any(t.is_meta for t in own.values()):
             continue
-        if not all(t.is_meta for t in own):
-            real = [name for name, t in _own_tensors(module).items() if not t.is_meta]
+        real = [name for name, t in own.items() if not t.is_meta]
+        if real:
             raise InitError(f"{fqn or '<root>'} ({type(module).__name__}) holds tensors on the meta device and"
                             f" real ones ({', '.join(real)}); build all of its tensors in configure_model(), or"
                             " pass ThreeDStrategy(model_init='exact').")
-        module.to_empty(device=device, recurse=False)
+        for name, tensor in own.items():
+            if id(tensor) not in made:
+                empty = torch.empty_like(tensor, device=device)
+                made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                    if isinstance(tensor, nn.Parameter) else empty)
+            setattr(module, name, made[id(tensor)])
 
 
 def modules_without_reset(model: nn.Module, init_module: InitModule | None = None,
@@ -127,6 +137,32 @@ def _replay_order(skeleton: nn.Module, order: list[str]) -> list[tuple[str, nn.M
     recorded = [(fqn, modules[fqn]) for fqn in order if fqn in modules]
     listed = set(order)
     return recorded + [(fqn, m) for fqn, m in modules.items() if fqn not in listed]
+
+
+def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: nn.Module | None, device: torch.device) -> None:
+    """Fill the materialized (split, sharded) ``model`` with global rank 0's host build ``source``, one full
+    tensor at a time: rank 0 broadcasts each on ``device`` and every rank keeps its slice of it (collective).
+
+    ``skeleton`` is the unsharded model on the meta device, with ``source``'s names: every rank walks it in
+    the same order. So a rank holds its shards plus one full tensor in flight, and rank 0 also the host build
+    -- the one copy of the whole model in the job (as ``set_model_state_dict(..., broadcast_from_rank0=True)``).
+    """
+    targets = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    sources = {} if source is None else {**dict(source.named_parameters(remove_duplicate=False)),
+                                         **dict(source.named_buffers(remove_duplicate=False))}
+    names = [*dict(skeleton.named_parameters(remove_duplicate=False)).items(),
+             *dict(skeleton.named_buffers(remove_duplicate=False)).items()]
+    with torch.no_grad():
+        for name, meta in names:
+            full = sources[name].detach().to(device) if source is not None else torch.empty(
+                meta.shape, dtype=meta.dtype, device=device)
+            if dist.is_initialized():
+                dist.broadcast(full, src=0)
+            target = targets.get(name)
+            if target is not None:  # None: it lives on another pipeline stage
+                _copy_slice(full, target)
+            del full
 
 
 def broadcast_from_rank0(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

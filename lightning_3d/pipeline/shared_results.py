@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 @dataclass(frozen=True)
@@ -31,28 +31,29 @@ def share(obj: Any, src: int, group: dist.ProcessGroup, device: torch.device) ->
     """``obj`` (on global rank ``src``; anything on the others) on every rank of ``group``, its tensors on
     ``device``. Collective over ``group``: two or more broadcasts (the structure, then one per dtype)."""
     sending = dist.get_rank() == src
-    structure = [_without_tensors(obj, device) if sending else None]
+    structure = [_without_tensors(obj) if sending else None]
     dist.broadcast_object_list(structure, src=src, group=group)
-    spec, leaves, sizes = structure[0]
+    shape, sizes = structure[0]
     buffers = _packed(obj, device) if sending else {
         dtype: torch.empty(size, dtype=_carrier(dtype), device=device) for dtype, size in sizes.items()}
     for dtype in sorted(sizes):
         dist.broadcast(buffers[dtype], src=src, group=group)
-    return tree_unflatten([_unpacked(leaf, buffers) if isinstance(leaf, _Slot) else leaf for leaf in leaves], spec)
+    return tree_map(lambda leaf: _unpacked(leaf, buffers) if isinstance(leaf, _Slot) else leaf, shape)
 
 
-def _without_tensors(obj: Any, device: torch.device) -> tuple[Any, list, dict[str, int]]:
-    leaves, spec = tree_flatten(obj)
+def _without_tensors(obj: Any) -> tuple[Any, dict[str, int]]:
+    """``obj`` with a :class:`_Slot` in each tensor's place (the containers themselves, not a pytree spec, whose
+    unpickling warns), and the elements each dtype's buffer holds."""
     sizes: dict[str, int] = {}
-    slots = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            dtype = str(leaf.dtype).removeprefix("torch.")
-            slots.append(_Slot(tuple(leaf.shape), dtype, sizes.get(dtype, 0)))
-            sizes[dtype] = sizes.get(dtype, 0) + leaf.numel()
-        else:
-            slots.append(leaf)
-    return spec, slots, sizes
+
+    def slot(leaf: Any) -> Any:
+        if not isinstance(leaf, Tensor):
+            return leaf
+        dtype = str(leaf.dtype).removeprefix("torch.")
+        sizes[dtype] = sizes.get(dtype, 0) + leaf.numel()
+        return _Slot(tuple(leaf.shape), dtype, sizes[dtype] - leaf.numel())
+
+    return tree_map(slot, obj), sizes
 
 
 def _packed(obj: Any, device: torch.device) -> dict[str, Tensor]:

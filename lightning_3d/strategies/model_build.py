@@ -8,8 +8,10 @@ from typing import Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
 from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
 from lightning_3d.parallel.parallelize import InitialWeights
@@ -60,21 +62,34 @@ class WatchedBuild:
         why = metrics or record.verdict(module, plan.init_module, params_loaded=params_loaded)
         if why is None:
             return plan, InitialWeights(self._rng_state, record.reset_order(module))
-        self._build_as_written(module, precision, why)
-        return plan_for(module), InitialWeights(self._rng_state)
+        source = self._build_as_written(module, precision, why, on_every_rank=metrics is not None)
+        if metrics is not None:  # the host build is the module now: exact, broadcast from rank 0
+            return plan_for(module), InitialWeights(self._rng_state)
+        return plan, InitialWeights(self._rng_state, streamed=True, source=source)
 
-    def _build_as_written(self, module: pl.LightningModule, precision: Precision, why: str) -> None:
+    def _build_as_written(self, module: pl.LightningModule, precision: Precision, why: str,
+                          on_every_rank: bool) -> nn.Module | None:
         """Replaying the init on the meta build would not give the model's own weights (``why``): refuse under
-        model_init="meta"; under "auto", run configure_model() again on the host, from the attributes and
-        random state it started with (the exact route)."""
+        model_init="meta"; under "auto", global rank 0 runs configure_model() again on the host, from the
+        attributes and random state it started with (the exact route), and keeps that build aside as the
+        source its weights stream from (``parallel.weight_init.stream_from_rank0``). Every rank, rank 0
+        included, goes on with the meta build: no other rank ever holds the whole model. Returns the host
+        build on rank 0 (its children, by their names), None elsewhere.
+
+        ``on_every_rank``: every rank builds on the host and keeps that build (rank 0's weights are then
+        broadcast), for what cannot be streamed -- a torchmetrics state made in configure_model(). Returns None."""
         fix = ("Give the modules a reset_parameters() that initializes their own tensors, or use"
                " model_init='auto' (builds on the host as written when replay cannot) or 'exact'.")
         if self.model_init == "meta" or self._before is None:
             raise InitError(f"model_init={self.model_init!r} builds the model on the meta device and replays each"
                             f" module's reset_parameters(), which would give other weights than the model as"
                             f" written: {why}. {fix}")
-        rank_zero_info(f"lightning_3d: model_init='auto' builds the model on the host as written (exact), since"
-                       f" replaying its init on the meta device would give other weights: {why}")
+        rank_zero_info(f"lightning_3d: model_init='auto' builds the model on the host as written (exact, on"
+                       f" global rank 0, streamed to every rank's shards), since replaying its init on the meta"
+                       f" device would give other weights: {why}")
+        if not on_every_rank and dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        built = ModuleAttributes(module)  # the meta build, which every rank parallelizes
         self._before.restore(module)
         torch.set_rng_state(self._rng_state)
         with precision.module_init_context():
@@ -84,6 +99,11 @@ class WatchedBuild:
                             " the state it started in, so the model stays on the meta device. Use"
                             " model_init='exact', or give the modules reset_parameters() (see"
                             " lightning_3d.parallel.weight_init).")
+        if on_every_rank:
+            return None
+        source = nn.ModuleDict(dict(module.named_children()))
+        built.restore(module)
+        return source
 
 
 def _metrics_on_meta(module: pl.LightningModule) -> str | None:
