@@ -275,11 +275,12 @@ def offload(bench: Bench) -> list[Run]:
 
     from lightning_3d.parallel.config import ParallelConfig
     from lightning_3d.parallel.data_parallel import apply_zero
-    from lightning_3d.parallel.precision import mixed_precision_policy, offload_backend, offload_policy
+    from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
+    from lightning_3d.strategies.processes import backend_for
 
     config = ParallelConfig(zero_stage=3, offload=True)
     default_backend = "nccl" if bench.device.type == "cuda" else "gloo"
-    ensure_process_group(offload_backend(config, bench.device, default_backend))
+    ensure_process_group(backend_for(bench.device, default_backend))
     mesh = init_device_mesh(bench.device.type, (1,), mesh_dim_names=("dp",))
     policy = offload_policy(config, bench.device)
 
