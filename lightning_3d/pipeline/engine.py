@@ -71,7 +71,7 @@ class PipelineEngine:
                  dp_group: dist.ProcessGroup | None = None,
                  finish_grads: Callable[[nn.Module], None] | None = None,
                  reduce_grads_per_microbatch: bool = False,
-                 check_inputs: Callable[[tuple, dict], None] | None = None) -> None:
+                 check_inputs: Callable[..., None] | None = None) -> None:
         self.module = module
         self.root_name = root_name
         self.stages = stages  # stage index -> this rank's module for it
@@ -89,8 +89,9 @@ class PipelineEngine:
         """Stages reduce-scatter each block's gradient in every micro-batch, not once per step
         (``pipeline/grad_sync.py``; ``ParallelConfig.pipeline_reduce_grads``)."""
         self.check_inputs = check_inputs
-        """Called with the model call's inputs on every rank of the pipeline, before the schedule sends anything
-        (the sequence length under sequence parallelism: ``parallel/sequence_length.py``)."""
+        """Called as ``check_inputs(args, kwargs, model=name)`` with the model call's inputs on every rank of the
+        pipeline, before the schedule sends anything (the sequence length under sequence parallelism:
+        ``parallel/sequence_length.py``)."""
         self._train_stages: list[GradSyncStage] = []
         self._sync_grads = True
         # (train, batch shapes) -> schedule over the same modules: one for training, one per evaluation shape
