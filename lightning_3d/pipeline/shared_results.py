@@ -9,6 +9,7 @@ which travel over the group's backend for that device (NCCL on GPUs), as Megatro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ def _without_tensors(obj: Any) -> tuple[Any, dict[str, int]]:
     def slot(leaf: Any) -> Any:
         if not isinstance(leaf, Tensor):
             return leaf
-        dtype = str(leaf.dtype).removeprefix("torch.")
+        dtype = _name(leaf.dtype)
         sizes[dtype] = sizes.get(dtype, 0) + leaf.numel()
         return _Slot(tuple(leaf.shape), dtype, sizes[dtype] - leaf.numel())
 
@@ -60,9 +61,13 @@ def _packed(obj: Any, device: torch.device) -> dict[str, Tensor]:
     by_dtype: dict[str, list[Tensor]] = {}
     for leaf in tree_flatten(obj)[0]:
         if isinstance(leaf, Tensor):
-            dtype = str(leaf.dtype).removeprefix("torch.")
+            dtype = _name(leaf.dtype)
             by_dtype.setdefault(dtype, []).append(leaf.detach().reshape(-1).to(device, _carrier(dtype)))
     return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _carrier(dtype: str) -> torch.dtype:
@@ -71,8 +76,6 @@ def _carrier(dtype: str) -> torch.dtype:
 
 
 def _unpacked(slot: _Slot, buffers: dict[str, Tensor]) -> Tensor:
-    size = 1
-    for n in slot.shape:
-        size *= n
+    size = math.prod(slot.shape)
     values = buffers[slot.dtype][slot.offset:slot.offset + size].reshape(slot.shape).clone()
     return values.bool() if slot.dtype == "bool" else values
