@@ -61,6 +61,10 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.distributed.tensor.placement_types._StridedShard": Private(
         "GPT-2's fused q|k|v columns: each tp rank takes its heads' slice of q, k and v",
         "Shard(dim) cannot express a strided slice; no public placement for it"),
+    "torch.utils._device._device_constructors": Private(
+        "send the factory functions to the meta device while recording a build, as torch.device('meta') does,"
+        " but unseen by Hugging Face's test for a meta context (which skips its init)",
+        "torch.device('meta') as a context manager, which Hugging Face detects"),
     # ------------------------------------------------------------------ torch: attributes
     "torch.distributed.tensor.parallel.ParallelStyle._apply": Private(
         "the method a custom tensor-parallel style implements (the torch docs' way to write one)",
@@ -95,6 +99,9 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.Tensor._base": Private(
         "tell a view of a placeholder from a new tensor (pipeline placeholder watch)", "no public accessor",
         attribute=True),
+    "torch._ops.OpOverload._schema": Private(
+        "which arguments an aten op writes, and whether it draws random numbers (a generator argument), to"
+        " replay a recorded build op by op", "no public view of an op's schema", attribute=True),
     "torch.UntypedStorage._cdata": Private(
         "identify a tensor's storage, meta tensors included, while recording the model's construction",
         "data_ptr() is 0 for every meta or empty storage", attribute=True),

@@ -72,8 +72,8 @@ class ConstructionRecord(TorchFunctionMode):
             frame, module = _innermost_reset()
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
             self._keep += [frame, *tensors]
-            self.events.append(_Event(name, random, None if target is None else _key(target),
-                                      {_key(t) for t in tensors}, id(frame) if frame else None, module,
+            self.events.append(_Event(name, random, None if target is None else storage_key(target),
+                                      {storage_key(t) for t in tensors}, id(frame) if frame else None, module,
                                       _user_line()))
         return func(*args, **kwargs)
 
@@ -101,7 +101,7 @@ class ConstructionRecord(TorchFunctionMode):
                 continue
             own = own_keys.get(id(event.module))
             if own is None:
-                own = own_keys[id(event.module)] = {_key(t) for t in _own_tensors(event.module).values()}
+                own = own_keys[id(event.module)] = {storage_key(t) for t in _own_tensors(event.module).values()}
             foreign = sorted(owners[k][0] for k in event.tensors - own if k in owners)
             if foreign:
                 return (f"reset_parameters() of {names.get(id(event.module), type(event.module).__name__)} uses"
@@ -184,7 +184,7 @@ def _written(name: str, args: tuple, kwargs: dict) -> Tensor | None:
     return first if isinstance(first, Tensor) else None
 
 
-def _key(tensor: Tensor) -> int:
+def storage_key(tensor: Tensor) -> int:
     """One key per storage: a parameter, its ``.data`` and its views share it (also on the meta device)."""
     return tensor.untyped_storage()._cdata
 
@@ -220,8 +220,8 @@ def _own_tensors(module: nn.Module) -> dict[str, Tensor]:
 def _owners(model: nn.Module) -> dict[int, tuple[str, bool]]:
     """Storage key -> (FQN, is a buffer) of every parameter and buffer of ``model`` on the meta device (the
     ones replay initializes; tensors built before, in ``__init__``, are real already)."""
-    owners = {_key(p): (fqn, False) for fqn, p in model.named_parameters() if p.is_meta}
-    owners.update({_key(b): (fqn, True) for fqn, b in model.named_buffers() if b.is_meta})
+    owners = {storage_key(p): (fqn, False) for fqn, p in model.named_parameters() if p.is_meta}
+    owners.update({storage_key(b): (fqn, True) for fqn, b in model.named_buffers() if b.is_meta})
     return owners
 
 

@@ -31,6 +31,25 @@ def memory_report(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
     }
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory this process can still allocate: Linux's ``MemAvailable``, less where a cgroup
+    (a container, a Slurm job) caps the memory lower. None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            found += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            cap = limit.read().strip()
+            if cap != "max":
+                found.append(int(cap) - int(used.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def _local_bytes(tensor: Tensor) -> int:
     piece = local(tensor)
     return piece.numel() * piece.element_size()

@@ -32,8 +32,8 @@ from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sha
 from lightning_3d.parallel.sequence_length import check_sequence_length, guard_sequence_lengths
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, reduce_partial_grads
 from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
-from lightning_3d.parallel.weight_init import (broadcast_from_rank0, check_replayable, is_on_meta, materialize,
-                                              replay_init, stream_from_rank0)
+from lightning_3d.parallel.weight_init import (WeightSource, broadcast_from_rank0, check_replayable, is_on_meta,
+                                              materialize, replay_init, stream_from_rank0)
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.random_replay import state_bytes, state_tensor
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
@@ -51,11 +51,12 @@ class InitialWeights:
     reset_order: list[str] | None = None
     """Module FQNs in the order the build initialized them (``parallel.init_record``); None: construction order."""
     streamed: bool = False
-    """The weights are global rank 0's host build as written, streamed tensor by tensor into every rank's
-    shards (``weight_init.stream_from_rank0``) instead of replayed: the exact route for a meta build whose init
-    cannot be replayed."""
-    source: nn.Module | None = None
-    """On global rank 0 when ``streamed``: that host build (the LightningModule's children by name)."""
+    """The weights are global rank 0's build as written, streamed tensor by tensor into every rank's shards
+    (``weight_init.stream_from_rank0``) instead of replayed module by module: the exact route for a meta build
+    whose init cannot be replayed that way."""
+    source: WeightSource | None = None
+    """On global rank 0 when ``streamed``: that build's tensors, by the LightningModule's names (a recorded
+    build replayed op by op, ``parallel.init_tape``, or a host build)."""
 
 
 @dataclass(frozen=True)
@@ -141,12 +142,14 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         apply_activation_checkpointing(module, plan, config.activation_checkpointing)
 
     # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
-    #    fill them from rank 0's host build, one full tensor at a time (exact, streamed), or keep the
+    #    fill them from rank 0's build as written, one full tensor at a time (exact, streamed), or keep the
     #    broadcast weights (exact, built on every rank).
     if on_meta:
         materialize(module, device)
         if weights.streamed:
             stream_from_rank0(skeleton, module, weights.source, device)
+            # A replay of the build on rank 0 left its generator where the build as written leaves it.
+            torch.set_rng_state(state_tensor(_from_rank0({"now": state_bytes(torch.get_rng_state())})["now"]))
         else:
             replay_init(skeleton, module, state_tensor(rank0["init"]), plan.init_module, params_loaded,
                         weights.reset_order)

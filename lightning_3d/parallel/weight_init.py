@@ -33,8 +33,9 @@ initialized only if they own buffers (rotary frequencies), and need no ``init_mo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -139,30 +140,79 @@ def _replay_order(skeleton: nn.Module, order: list[str]) -> list[tuple[str, nn.M
     return recorded + [(fqn, m) for fqn, m in modules.items() if fqn not in listed]
 
 
-def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: nn.Module | None, device: torch.device) -> None:
-    """Fill the materialized (split, sharded) ``model`` with global rank 0's host build ``source``, one full
-    tensor at a time: rank 0 broadcasts each on ``device`` and every rank keeps its slice of it (collective).
+class WeightSource(Protocol):
+    """Global rank 0's initial weights, handed out tensor by tensor: a host build (:class:`HostBuild`) or a
+    recorded build replayed op by op (``parallel.init_tape.InitTape``)."""
 
-    ``skeleton`` is the unsharded model on the meta device, with ``source``'s names: every rank walks it in
-    the same order. So a rank holds its shards plus one full tensor in flight, and rank 0 also the host build
-    -- the one copy of the whole model in the job (as ``set_model_state_dict(..., broadcast_from_rank0=True)``).
+    def order(self) -> list[list[str]]:
+        """Every parameter and buffer name, grouped by tensor (tied ones together), in :meth:`tensors`' order."""
+
+    def tensors(self) -> Iterator[tuple[list[str], Tensor]]:
+        """Each group's names and its full tensor, in :meth:`order`."""
+
+
+class HostBuild:
+    """A :class:`WeightSource` over a model built for real on the host (the whole model, held until the end)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._groups: dict[int, tuple[list[str], Tensor]] = {}
+        for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]:
+            self._groups.setdefault(id(tensor), ([], tensor))[0].append(name)
+
+    def order(self) -> list[list[str]]:
+        return [names for names, _ in self._groups.values()]
+
+    def tensors(self) -> Iterator[tuple[list[str], Tensor]]:
+        yield from self._groups.values()
+
+
+def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: WeightSource | None,
+                      device: torch.device) -> None:
+    """Fill the materialized (split, sharded) ``model`` with global rank 0's initial weights ``source``, one
+    full tensor at a time: rank 0 broadcasts each on ``device`` and every rank keeps its slice of it
+    (collective; ``source`` is None on the other ranks).
+
+    ``skeleton`` is the unsharded model on the meta device, with ``source``'s names. Rank 0 first sends the
+    order its tensors come in (names only), then each tensor. So a rank holds its shards plus one full
+    tensor in flight, and rank 0 also what ``source`` holds: the whole model for a :class:`HostBuild` (as
+    ``set_model_state_dict(..., broadcast_from_rank0=True)``), the tensors being initialized for a replay.
     """
     targets = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
-    sources = {} if source is None else {**dict(source.named_parameters(remove_duplicate=False)),
-                                         **dict(source.named_buffers(remove_duplicate=False))}
-    names = [*dict(skeleton.named_parameters(remove_duplicate=False)).items(),
-             *dict(skeleton.named_buffers(remove_duplicate=False)).items()]
+    metas = {**dict(skeleton.named_parameters(remove_duplicate=False)),
+             **dict(skeleton.named_buffers(remove_duplicate=False))}
+    order = _order_from_rank0(source)
+    streamed = {name for names in order for name in names}
+    if streamed != set(metas):  # the same on every rank: raised before any tensor is sent
+        missing, extra = sorted(set(metas) - streamed), sorted(streamed - set(metas))
+        raise InitError(f"global rank 0's build of the model has other tensors than the meta build: missing"
+                        f" {missing[:4]}, not in the model {extra[:4]}. configure_model() must build the same"
+                        " model each time it is called; or pass ThreeDStrategy(model_init='exact').")
+    tensors = source.tensors() if source is not None else None
     with torch.no_grad():
-        for name, meta in names:
-            full = sources[name].detach().to(device) if source is not None else torch.empty(
-                meta.shape, dtype=meta.dtype, device=device)
+        for names in order:
+            if tensors is not None:
+                _, full = next(tensors)
+                full = full.detach().to(device)
+            else:
+                full = torch.empty(metas[names[0]].shape, dtype=metas[names[0]].dtype, device=device)
             if dist.is_initialized():
                 dist.broadcast(full, src=0)
-            target = targets.get(name)
-            if target is not None:  # None: it lives on another pipeline stage
-                _copy_slice(full, target)
+            for name in names:
+                target = targets.get(name)
+                if target is not None:  # None: it lives on another pipeline stage
+                    _copy_slice(full, target)
             del full
+        for _ in tensors or ():  # a replay runs to its end, leaving the random state the build leaves
+            pass
+
+
+def _order_from_rank0(source: WeightSource | None) -> list[list[str]]:
+    holder = [source.order() if source is not None else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def broadcast_from_rank0(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

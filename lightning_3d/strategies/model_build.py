@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
@@ -14,8 +15,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_3d.parallel.init_record import ConstructionRecord, ModuleAttributes
+from lightning_3d.parallel.init_tape import InitTape, OnMeta
+from lightning_3d.parallel.memory import host_memory_available
 from lightning_3d.parallel.parallelize import InitialWeights
-from lightning_3d.parallel.weight_init import InitError, is_on_meta
+from lightning_3d.parallel.weight_init import HostBuild, InitError, WeightSource, is_on_meta
 from lightning_3d.policies.base import Plan
 
 
@@ -68,13 +71,15 @@ class WatchedBuild:
         return plan, InitialWeights(self._rng_state, streamed=True, source=source)
 
     def _build_as_written(self, module: pl.LightningModule, precision: Precision, why: str,
-                          on_every_rank: bool) -> nn.Module | None:
+                          on_every_rank: bool) -> WeightSource | None:
         """Replaying the init on the meta build would not give the model's own weights (``why``): refuse under
-        model_init="meta"; under "auto", global rank 0 runs configure_model() again on the host, from the
-        attributes and random state it started with (the exact route), and keeps that build aside as the
-        source its weights stream from (``parallel.weight_init.stream_from_rank0``). Every rank, rank 0
-        included, goes on with the meta build: no other rank ever holds the whole model. Returns the host
-        build on rank 0 (its children, by their names), None elsewhere.
+        model_init="meta"; under "auto", global rank 0 runs configure_model() again, as written, from the
+        attributes and random state it started with (the exact route), and keeps what it built aside as the
+        source its weights stream from (``parallel.weight_init.stream_from_rank0``). That build is recorded on
+        the meta device and replayed op by op on the host (``parallel.init_tape``), holding only the tensors
+        being initialized; where the record cannot be replayed, it is built for real on the host. Every rank,
+        rank 0 included, goes on with the meta build: no rank holds the whole model. Returns the source on
+        rank 0, None elsewhere.
 
         ``on_every_rank``: every rank builds on the host and keeps that build (rank 0's weights are then
         broadcast), for what cannot be streamed -- a torchmetrics state made in configure_model(). Returns None."""
@@ -84,12 +89,22 @@ class WatchedBuild:
             raise InitError(f"model_init={self.model_init!r} builds the model on the meta device and replays each"
                             f" module's reset_parameters(), which would give other weights than the model as"
                             f" written: {why}. {fix}")
-        rank_zero_info(f"lightning_3d: model_init='auto' builds the model on the host as written (exact, on"
-                       f" global rank 0, streamed to every rank's shards), since replaying its init on the meta"
-                       f" device would give other weights: {why}")
+        rank_zero_info(f"lightning_3d: model_init='auto' builds the model as written (exact, on global rank 0,"
+                       f" streamed to every rank's shards), since replaying its init module by module would give"
+                       f" other weights: {why}")
         if not on_every_rank and dist.is_initialized() and dist.get_rank() != 0:
             return None
         built = ModuleAttributes(module)  # the meta build, which every rank parallelizes
+        if not on_every_rank:
+            tape = self._record_build(module, precision)
+            if tape.problem is None:
+                _check_host_memory(tape.peak_bytes, "replaying the recorded build op by op holds", module)
+                built.restore(module)
+                return tape
+            rank_zero_info(f"lightning_3d: the recorded build cannot be replayed ({tape.problem}); building the"
+                           " whole model on global rank 0's host instead")
+        _check_host_memory(_bytes_of(module) * (_local_builders() if on_every_rank else 1),
+                           "building the whole model on the host takes", module)
         self._before.restore(module)
         torch.set_rng_state(self._rng_state)
         with precision.module_init_context():
@@ -101,9 +116,39 @@ class WatchedBuild:
                             " lightning_3d.parallel.weight_init).")
         if on_every_rank:
             return None
-        source = nn.ModuleDict(dict(module.named_children()))
+        source = HostBuild(nn.ModuleDict(dict(module.named_children())))
         built.restore(module)
         return source
+
+    def _record_build(self, module: pl.LightningModule, precision: Precision) -> InitTape:
+        """configure_model() run again from where it started, on the meta device, under an :class:`InitTape`."""
+        self._before.restore(module)
+        tape = InitTape(self._rng_state)
+        with precision.module_init_context(), OnMeta(), tape:
+            module.configure_model()
+        tape.finish(nn.ModuleDict(dict(module.named_children())))
+        return tape
+
+
+def _bytes_of(module: nn.Module) -> int:
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _local_builders() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _check_host_memory(need: int, doing: str, module: nn.Module) -> None:
+    """Refuse, before allocating, a host build that the host's available memory cannot hold."""
+    available = host_memory_available()
+    if available is None or need <= available:
+        return
+    raise InitError(f"lightning_3d: {doing} {need / 2**30:.2f} GiB of host memory, and this host has"
+                    f" {available / 2**30:.2f} GiB available (the model: {_bytes_of(module) / 2**30:.2f} GiB)."
+                    " Load the weights instead (ThreeDStrategy(init_from=...)), or give the modules a"
+                    " reset_parameters() that initializes their own tensors, so the init replays on each rank's"
+                    " shards (model_init='auto' or 'meta').")
 
 
 def _metrics_on_meta(module: pl.LightningModule) -> str | None:
