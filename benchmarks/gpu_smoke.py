@@ -1,6 +1,6 @@
 """One-GPU smoke benchmark: a ~1B GPT in bf16-mixed, in under 5 minutes on one GPU (issue 19 item 3).
 
-    python benchmarks/gpu_smoke.py [--rounds 2] [--steps 8] [--peak-tflops 989] [--parts throughput,ac,comm,offload]
+    python benchmarks/gpu_smoke.py [--rounds 2] [--steps 8] [--peak-tflops 989] [--parts throughput,ac,comm,offload,setup]
     python benchmarks/gpu_smoke.py --cpu-smoke   # every part on CPU with a tiny model (checks the code paths)
 
 One process, one device, the reference GPT (``lightning_3d.models``), one fixed set of random token batches:
@@ -18,6 +18,11 @@ One process, one device, the reference GPT (``lightning_3d.models``), one fixed 
   ``offload_policy`` and ``mixed_precision_policy``) on a one-rank "dp" mesh in a plain loop: at dp = 1
   ``ThreeDStrategy`` applies no data parallelism at all (``_data_parallel`` returns the module), so
   ``offload=True`` has nothing to act on there; this measures what the offload itself costs on this GPU.
+* **setup** -- ``ThreeDStrategy``'s set-up on each init route (``lightning_3d.parallel.weight_init``): the
+  reference GPT built in ``configure_model()`` (meta route: its resets replayed on the device's tensors) and
+  the same GPT re-initialized from the root as nanoGPT does (exact route: the build recorded on meta and
+  replayed op by op on the host, ``parallel.init_tape``). Set-up seconds, peak host memory growth (Linux's
+  VmHWM) and peak device memory, from before ``fit`` to the first batch.
 
 MFU = model FLOPs per step / step time / the GPU's dense bf16 peak. Model FLOPs per token are PaLM's
 6 * N + 12 * n_layer * n_embd * seq_len, with N the weights of the matrix multiplies (embedding look-ups
@@ -45,7 +50,7 @@ PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peak by device-name fragment; fir
     ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0),
     ("L40S", 362.0), ("B200", 2250.0),
 )
-PARTS = ("throughput", "ac", "comm", "offload")
+PARTS = ("throughput", "ac", "comm", "offload", "setup")
 
 
 @dataclass(kw_only=True)
@@ -299,6 +304,48 @@ def offload(bench: Bench) -> list[Run]:
     return [run]
 
 
+def setup_routes(bench: Bench) -> list[Run]:
+    import lightning as L
+    from pathlib import Path
+
+    from lightning_3d import ThreeDStrategy
+    from lightning_3d.models import GPTLightningModule
+
+    class AsWritten(GPTLightningModule):
+        """Re-initialized from the root after the build (nanoGPT's way): not replayable module by module."""
+
+        def configure_model(self) -> None:
+            super().configure_model()
+            self.model.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02)
+                             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) else None)
+
+    def status_kib(field: str) -> int:
+        line = next(li for li in Path("/proc/self/status").read_text().splitlines() if li.startswith(field + ":"))
+        return int(line.split()[1])
+
+    class SetUp(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.seconds = time.perf_counter() - self.start
+            self.host = (status_kib("VmHWM") - self.host_before) * 1024
+            self.device = bench.peak_memory()
+            trainer.should_stop = True  # set-up measured: no step
+
+    for name, module in (("meta route", bench.module()),
+                         ("exact route (replayed)", AsWritten(config=bench.config(), learning_rate=3e-4))):
+        L.seed_everything(0, verbose=False)
+        bench.reset_memory()
+        Path("/proc/self/clear_refs").write_text("5")
+        probe = SetUp()
+        probe.host_before, probe.start = status_kib("VmRSS"), time.perf_counter()
+        L.Trainer(accelerator=bench.device.type, devices=1, strategy=ThreeDStrategy(), precision="bf16-mixed",
+                  max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+                  callbacks=[probe]).fit(module, bench.loader())
+        print(f"set-up, {name}: {probe.seconds:.1f} s, host peak +{gib(probe.host)} GiB, device peak"
+              f" {gib(probe.device)} GiB (the model: {gib(bench.config().num_parameters() * 4)} GiB in fp32)")
+    return []
+
+
 def ensure_process_group(backend: str) -> None:
     """A one-rank default process group, unless an earlier part's Trainer left one (it is reused)."""
     import torch.distributed as dist
@@ -372,7 +419,8 @@ def main() -> None:
     peak = "unknown" if bench.peak is None else f"{bench.peak / 1e12:g} TFLOP/s"
     print(f"model FLOPs/step {bench.flops_per_step:.3e} ({train_flops_per_token(s) / 1e9:.3f} GFLOP/token),"
           f" bf16 peak {peak}; {args.warmup} warm-up + {args.steps} timed steps per run, {args.rounds} rounds")
-    parts = {"throughput": throughput, "ac": activation_checkpointing, "comm": comm_timer, "offload": offload}
+    parts = {"throughput": throughput, "ac": activation_checkpointing, "comm": comm_timer, "offload": offload,
+             "setup": setup_routes}
     runs, failed = [], []
     for name in args.parts.split(","):
         print(f"\n[{name}] {time.perf_counter() - started:.0f} s", flush=True)

@@ -2,13 +2,15 @@
 
 Two ways there (``ParallelConfig.model_init``):
 
-* **exact** -- the model as the user wrote it, built on the host. Built in ``configure_model()`` under
-  ``model_init="auto"`` (when its init cannot be replayed): only global rank 0 builds it on the host; every
-  rank goes on with the meta build, and :func:`stream_from_rank0` fills each rank's shards from rank 0's
-  build one full tensor at a time, so no other rank ever holds the whole model. Built in ``__init__``, or
-  with ``model_init="exact"`` (every rank holds it already): rank 0's weights are broadcast to every rank, as
-  ``DistributedDataParallel`` does, then each rank keeps its shard. Any model, including ones whose init runs
-  after construction (Hugging Face ``post_init``).
+* **exact** -- the model as the user wrote it. Built in ``configure_model()`` under ``model_init="auto"``
+  (when its init cannot be replayed module by module): only global rank 0 builds it again, as written --
+  recorded on the meta device and replayed op by op on the host (``parallel.init_tape``), so it holds only
+  the tensors being initialized -- and every rank goes on with the meta build; :func:`stream_from_rank0`
+  fills each rank's shards from rank 0's replay one full tensor at a time, so no rank ever holds the whole
+  model. (Where the record cannot be replayed, rank 0 builds the whole model on the host instead:
+  :class:`HostBuild`.) Built in ``__init__``, or with ``model_init="exact"`` (every rank holds it already):
+  rank 0's weights are broadcast to every rank, as ``DistributedDataParallel`` does, then each rank keeps its
+  shard. Any model, including ones whose init runs after construction (Hugging Face ``post_init``).
 * **meta** -- the model was built on the meta device (no memory, no random numbers drawn). After it is
   split and sharded, :func:`replay_init` walks the *unsharded* skeleton in construction order and, module by
   module, draws each module's full parameters on the host by calling its ``reset_parameters()`` from the same
