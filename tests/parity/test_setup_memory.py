@@ -1,12 +1,14 @@
-"""Set-up never holds the whole model on a rank but one (issue 28): a 252M-parameter transformers Llama built
-in ``configure_model()`` -- its init runs in ``post_init``, so it takes the exact route -- at (dp, pp, tp) =
-(1, 2, 2) on 4 ranks. Global rank 0 builds it on the host as written and streams it tensor by tensor into
-every rank's shards; the other ranks only ever hold their share and one tensor in flight.
+"""Set-up never holds the whole model on any rank (issue 28): a 252M-parameter transformers Llama built in
+``configure_model()`` -- its init runs in ``post_init``, so it takes the exact route -- at (dp, pp, tp) =
+(1, 2, 2) on 4 ranks. Global rank 0 replays the recorded build op by op (``parallel.init_tape``) and streams
+it tensor by tensor into every rank's shards; every rank holds its share and about one tensor in flight.
 
-Measured (2 cores, 1007 MB of fp32 parameters, 236-270 MB per rank): peak RSS growth in set-up 339-397 MB on
-ranks 1-3 (0.34-0.39 of the model) and 1328 MB on rank 0 (the host build plus its share), set-up 9-10 s.
-Before (every rank built the whole model, rank 0's weights broadcast, the pipeline split copying the root):
-2045-2046 MB on every rank (2.0 of the model), 23 s."""
+Measured (2 cores, 964 MiB of fp32 parameters, 225-257 MiB per rank, largest tensor 16 MiB): peak RSS growth
+in set-up 271-305 MiB on every rank, rank 0 included (the bound, 1.25 x share + largest tensor: 297-337), set-up
+8 s; with malloc's default thresholds 282-367 MiB. Before the
+replay, rank 0 built the model on the host: 1276-1328 MiB there, 10 s. Before streaming (every rank built the
+whole model, rank 0's weights broadcast, the pipeline split copying the root): 2045-2046 MB on every rank
+(2.0 of the model), 23 s."""
 
 import json
 
@@ -21,25 +23,30 @@ pytestmark = pytest.mark.multiprocess
 MODEL, RANKS = "llama_1024x15", 4
 
 
-def _model_bytes() -> int:
-    """The whole model's fp32 parameter bytes, from a build on the meta device."""
+def _model_bytes() -> tuple[int, int]:
+    """The whole model's fp32 parameter bytes and its largest tensor's, from a build on the meta device."""
     with torch.device("meta"):
         module = module_for(MODEL)
         module.configure_model()
-    return sum(p.numel() * 4 for p in module.parameters())
+    sizes = [p.numel() * 4 for p in module.parameters()]
+    return sum(sizes), max(sizes)
 
 
-def test_no_rank_but_rank_0_holds_more_than_half_the_model_in_set_up(tmp_path):
+def test_no_rank_holds_more_than_its_share_and_one_tensor_in_set_up(tmp_path, monkeypatch):
+    # glibc's malloc gives large freed blocks back at once: what is measured is what the strategy holds, not how
+    # much of what it freed malloc keeps (with its defaults the same run varies by +-70 MiB between runs).
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     # torchrun, not forkrun: a forked rank faults in again the pages its parent had touched (test_meta_init_memory).
     torchrun(RANKS, str(WORKERS / "setup_memory_worker.py"), str(tmp_path), MODEL, timeout=600, rank_files=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
-    full = _model_bytes()
+    full, largest = _model_bytes()
     mib = 2**20
     for rank, measured in enumerate(ranks):
         print(f"rank {rank}: share {measured['parameter_bytes'] / mib:.0f} MiB, peak RSS growth"
               f" {measured['peak_rss_growth_bytes'] / mib:.0f} MiB of a {full / mib:.0f} MiB model,"
               f" set-up {measured['setup_seconds']} s")
-    for measured in ranks[1:]:  # the share, one full tensor in flight, the process's fixed overhead
+    for measured in ranks:  # rank 0 too: it replays the build, holding the tensors being initialized
         assert measured["peak_rss_growth_bytes"] < full / 2, measured
-    # Rank 0 also holds the host build it streams from: the one copy of the whole model in the job.
-    assert ranks[0]["peak_rss_growth_bytes"] < full + ranks[0]["parameter_bytes"] + full / 4, ranks[0]
+        # The share, a tensor or two in flight (at 1B too: benchmarks/setup_rehearsal.py).
+        assert measured["peak_rss_growth_bytes"] < 1.25 * measured["parameter_bytes"] + largest, measured
