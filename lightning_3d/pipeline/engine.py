@@ -127,10 +127,15 @@ class PipelineEngine:
         return self.timeline
 
     def training_step(self, batch: Any, *args: Any, accumulate_grad_batches: int, sync_grads: bool = True,
-                      **step_kwargs: Any) -> Tensor:
+                      zeroed_after: bool = False, **step_kwargs: Any) -> Tensor:
         """Lightning's training_step, pipelined. The schedule runs backward now, but Lightning zeroes the
         gradients after training_step and before its backward: this step's gradients are kept aside until
         :meth:`add_step_grads` (called from the strategy's backward), as if computed there.
+
+        ``zeroed_after``: Lightning zeroes the gradients after this step (the first batch of an accumulation
+        window), so the ones from before it are dropped now rather than held beside this step's: a
+        stage's gradients exist once in the step, not twice. Otherwise (accumulating) they are kept and
+        this step's are added to them.
 
         ``sync_grads=False`` (an accumulation micro-step) leaves data-parallel stages' gradients unreduced, in
         FSDP2, until a step with True (``pipeline/grad_sync.py``); ``finish_grads`` then waits for that step.
@@ -138,7 +143,7 @@ class PipelineEngine:
         Returns what the step returned, combined over the micro-batches (``pipeline/step_results.py``): the
         loss, or the dict with it and the step's other keys."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        previous = [p.grad for p in params]
+        previous = [None if zeroed_after else p.grad for p in params]
         for p in params:
             p.grad = None
         self._sync_grads = sync_grads  # read by the training stages when the schedule runs (_schedule)

@@ -23,8 +23,18 @@ def run_step(model: ParallelModel, method: str, args: tuple, kwargs: dict, *, sy
         if method != "training_step":
             return model.engine.run(method, *args, train=False, **kwargs)
         return model.engine.training_step(*args, accumulate_grad_batches=module.trainer.accumulate_grad_batches,
-                                          sync_grads=sync_grads, **kwargs)
+                                          sync_grads=sync_grads, zeroed_after=_zeroed_after(module, args, kwargs),
+                                          **kwargs)
     with model.loss_context():
         if model.called is not module or isinstance(module, FSDPModule):  # FSDP2's hooks are on the module
             return redirection(model.called, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
+
+
+def _zeroed_after(module, args: tuple, kwargs: dict) -> bool:
+    """Whether Lightning zeroes the gradients right after this training_step: under automatic optimization, on
+    the first batch of each accumulation window (as its ``_AutomaticOptimization._make_zero_grad_fn`` decides)."""
+    batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else None)
+    if not module.automatic_optimization or not isinstance(batch_idx, int):
+        return False
+    return batch_idx % module.trainer.accumulate_grad_batches == 0
