@@ -11,8 +11,7 @@ Per rank it prints: its share of the parameters, the largest single tensor, the 
 memory during set-up (from just before ``fit`` to the first batch) against the goal of 1.25 x the share + the
 largest tensor, and set-up seconds. Then the steps, next to the planner's per-rank figure
 (``lightning_3d.planner.memory.estimate_memory``): the peak over all steps; what stays resident between
-steps after the first; a steady step's rise over that (against the planner's gradients + activations); and
-every host tensor alive just before the optimizer step (against its parameters + gradients). Plain SGD keeps
+steps; and every host tensor alive just before the optimizer step (against its parameters + gradients). Plain SGD keeps
 the 4 ranks within this machine's memory (Adam's 8 bytes per parameter would not fit 4 x 1.2B on 24 GiB), so
 the planner's figures leave out its optimizer state. Short sequences (128 tokens) keep a step within a minute
 on 2 cores; set-up does not depend on them.
@@ -104,8 +103,7 @@ def _planner_figure(name: str, pp_rank: int) -> dict:
     layout = Layout(**LAYOUT, micro_batch_size=1, num_microbatches=MICROBATCHES, schedule="1f1b")
     estimate = estimate_memory(spec, layout, PRECISIONS["32-true"], pp_rank)
     return {"planner_bytes": estimate.total - estimate.optimizer_state,
-            "planner_states_bytes": estimate.parameters + estimate.gradients,
-            "planner_rise_bytes": estimate.total - estimate.optimizer_state - estimate.parameters}
+            "planner_states_bytes": estimate.parameters + estimate.gradients}
 
 
 def main() -> None:
@@ -131,7 +129,7 @@ def main() -> None:
 
     class Measure(L.Callback):
         def __init__(self) -> None:
-            self.result: dict = {"step_rise_bytes": 0}
+            self.result: dict = {}
 
         def on_fit_start(self, trainer, pl_module) -> None:
             tensors = [*pl_module.parameters(), *pl_module.buffers()]
@@ -151,8 +149,6 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             peak = _status_kib("VmHWM") * 1024
             self.result["step_peak_bytes"] = max(self.result.get("step_peak_bytes", 0), peak - self.baseline)
-            if batch_idx >= 1:  # steady state: what a step adds on top of what stays between steps
-                self.result["step_rise_bytes"] = max(self.result["step_rise_bytes"], peak - self.step_start)
 
     torch.manual_seed(0)
     module = _module(args.model)
@@ -188,20 +184,19 @@ def _report(model: str, rows: list[dict]) -> None:
     print(f"{model}: {rows[0]['model_bytes'] / mib:.0f} MiB of fp32 parameters, largest tensor"
           f" {rows[0]['largest_bytes'] / mib:.0f} MiB, (dp, pp, tp) = (1, 2, 2), {SEQ} tokens x {MICROBATCHES}"
           " micro-batches, plain SGD")
-    print("rank  coords              share  set-up peak   goal  set-up s | step peak  planner  ratio | rest after"
-          " step 1 | steady step rise  planner  ratio | live at optimizer  planner")
+    print("rank  coords              share  set-up peak   goal  set-up s | step peak  planner  ratio | between"
+          " steps | live at optimizer  planner")
     for r in rows:
         goal = 1.25 * r["share_bytes"] + r["largest_bytes"]
         print(f"{r['rank']:>4}  {r['coords']:<18} {r['share_bytes'] / mib:>6.0f} {r['setup_peak_bytes'] / mib:>12.0f}"
               f" {goal / mib:>6.0f} {r['setup_seconds']:>9.1f} | {r['step_peak_bytes'] / mib:>9.0f}"
               f" {r['planner_bytes'] / mib:>8.0f} {r['step_peak_bytes'] / r['planner_bytes']:>6.2f} |"
-              f" {r['rest_after_step_1_bytes'] / mib:>17.0f} | {r['step_rise_bytes'] / mib:>16.0f}"
-              f" {r['planner_rise_bytes'] / mib:>8.0f} {r['step_rise_bytes'] / r['planner_rise_bytes']:>6.2f} |"
-              f" {r['live_bytes'] / mib:>17.0f} {r['planner_states_bytes'] / mib:>8.0f}")
-    print("(MiB. Peaks: resident-memory growth from just before fit. Goal: 1.25 x share + largest tensor. Steady step"
-          " rise: a step's peak over what stays between steps (steps 2-3), against the planner's gradients +"
-          " activations. Live at optimizer: every host tensor alive before the optimizer step, against the"
-          " planner's parameters + gradients.)")
+              f" {r['rest_after_step_1_bytes'] / mib:>13.0f} | {r['live_bytes'] / mib:>17.0f}"
+              f" {r['planner_states_bytes'] / mib:>8.0f}")
+    print("(MiB. Peaks: resident-memory growth from just before fit. Goal: 1.25 x share + largest tensor. Between"
+          " steps: resident after step 1 (the parameters, and the gradients Lightning zeroes at the next step)."
+          " Live at optimizer: every host tensor alive before the optimizer step, against the planner's"
+          " parameters + gradients. The planner's figures leave out Adam's state: plain SGD here.)")
     print(json.dumps(rows))
 
 
