@@ -94,14 +94,17 @@ def reduce_partial_grads(module: nn.Module) -> None:
     groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for param in module.parameters():
         grad = param.grad
-        if not (isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)):
+        if not isinstance(grad, DTensor):
             continue
-        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
-            # A split weight with a whole pending gradient (a vocabulary-parallel embedding's, from DTensor's
-            # embedding backward): reduce-scatter it to the weight's split rather than keep it whole.
-            param.grad = grad.redistribute(placements=param.placements)
+        split = isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+        if split and grad.placements != param.placements:
+            # A split weight with a whole gradient (a vocabulary-parallel embedding's, from DTensor's embedding
+            # backward: pending, or already summed under the pipeline): cut it to the weight's split, rather
+            # than keep it whole -- twice the weight's bytes, redistributed again by every optimizer op.
+            param.grad = _own_storage(grad.redistribute(placements=param.placements))
             continue
-        groups[(grad.device_mesh, grad.placements)].append(param)
+        if any(p.is_partial() for p in grad.placements):
+            groups[(grad.device_mesh, grad.placements)].append(param)
     for (mesh, placements), params in groups.items():
         locals_ = [p.grad.to_local() for p in params]
         flat = DTensor.from_local(torch.cat([t.reshape(-1) for t in locals_]), mesh, placements, run_check=False)
@@ -109,3 +112,14 @@ def reduce_partial_grads(module: nn.Module) -> None:
         summed = flat.redistribute(placements=done).to_local()
         for param, local, chunk in zip(params, locals_, summed.split([t.numel() for t in locals_])):
             param.grad = DTensor.from_local(chunk.view_as(local), mesh, done, run_check=False)
+
+
+def _own_storage(grad: DTensor) -> DTensor:
+    """``grad`` with a local tensor of its own: a redistribute to a split can hand back this rank's chunk as a
+    view of the whole tensor (from Replicate; over gloo, from Partial too: an all-reduce, then the chunk), and
+    the view would keep the whole one alive."""
+    piece = grad.to_local()
+    if piece.untyped_storage().nbytes() == piece.numel() * piece.element_size():
+        return grad
+    return DTensor.from_local(piece.clone(), grad.device_mesh, grad.placements, run_check=False, shape=grad.shape,
+                              stride=grad.stride())

@@ -1,10 +1,10 @@
-"""Entry point of tests/parity/test_pipeline_grad_memory.py: a reference GPT at pp=2 (1F1B, 2 micro-batches),
-trained twice -- without gradient accumulation, then with ``accumulate_grad_batches=2`` -- while a callback
-keeps weak references to the gradients each step leaves and, during the next step's schedule (a forward
-pre-hook on every linear layer the rank holds), notes whether they are still alive. Each rank writes what it
-saw.
+"""Entry point of tests/parity/test_pipeline_grad_memory.py: a reference GPT on 4 ranks, trained at dp2 x pp2
+and pp2 x tp2 (1F1B, 2 micro-batches), at pp2 x tp2 with ``accumulate_grad_batches=2``, and at dp2 x tp2. A callback keeps weak references to the gradients each step leaves and, during the next step's
+schedule (a forward pre-hook on every linear layer the rank holds), notes whether they are still alive; and
+before each optimizer step it notes every split weight whose gradient is not split like it, or holds more
+memory than its own elements. Each rank writes what it saw.
 
-    python forkrun.py 2 grad_lifetime_worker.py OUT_DIR
+    python forkrun.py 4 grad_lifetime_worker.py OUT_DIR
 """
 
 import json
@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
@@ -46,20 +47,45 @@ class GradLifetime(L.Callback):
         self.previous = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
 
 
-def run(accumulate: int) -> dict:
+class GradLayout(L.Callback):
+    """Split weights whose gradient, at the optimizer step, is not split like the weight; and gradients that
+    view a larger tensor than themselves (meaningful without data parallel: FSDP2 keeps all of a unit's
+    gradients in one flat buffer, by design)."""
+
+    def __init__(self) -> None:
+        self.unlike: set[str] = set()
+        self.oversized: set[str] = set()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for name, param in pl_module.named_parameters():
+            if not isinstance(param, DTensor) or not isinstance(param.grad, DTensor):
+                continue
+            if param.grad.placements != param.placements:
+                self.unlike.add(f"{name}: {param.grad.placements} for {param.placements}")
+            piece = param.grad.to_local()
+            if piece.untyped_storage().nbytes() > piece.numel() * piece.element_size():
+                self.oversized.add(f"{name}: {tuple(piece.shape)} in {piece.untyped_storage().nbytes()} bytes")
+
+
+def run(accumulate: int, **layout) -> dict:
     L.seed_everything(0, verbose=False)
-    watch = GradLifetime()
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=2, accumulate_grad_batches=accumulate,
-                        strategy=ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=2), callbacks=[watch],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    lifetime, grad_layout = GradLifetime(), GradLayout()
+    pipelined = layout.get("pipeline_parallel_size", 1) > 1
+    strategy = ThreeDStrategy(**layout, **(dict(num_microbatches=2) if pipelined else {}))
+    trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=2, accumulate_grad_batches=accumulate,
+                        strategy=strategy, callbacks=[lifetime, grad_layout], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
     module = GPTLightningModule(config=GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64))
     trainer.fit(module, SyntheticDataModule(vocab_size=64, seq_len=16, batch_size=4))
-    return {str(batch): alive for batch, alive in watch.alive.items()}
+    return {"alive": {str(batch): alive for batch, alive in lifetime.alive.items()},
+            "grads_unlike_weights": sorted(grad_layout.unlike), "oversized_grads": sorted(grad_layout.oversized)}
 
 
 def main(out_dir: str) -> None:
-    result = {"no_accumulation": run(1), "accumulate_2": run(2)}
+    pp2_tp2 = dict(pipeline_parallel_size=2, tensor_parallel_size=2)
+    result = {"dp2_pp2": run(1, pipeline_parallel_size=2), "pp2_tp2": run(1, **pp2_tp2),
+              "pp2_tp2_accumulate_2": run(2, **pp2_tp2), "dp2_tp2": run(1, tensor_parallel_size=2)}
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     end_process_group()
 
