@@ -5,7 +5,7 @@ A model whose init cannot be replayed module by module (``parallel.init_record``
 and streamed into every rank's shards (``weight_init.stream_from_rank0``). Built for real, that build is the
 whole model. Here it is built on the meta device instead, under an :class:`InitTape`: a
 ``TorchDispatchMode`` that notes every aten op the build runs, with its arguments (tensors by the storage they
-view). :meth:`InitTape.replay` then runs the same ops on the host, in the same order, from the same random
+view). :meth:`InitTape.tensors` then runs the same ops on the host, in the same order, from the same random
 state, so every draw gets the same numbers as the build as written -- but it holds a tensor only while its
 value is still needed:
 
@@ -99,7 +99,7 @@ class _Storage:
 
 class InitTape(TorchDispatchMode):
     """Enter (with :class:`OnMeta` outside it) around a build on the meta device; then :meth:`finish` with
-    the built model, check :attr:`problem`, and :meth:`replay`. See the module doc."""
+    the built model, check :attr:`problem`, then :meth:`order` and :meth:`tensors`. See the module doc."""
 
     def __init__(self, rng_state: Tensor) -> None:
         super().__init__()
@@ -111,7 +111,10 @@ class InitTape(TorchDispatchMode):
         self._keep: list[Tensor] = []  # every tensor seen, kept alive so storage keys stay unique
         self._finals: dict[int, list[tuple[str, _View]]] = {}  # storage -> the model's (name, view) of it
         self._plan: list[list[int]] = []  # per op: the storages to hand out (final) or free after it
+        self._keep_op: list[bool] = []  # per op: whether the replay runs it
+        self._last_use: dict[int, int] = {}  # storage -> the last op that touches it
         self.peak_bytes = 0
+        """The most host bytes the replay holds at once (planned by :meth:`finish`, before anything runs)."""
 
     # ------------------------------------------------------------------ recording
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -193,7 +196,7 @@ class InitTape(TorchDispatchMode):
             if view is None:
                 return
             self._finals.setdefault(view.key, []).append((name, view))
-        last_use = self._last_use = {}
+        last_use = self._last_use
         for i, op in enumerate(self.ops):
             for key in _touched(op):
                 last_use[key] = i
@@ -206,9 +209,9 @@ class InitTape(TorchDispatchMode):
             # After op i: hand out a final value at its last touch; drop what no later op needs.
             self._plan[i] = [key for key in _touched(op) if last_use[key] == i or key not in needed]
             useful = bool((op.writes | {k for _, k in op.made}) & needed)
-            self._keep_op[i] = useful or op.random
+            self._keep_op[i] = useful or op.random  # a draw always runs: the random stream must advance as it did
             needed -= op.overwrites | {k for _, k in op.made}
-            if useful:
+            if self._keep_op[i]:  # what it reads must be there when it runs
                 needed |= op.reads | (op.writes - op.overwrites)
         self.peak_bytes = self._simulate()
 
