@@ -1,6 +1,6 @@
 """Small definitions every layer uses, written once: the bottom of the package (it imports no other module
-of it). Schedule names, the positive-integer test, divisors, module names (FQNs) and the local piece of a
-tensor that may be a DTensor."""
+of it). Schedule names, the positive-integer test, divisors, module names (FQNs), a module's tensors by
+name and the local piece of a tensor that may be a DTensor."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def join_fqn(prefix: str, name: str) -> str:
 def parent_fqn(fqn: str) -> str:
     """The FQN of the module that holds ``fqn`` ("" for a child of the root)."""
     return fqn.rpartition(".")[0]
+
+
+def named_tensors(module: Any) -> dict[str, Any]:
+    """Every parameter and buffer of ``module`` by FQN; a tensor several modules hold (tied weights) under each
+    of its names."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
 
 
 def local(tensor: Any) -> Any:

@@ -24,7 +24,8 @@ The build runs with the factory functions sent to the meta device by :class:`OnM
 host, as written, and its values are kept.
 
 What the tape cannot replay is found before any weight is made (:attr:`InitTape.problem`): a meta tensor
-made outside the build, a view that reads a storage as another dtype. The strategy then builds on the host.
+made outside the build, a view that reads a storage as another dtype, a tensor on an accelerator (a device
+the build names itself). The strategy then builds on the host.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_3d.common import named_tensors
 from lightning_3d.parallel.init_record import storage_key
 
 # Constructors that take no data: sent to the meta device. ``torch.tensor(data)`` and the like keep their values.
@@ -149,6 +151,9 @@ class InitTape(TorchDispatchMode):
         out_flat, _ = tree_flatten(out)
         for j, leaf in enumerate(out_flat):
             if isinstance(leaf, Tensor):
+                if leaf.device.type not in ("meta", "cpu"):  # a device given explicitly: not replayed on the host
+                    self.problem = f"the build makes a {tuple(leaf.shape)} tensor on {leaf.device} ({func})"
+                    return
                 key = storage_key(leaf)
                 if key not in self.storages:
                     self._keep.append(leaf)
@@ -163,6 +168,10 @@ class InitTape(TorchDispatchMode):
             if tensor.is_meta:
                 self.problem = (f"a {tuple(tensor.shape)} tensor on the meta device made before the build reaches"
                                 " it (the tape cannot know its values)")
+                return None
+            if tensor.device.type != "cpu":
+                self.problem = (f"a {tuple(tensor.shape)} tensor on {tensor.device} reaches the build (the replay"
+                                " runs on the host)")
                 return None
             self._keep.append(tensor)  # a host tensor made outside the tape: kept by value
             storage = self.storages[key] = _Storage(tensor.dtype, _storage_numel(tensor),
@@ -189,9 +198,7 @@ class InitTape(TorchDispatchMode):
     def finish(self, model: nn.Module) -> None:
         """Note the tensors the build ended with (``model``'s parameters and buffers, by name) and plan the
         replay: what each op must run for, and when each storage is handed out or freed."""
-        tensors = {**dict(model.named_parameters(remove_duplicate=False)),
-                   **dict(model.named_buffers(remove_duplicate=False))}
-        for name, tensor in tensors.items():
+        for name, tensor in named_tensors(model).items():
             view = self._view(tensor) if self.problem is None else None
             if view is None:
                 return

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_3d.common import named_tensors
 from lightning_3d.errors import InitError
 
 InitModule = Callable[[nn.Module], None]
@@ -158,8 +159,7 @@ class HostBuild:
 
     def __init__(self, model: nn.Module) -> None:
         self._groups: dict[int, tuple[list[str], Tensor]] = {}
-        for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                             *model.named_buffers(remove_duplicate=False)]:
+        for name, tensor in named_tensors(model).items():
             self._groups.setdefault(id(tensor), ([], tensor))[0].append(name)
 
     def order(self) -> list[list[str]]:
@@ -180,10 +180,7 @@ def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: WeightSourc
     tensor in flight, and rank 0 also what ``source`` holds: the whole model for a :class:`HostBuild` (as
     ``set_model_state_dict(..., broadcast_from_rank0=True)``), the tensors being initialized for a replay.
     """
-    targets = {**dict(model.named_parameters(remove_duplicate=False)),
-               **dict(model.named_buffers(remove_duplicate=False))}
-    metas = {**dict(skeleton.named_parameters(remove_duplicate=False)),
-             **dict(skeleton.named_buffers(remove_duplicate=False))}
+    targets, metas = named_tensors(model), named_tensors(skeleton)
     order = _order_from_rank0(source)
     streamed = {name for names in order for name in names}
     if streamed != set(metas):  # the same on every rank: raised before any tensor is sent

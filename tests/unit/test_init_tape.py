@@ -96,8 +96,11 @@ def test_the_replay_follows_the_default_dtype_the_build_ran_under():
         tape = record(build, start)
     finally:
         torch.set_default_dtype(torch.float32)
+    handed = 0
     for names, tensor in tape.tensors():
         assert tensor.dtype == eager[names[0]].dtype and torch.equal(tensor, eager[names[0]])
+        handed += len(names)
+    assert handed == len(eager) and eager["model.embed_tokens.weight"].dtype == torch.bfloat16
 
 
 def _rss_kib(field: str) -> int:
