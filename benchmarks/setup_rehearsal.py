@@ -6,6 +6,7 @@
 The GPT takes the meta route (every rank replays the reset_parameters() of its shards); the Llama, built from
 its config in ``configure_model()``, initializes in ``post_init()`` and takes the exact route (global rank 0
 replays the recorded build op by op and streams each tensor into every rank's shards: ``parallel.init_tape``).
+``--model-init fast`` takes the fast route instead: each rank replays the build for its own stages only.
 
 Per rank it prints: its share of the parameters, the largest single tensor, the peak growth of its resident
 memory during set-up (from just before ``fit`` to the first batch) against the goal of 1.25 x the share + the
@@ -110,6 +111,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("gpt_1b", "llama_1b"), default="gpt_1b")
     parser.add_argument("--glibc-defaults", action="store_true", help="keep malloc's own thresholds")
+    parser.add_argument("--model-init", choices=("auto", "fast"), default="auto",
+                        help="ThreeDStrategy(model_init=...): 'fast' replays the build on each rank for its own"
+                             " stages only, every draw seeded apart")
     args = parser.parse_args()
     if not args.glibc_defaults:  # before the ranks start: malloc reads them once
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -159,7 +163,7 @@ def main() -> None:
     whole = sum(t.numel() * t.element_size() for t in {id(t): t for t in probe.parameters()}.values())
     del probe
     strategy = ThreeDStrategy(tensor_parallel_size=LAYOUT["tp"], pipeline_parallel_size=LAYOUT["pp"],
-                              num_microbatches=MICROBATCHES)
+                              num_microbatches=MICROBATCHES, model_init=args.model_init)
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, limit_val_batches=0,
                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -175,13 +179,13 @@ def main() -> None:
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
-        _report(args.model, rows)
+        _report(args.model, args.model_init, rows)
     dist.destroy_process_group()
 
 
-def _report(model: str, rows: list[dict]) -> None:
+def _report(model: str, model_init: str, rows: list[dict]) -> None:
     mib = 2**20
-    print(f"{model}: {rows[0]['model_bytes'] / mib:.0f} MiB of fp32 parameters, largest tensor"
+    print(f"{model} (model_init={model_init!r}): {rows[0]['model_bytes'] / mib:.0f} MiB of fp32 parameters, largest tensor"
           f" {rows[0]['largest_bytes'] / mib:.0f} MiB, (dp, pp, tp) = (1, 2, 2), {SEQ} tokens x {MICROBATCHES}"
           " micro-batches, plain SGD")
     print("rank  coords              share  set-up peak   goal  set-up s | step peak  planner  ratio | between"

@@ -10,7 +10,7 @@ from lightning_3d.errors import ParallelConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
-MODEL_INIT = ("auto", "exact", "meta")
+MODEL_INIT = ("auto", "exact", "meta", "fast")
 PIPELINE_REDUCE_GRADS = ("per_step", "per_microbatch")
 
 
@@ -67,7 +67,11 @@ class ParallelConfig:
     model_init: str = "auto"
     """How full weights come to be: "exact" builds the model on the host as written; "meta" builds it on the
     meta device and replays each module's ``reset_parameters()`` per shard; "auto" takes "exact" for a model
-    built in ``__init__`` and "meta" for one built in ``configure_model()``."""
+    built in ``__init__`` and "meta" for one built in ``configure_model()`` (or "exact" where replaying the
+    resets would give other weights); "fast", for the largest models, replays the build's own ops on each
+    rank's device for its own pipeline stages only, each random draw seeded apart: the same weights at every
+    layout and in one process under "fast", drawn from the same distributions as the build as written, but
+    not its numbers (``lightning_3d.parallel.weight_init``)."""
 
     vocab_parallel_loss: bool = True
     """Under tp > 1, keep the logits sharded over the vocabulary and compute ``F.cross_entropy`` on the shards

@@ -30,6 +30,7 @@ the build names itself). The strategy then builds on the host.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -203,24 +204,29 @@ class InitTape(TorchDispatchMode):
             if view is None:
                 return
             self._finals.setdefault(view.key, []).append((name, view))
-        last_use = self._last_use
         for i, op in enumerate(self.ops):
             for key in _touched(op):
-                last_use[key] = i
-        # Backwards: a value is needed if a later op reads it before overwriting it, or it is a final value.
-        needed = set(self._finals)
-        self._keep_op = [False] * len(self.ops)
-        self._plan = [[] for _ in self.ops]
+                self._last_use[key] = i
+        # A draw always runs: the random stream must advance as it did.
+        self._keep_op, self._plan = self._schedule(set(self._finals), keep_draws=True)
+        self.peak_bytes = self._simulate()
+
+    def _schedule(self, finals: set[int], keep_draws: bool) -> tuple[list[bool], list[list[int]]]:
+        """Which ops a replay that must produce the storages ``finals`` runs, and after each op the storages it
+        hands out (a final value, at its last touch) or frees (no later op needs it). Planned backwards: a value
+        is needed if a later op that runs reads it before overwriting it, or it is one of ``finals``."""
+        needed = set(finals)
+        keep_op = [False] * len(self.ops)
+        plan: list[list[int]] = [[] for _ in self.ops]
         for i in range(len(self.ops) - 1, -1, -1):
             op = self.ops[i]
-            # After op i: hand out a final value at its last touch; drop what no later op needs.
-            self._plan[i] = [key for key in _touched(op) if last_use[key] == i or key not in needed]
+            plan[i] = [key for key in _touched(op) if self._last_use[key] == i or key not in needed]
             useful = bool((op.writes | {k for _, k in op.made}) & needed)
-            self._keep_op[i] = useful or op.random  # a draw always runs: the random stream must advance as it did
+            keep_op[i] = useful or (keep_draws and op.random)
             needed -= op.overwrites | {k for _, k in op.made}
-            if self._keep_op[i]:  # what it reads must be there when it runs
+            if keep_op[i]:  # what it reads must be there when it runs
                 needed |= op.reads | (op.writes - op.overwrites)
-        self.peak_bytes = self._simulate()
+        return keep_op, plan
 
     def order(self) -> list[list[str]]:
         """The model's tensor names grouped by storage (tied weights together), in the order replay hands
@@ -250,26 +256,50 @@ class InitTape(TorchDispatchMode):
         the host generator where the build as written leaves it."""
         if self.problem is not None:
             raise RuntimeError(f"the init tape cannot be replayed: {self.problem}")
-        host: dict[int, Tensor] = {key: s.constant for key, s in self.storages.items() if s.constant is not None}
         torch.set_rng_state(self.rng_state)
+        yield from self._replay(set(self._finals), self._keep_op, self._plan, torch.device("cpu"), seed=None)
+
+    def seeded_tensors(self, names: set[str], device: torch.device, seed: int) -> Iterator[tuple[list[str], Tensor]]:
+        """The fast route (``model_init="fast"``): only the tensors ``names`` are made (one rank's pipeline
+        stages), on ``device``, by the build's own ops -- but every draw from a seed of its own, derived from
+        ``seed`` and the draw's place in the build, instead of from one stream in build order. So a tensor's
+        values depend on the seed and the build, not on which other tensors are made, nor on the layout; they
+        are not the numbers the build as written draws. Yields like :meth:`tensors`; leaves the random state as
+        it found it."""
+        if self.problem is not None:
+            raise RuntimeError(f"the init tape cannot be replayed: {self.problem}")
+        finals = {key for key, held in self._finals.items() if any(name in names for name, _ in held)}
+        keep_op, plan = self._schedule(finals, keep_draws=False)
+        on_device = [device.index if device.index is not None else torch.accelerator.current_device_index()] \
+            if device.type != "cpu" else []
+        with torch.random.fork_rng(devices=on_device, device_type=device.type if on_device else "cuda"):
+            yield from self._replay(finals, keep_op, plan, device, seed)
+
+    def _replay(self, finals: set[int], keep_op: list[bool], plan: list[list[int]], device: torch.device,
+                seed: int | None) -> Iterator[tuple[list[str], Tensor]]:
+        host: dict[int, Tensor] = {key: s.constant.to(device) for key, s in self.storages.items()
+                                   if s.constant is not None}
         with torch.no_grad():
             for i, op in enumerate(self.ops):
-                if self._keep_op[i]:
-                    self._run(op, host)
-                for key in self._plan[i]:
-                    if key in self._finals and self._last_use[key] == i:
+                if keep_op[i]:
+                    if seed is not None and op.random:
+                        torch.manual_seed(_draw_seed(seed, i))
+                    self._run(op, host, device)
+                for key in plan[i]:
+                    if key in finals and self._last_use[key] == i:
                         yield self._final(key, host)
                     host.pop(key, None)
-        for key in self._finals:  # constants no op touched
+        for key in finals:  # constants no op touched
             if key in host:
                 yield self._final(key, host)
 
-    def _run(self, op: _Op, host: dict[int, Tensor]) -> None:
+    def _run(self, op: _Op, host: dict[int, Tensor], device: torch.device) -> None:
         for key in op.writes:
             if key not in host:  # its previous value was not needed: fresh memory to write into
                 storage = self.storages[key]
-                host[key] = torch.empty(storage.numel, dtype=storage.dtype)
-        leaves = [host[a.key].as_strided(a.size, a.stride, a.offset) if isinstance(a, _View) else a
+                host[key] = torch.empty(storage.numel, dtype=storage.dtype, device=device)
+        leaves = [host[a.key].as_strided(a.size, a.stride, a.offset) if isinstance(a, _View)
+                  else device if isinstance(a, torch.device) and a.type == "cpu" else a
                   for a in op.flat_args]
         args, kwargs = tree_unflatten(leaves, op.spec)
         out = op.func(*args, **kwargs)
@@ -280,6 +310,12 @@ class InitTape(TorchDispatchMode):
     def _final(self, key: int, host: dict[int, Tensor]) -> tuple[list[str], Tensor]:
         (_, view), names = self._finals[key][0], [name for name, _ in self._finals[key]]
         return names, host[key].as_strided(view.size, view.stride, view.offset)
+
+
+def _draw_seed(seed: int, index: int) -> int:
+    """The fast route's seed for the draw at position ``index`` of the build."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def _touched(op: _Op) -> set[int]:

@@ -32,8 +32,9 @@ from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sha
 from lightning_3d.parallel.sequence_length import check_sequence_length, guard_sequence_lengths
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan, reduce_partial_grads
 from lightning_3d.parallel.tied import TiedGradients, embedding_group, retie
-from lightning_3d.parallel.weight_init import (WeightSource, broadcast_from_rank0, check_replayable, is_on_meta,
-                                              materialize, replay_init, stream_from_rank0)
+from lightning_3d.parallel.init_tape import InitTape
+from lightning_3d.parallel.weight_init import (WeightSource, broadcast_from_rank0, check_replayable, fill_seeded,
+                                              is_on_meta, materialize, replay_init, seed_of, stream_from_rank0)
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.pipeline.random_replay import state_bytes, state_tensor
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
@@ -57,6 +58,10 @@ class InitialWeights:
     source: WeightSource | None = None
     """On global rank 0 when ``streamed``: that build's tensors, by the LightningModule's names (a recorded
     build replayed op by op, ``parallel.init_tape``, or a host build)."""
+    seeded: InitTape | None = None
+    """``model_init="fast"``: the build recorded on the meta device, which every rank replays for its own
+    tensors only, on its device, each draw seeded apart (``InitTape.seeded_tensors``): not the numbers of the
+    build as written, but the same at every layout."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         check_tp_plan(module, plan.tp_plan, dims.tp)  # on the whole model, before any split
     params_loaded = config.init_from is not None  # init_from fills the parameters: only buffers are initialized
     on_meta = is_on_meta(module)
-    if on_meta and not weights.streamed:
+    if on_meta and not weights.streamed and weights.seeded is None:
         check_replayable(module, plan.init_module, params_loaded)
     # Every rank continues rank 0's random stream (they differ if the user did not seed): the same initial
     # weights, and the same dropout masks where data is replicated (lightning_3d.parallel.rng).
@@ -142,11 +147,14 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         apply_activation_checkpointing(module, plan, config.activation_checkpointing)
 
     # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
-    #    fill them from rank 0's build as written, one full tensor at a time (exact, streamed), or keep the
-    #    broadcast weights (exact, built on every rank).
+    #    fill them from rank 0's build as written, one full tensor at a time (exact, streamed), or replay the
+    #    recorded build for this rank's tensors only, each draw seeded apart (fast), or keep the broadcast
+    #    weights (exact, built on every rank).
     if on_meta:
         materialize(module, device)
-        if weights.streamed:
+        if weights.seeded is not None:
+            fill_seeded(module, weights.seeded, device, seed_of(rank0["init"]))
+        elif weights.streamed:
             stream_from_rank0(skeleton, module, weights.source, device)
             # A replay of the build on rank 0 left its generator where the build as written leaves it.
             torch.set_rng_state(state_tensor(_from_rank0({"now": state_bytes(torch.get_rng_state())})["now"]))
@@ -154,7 +162,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
             replay_init(skeleton, module, state_tensor(rank0["init"]), plan.init_module, params_loaded,
                         weights.reset_order)
     module.to(device)
-    init = "exact" if weights.streamed or not on_meta else "meta"
+    init = "fast" if weights.seeded is not None else "exact" if weights.streamed or not on_meta else "meta"
     rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
 
     # 6. Precision: Lightning's plugin converts the weights ("bf16-true") before data parallel shards them.

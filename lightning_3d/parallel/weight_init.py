@@ -35,9 +35,10 @@ initialized only if they own buffers (rotary frequencies), and need no ``init_mo
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from functools import partial
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_3d.common import named_tensors
 from lightning_3d.errors import InitError
+
+if TYPE_CHECKING:
+    from lightning_3d.parallel.init_tape import InitTape
 
 InitModule = Callable[[nn.Module], None]
 """Initializes one module's own parameters and buffers in place (``Plan.init_module``)."""
@@ -205,6 +209,23 @@ def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: WeightSourc
             del full
         for _ in tensors or ():  # a replay runs to its end, leaving the random state the build leaves
             pass
+
+
+def fill_seeded(model: nn.Module, tape: InitTape, device: torch.device, seed: int) -> None:
+    """Fill the materialized (split, sharded) ``model`` from the recorded build ``tape``, replayed on ``device``
+    for this rank's tensors only, every draw seeded apart from ``seed`` (``InitTape.seeded_tensors``; no
+    collective). A rank holds its shards plus one full tensor of its own stages at a time."""
+    targets = named_tensors(model)
+    for names, full in tape.seeded_tensors(set(targets), device, seed):
+        for name in names:
+            if name in targets:
+                _copy_slice(full, targets[name])
+
+
+def seed_of(rng_state: bytes) -> int:
+    """The fast route's seed: from the host random state the build started from (on global rank 0), so that
+    ``seed_everything`` sets it and every rank agrees."""
+    return int.from_bytes(hashlib.sha256(rng_state).digest()[:8], "little")
 
 
 def _order_from_rank0(source: WeightSource | None) -> list[list[str]]:

@@ -26,9 +26,10 @@ def check_model(module: Optional[pl.LightningModule], config: ParallelConfig) ->
             "pipeline_parallel_size > 1 runs backward inside the pipeline schedule, which manual"
             " optimization (self.manual_backward) cannot drive. Use automatic optimization, or pp=1."
         )
-    if config.model_init == "meta" and built_eagerly:
+    if config.model_init in ("meta", "fast") and built_eagerly:
         raise ParallelConfigError(
-            f"model_init='meta' needs the model built in configure_model(), but {type(module).__name__} already"
+            f"model_init={config.model_init!r} needs the model built in configure_model(), but"
+            f" {type(module).__name__} already"
             " has parameters from __init__. Move their construction to configure_model(), or use"
             " model_init='auto'."
         )

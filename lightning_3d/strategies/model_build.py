@@ -62,6 +62,12 @@ class WatchedBuild:
         metrics = _metrics_on_meta(module)
         if record is None or not (is_on_meta(module) or metrics):
             return plan, InitialWeights(self._rng_state)
+        if self.model_init == "fast" and metrics is None:
+            tape = self._record_build(module, precision)
+            if tape.problem is None:
+                return plan, InitialWeights(self._rng_state, seeded=tape)
+            rank_zero_info(f"lightning_3d: model_init='fast' cannot replay the recorded build ({tape.problem});"
+                           " taking model_init='auto' instead")
         why = metrics or record.verdict(module, plan.init_module, params_loaded=params_loaded)
         if why is None:
             return plan, InitialWeights(self._rng_state, record.reset_order(module))
@@ -99,7 +105,6 @@ class WatchedBuild:
             tape = self._record_build(module, precision)
             if tape.problem is None:
                 _check_host_memory(tape.peak_bytes, "replaying the recorded build op by op holds", module)
-                built.restore(module)
                 return tape
             rank_zero_info(f"lightning_3d: the recorded build cannot be replayed ({tape.problem}); building the"
                            " whole model on global rank 0's host instead")
@@ -121,12 +126,15 @@ class WatchedBuild:
         return source
 
     def _record_build(self, module: pl.LightningModule, precision: Precision) -> InitTape:
-        """configure_model() run again from where it started, on the meta device, under an :class:`InitTape`."""
+        """configure_model() run again from where it started, on the meta device, under an :class:`InitTape`;
+        ``module`` keeps the meta build it had (which every rank parallelizes)."""
+        built = ModuleAttributes(module)
         self._before.restore(module)
         tape = InitTape(self._rng_state)
         with precision.module_init_context(), OnMeta(), tape:
             module.configure_model()
         tape.finish(nn.ModuleDict(dict(module.named_children())))
+        built.restore(module)
         return tape
 
 

@@ -53,11 +53,11 @@ GPT2_CASES = {c.name: c for c in [
 ]}
 
 
-def user_init_case(module, dp, pp, tp, **strategy):
+def user_init_case(module, dp, pp, tp, tag="", **strategy):
     """One step at learning rate 0 of a model that initializes itself its own way (helpers/user_models.py):
     the parameters after it are the initial ones, the loss and gradient norm are those at init."""
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
-    return Case(name=f"{module}_{dp}_{pp}_{tp}", module=module, strategy_kwargs=kwargs, dp=dp, steps=1,
+    return Case(name=f"{module}{tag}_{dp}_{pp}_{tp}", module=module, strategy_kwargs=kwargs, dp=dp, steps=1,
                 learning_rate=0.0, model=dict(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=64))
 
 
@@ -68,6 +68,13 @@ USER_INIT_CASES = {c.name: c for c in [
     user_init_case("user_llama", 2, 1, 1),
     user_init_case("user_llama", 1, 1, 2),
     user_init_case("user_llama", 1, 2, 1),
+]}
+
+# model_init="fast" (each rank replays the build for its own stages, every draw seeded apart): one process under
+# "fast" is the reference of every layout under "fast" (parity/test_parity_user_model_init.py).
+FAST_INIT_CASES = {c.name: c for c in [
+    user_init_case(module, *layout, tag="_fast", model_init="fast")
+    for module in ("user_nanogpt", "user_llama") for layout in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2)]
 ]}
 
 
@@ -104,7 +111,7 @@ def hf_results(tmp_path_factory) -> dict[str, Result]:
     """Every Hugging Face parity run's result by name, launched once per pytest session."""
     if not _RESULTS:
         out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
-        cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(),
+        cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(), *FAST_INIT_CASES.values(),
                  *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values()]
         _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
     return _RESULTS

@@ -216,3 +216,63 @@ def test_a_host_build_larger_than_the_host_memory_is_refused_before_allocating(m
     monkeypatch.setattr(model_build, "host_memory_available", lambda: 4096)
     with pytest.raises(InitError, match=r"GiB of host memory.*init_from"):
         exact_route_source(BUILDS["nanogpt"])
+
+
+# ---------------------------------------------------------------------- the fast route (model_init="fast")
+def seeded(tape: InitTape, names, seed=5) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for group, t in tape.seeded_tensors(set(names), torch.device("cpu"), seed) for n in group}
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_the_fast_route_gives_each_tensor_the_same_values_whichever_others_are_made(name):
+    # A rank makes only its stages' tensors: each must come out as it does when all are made, so every
+    # layout starts from the same weights. Drawn apart, from the build's own ops: the same distributions.
+    torch.manual_seed(3)
+    eager = {n: t.detach() for n, t in tensors_of(BUILDS[name]()).items()}
+    tape = record(BUILDS[name], torch.get_rng_state())
+    state = torch.get_rng_state()
+    whole = seeded(tape, eager)
+    assert torch.equal(torch.get_rng_state(), state)  # the random state is left as it was
+    assert sorted(whole) == sorted(eager)
+    names = sorted(eager)
+    half = seeded(tape, names[::2])
+    assert sorted(half) == sorted(names[::2]) or set(half) > set(names[::2])  # tied partners come along
+    assert all(torch.equal(half[n], whole[n]) for n in names[::2])
+    again, other_seed = seeded(tape, eager), seeded(tape, eager, seed=6)
+    drawn = 0
+    for n, expected in eager.items():
+        got = whole[n]
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, again[n])
+        if torch.equal(got, other_seed[n]):  # no draw reaches it (ones, zeros, rotary frequencies): as written
+            assert torch.equal(got, expected), n
+            continue
+        drawn += 1
+        assert not torch.equal(got, expected), n  # drawn apart: not the build's numbers...
+        if expected.numel() >= 256:  # ...but from its distributions
+            assert math.isclose(got.double().std(), expected.double().std(), rel_tol=0.2), n
+            assert abs(got.double().mean() - expected.double().mean()) < 0.2 * expected.double().std(), n
+    assert drawn >= 1
+
+
+def test_the_fast_route_makes_only_the_tensors_asked_for():
+    # A stage's rank holds its own tensors plus one in flight: the rest of the model is never drawn.
+    build = hf(transformers.LlamaConfig, transformers.LlamaForCausalLM, vocab_size=4096, hidden_size=256,
+               intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4)
+    tape = record(build, torch.get_rng_state())
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountDraws(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.endswith(("normal_", "uniform_")):
+                CountDraws.elements += args[0].numel()
+            return func(*args, **(kwargs or {}))
+
+    every = [n for names in tape.order() for n in names]
+    layer0 = [n for n in every if n.startswith("model.layers.0.")]
+    with CountDraws():
+        made = seeded(tape, layer0)
+    assert sorted(made) == sorted(layer0)
+    layer_elements = sum(t.numel() for t in made.values() if t.dim() == 2)
+    assert CountDraws.elements == layer_elements  # nn.Linear's kaiming draw, redrawn by post_init, is skipped too
