@@ -21,7 +21,8 @@ One process, one device, the reference GPT (``lightning_3d.models``), one fixed 
 * **setup** -- ``ThreeDStrategy``'s set-up on each init route (``lightning_3d.parallel.weight_init``): the
   reference GPT built in ``configure_model()`` (meta route: its resets replayed on the device's tensors) and
   the same GPT re-initialized from the root as nanoGPT does (exact route: the build recorded on meta and
-  replayed op by op on the host, ``parallel.init_tape``). Set-up seconds, peak host memory growth (Linux's
+  replayed op by op on the host, ``parallel.init_tape``), and that GPT under ``model_init="fast"`` (the recorded
+  build replayed on the device, each draw seeded apart). Set-up seconds, peak host memory growth (Linux's
   VmHWM) and peak device memory, from before ``fit`` to the first batch.
 
 MFU = model FLOPs per step / step time / the GPU's dense bf16 peak. Model FLOPs per token are PaLM's
@@ -330,14 +331,17 @@ def setup_routes(bench: Bench) -> list[Run]:
             self.device = bench.peak_memory()
             trainer.should_stop = True  # set-up measured: no step
 
-    for name, module in (("meta route", bench.module()),
-                         ("exact route (replayed)", AsWritten(config=bench.config(), learning_rate=3e-4))):
+    for name, module, model_init in (
+            ("meta route", bench.module(), "auto"),
+            ("exact route (replayed)", AsWritten(config=bench.config(), learning_rate=3e-4), "auto"),
+            ("fast route (on the device)", AsWritten(config=bench.config(), learning_rate=3e-4), "fast")):
         L.seed_everything(0, verbose=False)
         bench.reset_memory()
         Path("/proc/self/clear_refs").write_text("5")
         probe = SetUp()
         probe.host_before, probe.start = status_kib("VmRSS"), time.perf_counter()
-        L.Trainer(accelerator=bench.device.type, devices=1, strategy=ThreeDStrategy(), precision="bf16-mixed",
+        L.Trainer(accelerator=bench.device.type, devices=1, strategy=ThreeDStrategy(model_init=model_init),
+                  precision="bf16-mixed",
                   max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                   callbacks=[probe]).fit(module, bench.loader())

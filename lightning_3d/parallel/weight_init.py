@@ -1,6 +1,6 @@
 """Layout-independent initialization: with one seed, every layout starts from the same full weights.
 
-Two ways there (``ParallelConfig.model_init``):
+Three ways there (``ParallelConfig.model_init``):
 
 * **exact** -- the model as the user wrote it. Built in ``configure_model()`` under ``model_init="auto"``
   (when its init cannot be replayed module by module): only global rank 0 builds it again, as written --
@@ -17,6 +17,12 @@ Two ways there (``ParallelConfig.model_init``):
   random state that construction started from, then keeps only this rank's slice. At most one module's full
   tensors exist at a time. Every rank draws every module (even those on other pipeline stages) so the random
   stream, and the state it is left in, are the same on every rank and equal an eager build's.
+
+* **fast** (``model_init="fast"``, opt-in, for the largest models) -- every rank records the build on the meta
+  device (``parallel.init_tape``) and :func:`fill_seeded` replays only the ops that make its own tensors, on
+  its own device, each random draw seeded apart (from the seed and the draw's place in the build). The
+  model's own init code and distributions, the same weights at every layout and in one process under
+  "fast", no collective -- but not the numbers the build as written draws from one stream.
 
 The meta way is taken only where it is proven to give the eager build's weights: the build on the meta
 device runs under a :class:`~lightning_3d.parallel.init_record.ConstructionRecord`, which watches every
@@ -43,7 +49,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_3d.common import named_tensors
 from lightning_3d.errors import InitError
@@ -274,10 +280,31 @@ def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
 
 
 def _copy_slice(full: Tensor, target: Tensor) -> None:
-    """Copy the part of the full tensor that ``target`` (a plain tensor or a DTensor shard) holds."""
-    if isinstance(target, DTensor):
-        # src_data_rank=None: every rank already has the full tensor; slice locally, no communication.
-        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        target.to_local().copy_(local)
-    else:
+    """Copy the part of the full tensor that ``target`` (a plain tensor or a DTensor shard) holds. The full
+    tensor is sliced where it lies and only the slice moves: the host's draw of a whole weight never goes to
+    the GPU (which ``distribute_tensor`` would do first)."""
+    if not isinstance(target, DTensor):
         target.copy_(full)
+        return
+    local = target.to_local()
+    piece = _host_slice(full, target)
+    if piece is None or piece.shape != local.shape:
+        # src_data_rank=None: every rank already has the full tensor; slice locally, no communication.
+        piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    local.copy_(piece)
+
+
+def _host_slice(full: Tensor, target: DTensor) -> Tensor | None:
+    """This rank's part of ``full`` for ``target``'s plain ``Shard``/``Replicate`` placements, cut where
+    ``full`` lies (``torch.chunk``'s split, as ``Shard`` cuts); None for other placements."""
+    coordinate = target.device_mesh.get_coordinate()
+    if coordinate is None or not all(p.is_replicate() or type(p) is Shard for p in target.placements):
+        return None
+    piece = full
+    for placement, index, size in zip(target.placements, coordinate, target.device_mesh.shape):
+        if placement.is_shard():
+            chunks = piece.chunk(size, dim=placement.dim)
+            if index >= len(chunks):
+                return None  # an empty shard: left to distribute_tensor
+            piece = chunks[index]
+    return piece
