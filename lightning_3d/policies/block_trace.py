@@ -1,0 +1,347 @@
+"""What one transformer block computes, recorded on the meta device: which projection feeds which, and where
+each output feature of a projection goes.
+
+``policy="auto"`` finds a model's tensor-parallel structure here rather than from module names. One block runs
+on a meta copy (no memory, no data, no random numbers), with the inputs the model itself gives it, under a
+dispatch mode that follows two things through every op:
+
+* **provenance** -- for each tensor, the projections (``nn.Linear``, transformers' ``Conv1D``) whose outputs it
+  derives from, or ``STREAM`` for the block's input, the residual stream. A projection that reads the stream
+  alone is a *column* candidate; one whose output is added back to the stream is an *exit*; an exit that
+  reads only column outputs closes a region (attention, MLP), wherever the two sit among the block's modules
+  (BERT's ``attention.self.query`` and ``attention.output.dense`` are siblings' children).
+* **features** -- for each output feature of a projection, its index, carried by a small integer tensor of
+  the same shape (a *shadow*) through the ops that only move values (view, split, transpose, slice, cat,
+  expand, elementwise arithmetic), on the host. Where a shadow meets an attention product (``q @ k.T``,
+  ``attn @ v``, ``scaled_dot_product_attention``) the trace records which features make up each head; where it
+  reaches a projection, which features sit at each of its inputs. A fused ``q|k|v`` or ``gate|up`` output is
+  then seen for what it is: which of its columns are which head's q, k, v, or which gate goes with which up.
+
+The trace is data for :mod:`lightning_3d.policies.tp_structure`, which decides the split and checks it by
+tracing again as one tp rank holds the block.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+STREAM = "<stream>"
+"""The provenance tag of the block's input hidden states (and of what is added to them)."""
+
+aten = torch.ops.aten
+_MOVES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.select.int,
+    aten.unbind.int, aten.clone.default, aten.alias.default, aten.cat.default, aten.stack.default,
+    aten.chunk.default, aten.narrow.default, aten.flatten.using_ints, aten.unflatten.int, aten.repeat.default,
+    aten.repeat_interleave.self_int, aten.contiguous.default, aten.detach.default, aten.lift_fresh.default,
+}
+"""Ops that only move values: applied to the shadows as they are."""
+_KEEP_SHAPE = {aten._to_copy.default, aten._softmax.default, aten.native_dropout.default}
+"""Ops that keep each value in its place (a cast, dropout, a softmax over heads' rows)."""
+_ADDS = {aten.add.Tensor, aten.add_.Tensor}
+_PRODUCTS = {aten.bmm.default, aten.mm.default, aten.baddbmm.default}
+_SDPA = F.scaled_dot_product_attention
+
+
+def is_projection(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2's transposed linear)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def projection_sizes(module: nn.Module) -> tuple[int, int]:
+    """(in features, out features) of a projection."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]  # Conv1D: weight (in, out)
+
+
+Shadow = dict[str, list[Tensor]]
+"""Projection FQN -> integer tensors shaped like the traced tensor: the projection's output feature at each
+place (several when elementwise arithmetic combines two of its features, as ``act(gate) * up`` does)."""
+
+
+@dataclass
+class HeadEvent:
+    """One attention product, per head (rows of the batched product): the features of each side."""
+
+    q: list[dict[str, frozenset[int]]] = field(default_factory=list)
+    k: list[dict[str, frozenset[int]]] = field(default_factory=list)
+    v: list[dict[str, frozenset[int]]] = field(default_factory=list)
+
+
+@dataclass
+class BlockTrace:
+    """What :func:`trace_block` records (FQNs relative to the block)."""
+
+    order: list[str] = field(default_factory=list)
+    """Projections in the order they ran."""
+    sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    reads: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Projection -> the provenance of its input (``STREAM`` and/or projections)."""
+    exits: set[str] = field(default_factory=set)
+    """Projections whose output was added to the residual stream."""
+    row_inputs: dict[str, Shadow] = field(default_factory=dict)
+    """Projection -> the shadow of its input's last dimension (position -> features), at one token."""
+    attention: list[HeadEvent] = field(default_factory=list)
+    input_id: dict[str, list[str]] = field(default_factory=dict)
+    """Projection -> the modules (outermost first) whose forward received exactly its input tensor."""
+    stream_readers: list[tuple[str, ...]] = field(default_factory=list)
+    """For each op that read a tensor some projection reads: the module stack it ran in."""
+    problem: str | None = None
+
+
+class _Stop(Exception):
+    pass
+
+
+def block_inputs(model: nn.Module, block: nn.Module, tokens: int = 4) -> tuple[tuple, dict] | None:
+    """The positional and keyword arguments ``model`` (on the meta device) passes ``block`` when called on
+    one sequence of ``tokens`` token ids; None when that call fails before reaching the block."""
+    seen: dict[str, Any] = {}
+
+    def stop(_module, args, kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        raise _Stop
+
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, tokens, dtype=torch.long, device="meta"))
+    except _Stop:
+        return seen["args"], seen["kwargs"]
+    except Exception:  # noqa: BLE001 -- a forward meta cannot run, or one that takes other inputs
+        return None
+    finally:
+        handle.remove()
+    return None
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every parameter and buffer on the meta device (nothing is allocated)."""
+    memo = {id(t): meta_like(t, t.shape) for t in [*module.parameters(), *module.buffers()]}
+    return copy.deepcopy(module, memo)
+
+
+def meta_like(tensor: Tensor, shape) -> Tensor:
+    meta = torch.empty(shape, dtype=tensor.dtype, device="meta")
+    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def trace_block(block: nn.Module, args: tuple, kwargs: dict,
+                features: dict[str, Tensor] | None = None) -> BlockTrace:
+    """Run ``block`` (on the meta device) on ``args``/``kwargs`` (its first tensor argument is the residual
+    stream) and record what it computes. ``features``: projection FQN -> the global output feature of each of
+    its local output columns (a tp rank's share, when ``block`` is shrunk to one rank); default: all, in order."""
+    recorder = _Recorder(block, features or {})
+    hidden = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), None)
+    if hidden is None:
+        return BlockTrace(problem="the block takes no tensor")
+    recorder.prov[id(hidden)] = frozenset({STREAM})
+    handles = recorder.hook_modules()
+    try:
+        with torch.no_grad(), _FunctionLevel(recorder), recorder:
+            block(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 -- what meta cannot run, or a shape the split broke
+        recorder.trace.problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorder.trace
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, block: nn.Module, features: dict[str, Tensor]) -> None:
+        super().__init__()
+        self.block, self.features = block, features
+        self.trace = BlockTrace()
+        self.prov: dict[int, frozenset[str]] = {}
+        self.shadow: dict[int, Shadow] = {}
+        self.keep: list[Tensor] = []  # every traced tensor stays alive: ids are keys
+        self.stack: list[str] = []
+        self.projection_inputs: set[int] = set()
+        self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
+        self.in_sdpa = False
+
+    # -- modules ---------------------------------------------------------------------------------------------
+    def hook_modules(self) -> list:
+        handles = []
+        for fqn, module in self.block.named_modules():
+            handles.append(module.register_forward_pre_hook(self._enter(fqn), with_kwargs=True))
+            handles.append(module.register_forward_hook(self._leave(fqn, module)))
+        return handles
+
+    def _enter(self, fqn: str):
+        def hook(module, args, kwargs):
+            self.stack.append(fqn)
+            first = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), None)
+            if first is not None:
+                self._note_input(fqn, module, first)
+        return hook
+
+    def _leave(self, fqn: str, module: nn.Module):
+        def hook(_module, args, output):
+            self.stack.pop()
+            if is_projection(module) and isinstance(output, Tensor):
+                self.prov[id(output)] = frozenset({fqn})
+                index = self.features.get(fqn)
+                if index is None:
+                    index = torch.arange(output.shape[-1])
+                self.shadow[id(output)] = {fqn: [index.expand(output.shape).clone()]}
+                self.keep.append(output)
+        return hook
+
+    def _note_input(self, fqn: str, module: nn.Module, x: Tensor) -> None:
+        self.input_seen.setdefault(id(x), []).append(fqn)
+        if not is_projection(module):
+            return
+        t = self.trace
+        t.order.append(fqn)
+        t.sizes[fqn] = projection_sizes(module)
+        t.reads[fqn] = self.prov.get(id(x), frozenset())
+        t.input_id[fqn] = list(self.input_seen.get(id(x), []))[:-1]
+        self.projection_inputs.add(id(x))
+        shadow = self.shadow.get(id(x))
+        if shadow:
+            t.row_inputs[fqn] = {name: [s.reshape(-1, s.shape[-1])[0] for s in slots] for name, slots in shadow.items()}
+
+    # -- ops -------------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
+        if any(id(a) in self.projection_inputs for a in flat_in):
+            self.trace.stream_readers.append(tuple(self.stack))
+        provs = [self.prov[id(a)] for a in flat_in if id(a) in self.prov]
+        union = frozenset().union(*provs) if provs else frozenset()
+        if func in _ADDS and STREAM in union and len(provs) >= 2:
+            # Added to the residual stream: the other side's projections exit into it.
+            self.trace.exits.update(n for p in provs if STREAM not in p for n in p)
+            union = frozenset({STREAM})
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
+        for o in outs:
+            if union:
+                self.prov[id(o)] = union
+            self.keep.append(o)
+        self._follow_features(func, args, kwargs, out, flat_in, outs)
+        return out
+
+    def _follow_features(self, func, args, kwargs, out, flat_in, outs) -> None:
+        shadowed = [a for a in flat_in if id(a) in self.shadow]
+        if not shadowed:
+            return
+        if func in _PRODUCTS:
+            if not self.in_sdpa:
+                self._product(func, args, outs)
+            return
+        if func in _MOVES:
+            self._move(func, args, kwargs, out, flat_in)
+        elif func in _KEEP_SHAPE or torch.Tag.pointwise in func.tags:
+            merged: Shadow = {}
+            for o in outs[:1]:
+                for a in shadowed:
+                    for name, slots in self.shadow[id(a)].items():
+                        merged.setdefault(name, []).extend(_broadcast(s, o.shape) for s in slots)
+                if merged and all(all(s is not None for s in v) for v in merged.values()):
+                    self.shadow[id(o)] = merged
+
+    def _move(self, func, args, kwargs, out, flat_in) -> None:
+        """Apply the op to each slot of each shadow; every tensor argument must carry the same slots."""
+        structures = [{n: len(v) for n, v in self.shadow[id(a)].items()} if id(a) in self.shadow else None
+                      for a in flat_in]
+        if any(s is None for s in structures) or any(s != structures[0] for s in structures):
+            return
+        result: dict[str, list] = {}
+        for name, count in structures[0].items():
+            for slot in range(count):
+                def swap(x):
+                    return self.shadow[id(x)][name][slot] if isinstance(x, Tensor) else x
+                try:
+                    moved = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+                except Exception:  # noqa: BLE001 -- an op the host cannot mirror: the features are lost here
+                    return
+                result.setdefault(name, []).append(moved)
+        pieces = tree_flatten(out)[0]
+        for name, slots in result.items():
+            for slot_out in slots:
+                moved_pieces = tree_flatten(slot_out)[0]
+                if len(moved_pieces) != len(pieces):
+                    return
+        for i, piece in enumerate(pieces):
+            if isinstance(piece, Tensor):
+                self.shadow[id(piece)] = {name: [tree_flatten(s)[0][i] for s in slots] for name, slots in result.items()}
+
+    def _product(self, func, args, outs) -> None:
+        a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])
+        sa, sb = self.shadow.get(id(a)), self.shadow.get(id(b))
+        if a.dim() != 3 or b.dim() != 3:
+            return
+        if sa and sb:  # q @ k.T: features on both sides of the contraction
+            self.trace.attention.append(HeadEvent(q=_per_head(sa, lambda s, n: s[n, 0, :]),
+                                                  k=_per_head(sb, lambda s, n: s[n, :, 0])))
+        elif sb and self.trace.attention:  # attn @ v: v's features leave with the heads
+            self.trace.attention[-1].v = _per_head(sb, lambda s, n: s[n, 0, :])
+            o = outs[0]
+            self.shadow[id(o)] = {name: [s[:, :1, :].expand(o.shape).clone() for s in slots] for name, slots in sb.items()}
+
+    def sdpa(self, args, kwargs, out) -> None:
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")][len(args):])[:3]
+        sq, sk, sv = (self.shadow.get(id(t)) for t in (q, k, v))
+        if not (sq and sk and sv) or q.dim() != 4:
+            return
+        heads, kv_heads = q.shape[1], k.shape[1]
+        group = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 1
+
+        def by_head(shadow, pick):
+            return [{name: frozenset(int(i) for s in slots for i in pick(s, h).flatten().tolist())
+                     for name, slots in shadow.items()} for h in range(heads)]
+        self.trace.attention.append(HeadEvent(q=by_head(sq, lambda s, h: s[0, h, 0, :]),
+                                              k=by_head(sk, lambda s, h: s[0, h // group, 0, :]),
+                                              v=by_head(sv, lambda s, h: s[0, h // group, 0, :])))
+        index = torch.arange(heads) // group
+        self.shadow[id(out)] = {name: [s[:, index, :1, :].expand(out.shape).clone() for s in slots]
+                                for name, slots in sv.items()}
+        self.keep.append(out)
+
+
+class _FunctionLevel(TorchFunctionMode):
+    """Sees ``scaled_dot_product_attention`` whole (its kernels differ by device; its heads do not)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        self.recorder.in_sdpa = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.recorder.in_sdpa = False
+        self.recorder.sdpa(args, kwargs, out)
+        return out
+
+
+def _per_head(shadow: Shadow, pick) -> list[dict[str, frozenset[int]]]:
+    rows = next(iter(shadow.values()))[0].shape[0]
+    return [{name: frozenset(int(i) for s in slots for i in pick(s, n).flatten().tolist())
+             for name, slots in shadow.items()} for n in range(rows)]
+
+
+def _broadcast(shadow: Tensor, shape) -> Tensor | None:
+    try:
+        return torch.broadcast_to(shadow, shape).clone()
+    except RuntimeError:
+        return None

@@ -1,0 +1,315 @@
+"""How to split one block over tp, decided from what it computes (:mod:`~lightning_3d.policies.block_trace`)
+and checked by running it as each tp rank would hold it.
+
+A **region** is a set of column projections that read the residual stream (through a norm, or directly) and
+the one row projection that reads only their outputs and adds back to the stream: attention (q, k, v -> o),
+an MLP (up, gate -> down), fused or not, in one module or spread over siblings. Each rank keeps
+
+* in an attention region, the q heads ``[r H/tp, (r+1) H/tp)`` and their kv heads, i.e. of every column
+  projection exactly the output features those heads read (a fused ``q|k|v`` included);
+* in an MLP region, the row projection's inputs ``[r I/tp, (r+1) I/tp)`` and, of every column projection,
+  the features that reach them (a fused ``gate|up``: this rank's gates and their ups).
+
+A column projection's kept features must be one placement of its weight: a contiguous slice per rank
+(``Shard``: separate projections, GPT-NeoX's head-major fused ``query_key_value``) or the same slice of each
+of k equal parts (``_StridedShard``: nanoGPT's ``[q | k | v]``, Phi-3's ``[gate | up]``).
+
+Then the integer attributes the block's modules (and their configs) reshape by must become per-rank values.
+No names are assumed: candidates are the integers that equal a size the split divides, and the smallest set
+of them whose division makes the block, shrunk to one rank, trace the same heads and the same features at
+the row projection as the whole block restricted to that rank, is the answer -- checked on every rank. A
+block no set of fixes makes right is not split, with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_3d.policies.block_trace import (
+    STREAM,
+    BlockTrace,
+    is_projection,
+    meta_copy,
+    meta_like,
+    trace_block,
+)
+
+_MAX_FIXES = 4
+"""The most attributes one region's fix may change (the search is over subsets of the candidates)."""
+
+
+@dataclass
+class Region:
+    """One tensor-parallel region of a block (FQNs relative to the block)."""
+
+    columns: list[str]
+    row: str
+    heads: int | None = None
+    """Query heads (attention regions), else None."""
+    parts: dict[str, int] = field(default_factory=dict)
+    """Column -> 1 (one slice per rank) or k (the same slice of each of k equal parts)."""
+    owned: dict[str, list[Tensor]] = field(default_factory=dict)
+    """Column -> per tp rank, the output features it keeps (global indices, in order)."""
+    input_module: str | None = None
+    """The module whose first input is this region's hidden states and holds no other reader of them (it
+    gathers them once for every column); None: each column gathers its own input."""
+    fixes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Module -> attribute -> per-rank value; ``config`` as a per-rank copy."""
+
+
+@dataclass
+class BlockSplit:
+    regions: list[Region] = field(default_factory=list)
+    left: dict[str, str] = field(default_factory=dict)
+    """Projection left whole -> why."""
+    problem: str | None = None
+    """Why the block could not be traced at all (then every projection is left whole)."""
+
+
+def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSplit:
+    """The regions of ``block`` (on the meta device, run on its captured inputs) and how each splits."""
+    whole = trace_block(block, args, kwargs)
+    if whole.problem:
+        return BlockSplit(problem=whole.problem)
+    split = BlockSplit()
+    claimed: set[str] = set()
+    for row in whole.order:
+        reads = whole.reads[row]
+        if row not in whole.exits or not reads or STREAM in reads:
+            continue
+        columns = [c for c in whole.order if c in reads]
+        if any(whole.reads.get(c) != frozenset({STREAM}) for c in columns):
+            _leave(split, [row, *columns], "it reads projections that do not read the residual stream")
+            continue
+        region, why = _region(whole, columns, row, tp)
+        if region is None:
+            _leave(split, [row, *columns], why)
+            continue
+        why = _find_fixes(block, args, kwargs, whole, region, tp)
+        if why:
+            _leave(split, [row, *columns], why)
+            continue
+        region.input_module = _input_module(whole, columns)
+        split.regions.append(region)
+        claimed.update([row, *columns])
+    for name in whole.order:
+        if name not in claimed and name not in split.left:
+            split.left[name] = ("it reads the residual stream but no row projection of a region reads it"
+                                if whole.reads[name] == frozenset({STREAM}) else "it is in no attention or MLP region")
+    return split
+
+
+def _leave(split: BlockSplit, names: list[str], why: str) -> None:
+    for name in names:
+        split.left.setdefault(name, why)
+
+
+def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[Region | None, str]:
+    width = trace.sizes[row][0]
+    if width % tp:
+        return None, f"{row}'s {width} inputs do not divide by tensor_parallel_size={tp}"
+    events = [e for e in trace.attention if _channels(e) and _channels(e) <= set(columns)]
+    if len(events) > 1:
+        return None, "it holds more than one attention product"
+    owned: dict[str, list[set[int]]] = {c: [set() for _ in range(tp)] for c in columns}
+    heads = None
+    if events:
+        event = events[0]
+        heads = len(event.q)
+        if heads % tp or len(event.v) != heads:
+            return None, f"its {heads} heads do not divide by tensor_parallel_size={tp}"
+        for h in range(heads):
+            rank = h // (heads // tp)
+            for side in (event.q[h], event.k[h], event.v[h]):
+                for name, feats in side.items():
+                    owned[name][rank] |= feats
+    else:
+        inputs = trace.row_inputs.get(row, {})
+        if set(inputs) != set(columns):
+            return None, "its features could not be followed to the row projection"
+        for name, slots in inputs.items():
+            for rank in range(tp):
+                part = slice(rank * width // tp, (rank + 1) * width // tp)
+                owned[name][rank] = {int(i) for s in slots for i in s[part].tolist()}
+    region = Region(columns=columns, row=row, heads=heads)
+    for name in columns:
+        out = trace.sizes[name][1]
+        sets = owned[name]
+        if sum(len(s) for s in sets) != out or set().union(*sets) != set(range(out)):
+            kv = " (fewer key/value heads than tp ranks?)" if heads else ""
+            return None, f"the ranks' shares of {name}'s {out} outputs overlap or leave some out{kv}"
+        parts = _parts([sorted(s) for s in sets], out, tp)
+        if parts is None:
+            return None, (f"each rank's share of {name}'s outputs is neither one slice nor the same slice of equal"
+                          " parts (a fused projection of unequal parts, such as q|k|v with fewer kv heads)")
+        region.parts[name] = parts
+        region.owned[name] = [torch.tensor(sorted(s)) for s in sets]
+    return region, ""
+
+
+def _channels(event) -> set[str]:
+    return {name for side in (event.q, event.k, event.v) for head in side for name in head}
+
+
+def _parts(owned: list[list[int]], out: int, tp: int) -> int | None:
+    """1 if rank r keeps slice r; k if it keeps slice r of each of k equal parts; else None."""
+    for k in range(1, out // tp + 1):
+        if out % (k * tp):
+            continue
+        piece, part = out // (k * tp), out // k
+        if all(owned[r] == [j * part + r * piece + i for j in range(k) for i in range(piece)] for r in range(tp)):
+            return k
+    return None
+
+
+def _input_module(trace: BlockTrace, columns: list[str]) -> str | None:
+    """The innermost module that received the region's input as its first tensor, holds every column, and
+    in which nothing but the columns read that input."""
+    seen = [set(trace.input_id.get(c, [])) for c in columns]
+    common = set.intersection(*seen) if seen else set()
+    candidates = [m for m in common if m and all(_inside(c, m) for c in columns)]
+    for module in sorted(candidates, key=lambda m: -m.count(".")):
+        readers = [stack for stack in trace.stream_readers if module in stack]
+        if all(any(c in stack for c in columns) for stack in readers):
+            return module
+    return None
+
+
+def _inside(fqn: str, module: str) -> bool:
+    return fqn == module or fqn.startswith(module + ".")
+
+
+# -- per-rank attributes ---------------------------------------------------------------------------------------
+def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
+    """Set ``region.fixes`` to the smallest set of divided attributes under which every rank's shrunk block
+    traces as the whole one does on that rank; the reason when none does."""
+    candidates = _candidates(block, whole, region, tp)
+    first_failure = ""
+    for size in range(min(len(candidates), _MAX_FIXES) + 1):
+        for chosen in itertools.combinations(candidates, size):
+            fixes = _as_fixes(block, chosen, tp)
+            why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
+            if why:
+                first_failure = first_failure or why
+                continue
+            for rank in range(1, tp):
+                why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+                if why:
+                    return f"rank {rank} of tp would compute otherwise: {why}"
+            region.fixes = fixes
+            return ""
+    ints = {f"{m or '<block>'}.{a}": v for m, a, v in candidates}
+    return (f"split over tp it does not compute what one process does ({first_failure}); tried dividing"
+            f" {ints or 'no integer attribute'}")
+
+
+def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> list[tuple[str, str, int]]:
+    """(module, attribute, value) for the integer attributes, on the modules holding the region's
+    projections (and their ``config``), whose value is a size the split divides."""
+    sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
+    sizes |= {whole.sizes[c][1] // k for c, k in region.parts.items()}
+    if region.heads:
+        sizes |= {region.heads} | {len(o[0]) * tp // max(1, region.parts[c]) for c, o in region.owned.items()}
+        sizes |= _kv_head_counts(region, whole)
+    sizes = {s for s in sizes if s and s % tp == 0}
+    holders = sorted({prefix for name in [region.row, *region.columns] for prefix in _prefixes(name)})
+    found: list[tuple[str, str, int]] = []
+    for holder in holders:
+        module = block.get_submodule(holder)
+        found += [(holder, a, v) for a, v in sorted(vars(module).items()) if type(v) is int and v in sizes]
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, (nn.Module, Tensor)):
+            found += [(holder, f"config.{a}", v) for a, v in sorted(vars(config).items())
+                      if type(v) is int and v in sizes]
+    return found
+
+
+def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
+    event = next(e for e in whole.attention if _channels(e) and _channels(e) <= set(region.columns))
+    return {len({frozenset(sorted((n, tuple(sorted(f))) for n, f in head.items())) for head in event.k})}
+
+
+def _prefixes(fqn: str) -> list[str]:
+    """The modules holding ``fqn`` (the block itself as ""), not ``fqn``."""
+    atoms = fqn.split(".")
+    return [".".join(atoms[:i]) for i in range(len(atoms))]
+
+
+def _as_fixes(block: nn.Module, chosen, tp: int) -> dict[str, dict[str, Any]]:
+    fixes: dict[str, dict[str, Any]] = {}
+    for holder, attribute, value in chosen:
+        per_module = fixes.setdefault(holder, {})
+        if attribute.startswith("config."):
+            config = per_module.get("config") or copy.copy(block.get_submodule(holder).config)
+            setattr(config, attribute.split(".", 1)[1], value // tp)
+            per_module["config"] = config
+        else:
+            per_module[attribute] = value // tp
+    return fixes
+
+
+def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int, tp: int) -> str:
+    """'' if ``block`` as tp rank ``rank`` holds it (the region shrunk, ``fixes`` set) traces this rank's part of
+    the whole trace; else what differs."""
+    local = meta_copy(block)
+    features = {name: owned[rank] for name, owned in region.owned.items()}
+    for name, index in features.items():
+        _keep_outputs(local.get_submodule(name), len(index))
+    _keep_inputs(local.get_submodule(region.row), whole.sizes[region.row][0] // tp)
+    for holder, attributes in fixes.items():
+        for attribute, value in attributes.items():
+            setattr(local.get_submodule(holder), attribute, value)
+    trace = trace_block(local, args, kwargs, features)
+    if trace.problem:
+        return trace.problem
+    width = whole.sizes[region.row][0] // tp
+    mine = slice(rank * width, (rank + 1) * width)
+    expected = {n: [s[mine] for s in slots] for n, slots in whole.row_inputs.get(region.row, {}).items()}
+    got = trace.row_inputs.get(region.row, {})
+    if set(expected) != set(got) or any(len(expected[n]) != len(got[n]) or
+                                        any(not torch.equal(a, b) for a, b in zip(expected[n], got[n]))
+                                        for n in expected):
+        return f"{region.row} would read other features"
+    if region.heads:
+        event = next(e for e in whole.attention if _channels(e) <= set(region.columns) and _channels(e))
+        per_rank = region.heads // tp
+        heads = slice(rank * per_rank, (rank + 1) * per_rank)
+        local_events = [e for e in trace.attention if _channels(e) and _channels(e) <= set(region.columns)]
+        if len(local_events) != 1:
+            return "the attention product is not found once"
+        got_event = local_events[0]
+        for side in ("q", "k", "v"):
+            if getattr(got_event, side) != getattr(event, side)[heads]:
+                return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
+    return ""
+
+
+def _keep_outputs(module: nn.Module, count: int) -> None:
+    """Shrink a projection (on meta) to ``count`` output features."""
+    if isinstance(module, nn.Linear):
+        module.weight = meta_like(module.weight, (count, module.in_features))
+        module.out_features = count
+    else:  # Conv1D: weight (in, out)
+        module.weight = meta_like(module.weight, (module.weight.shape[0], count))
+        module.nf = count
+    if module.bias is not None:
+        module.bias = meta_like(module.bias, (count,))
+
+
+def _keep_inputs(module: nn.Module, count: int) -> None:
+    """Shrink a projection (on meta) to ``count`` input features; the bias stays whole."""
+    if isinstance(module, nn.Linear):
+        module.weight = meta_like(module.weight, (module.out_features, count))
+        module.in_features = count
+    else:
+        module.weight = meta_like(module.weight, (count, module.weight.shape[1]))
+        if hasattr(module, "nx"):
+            module.nx = count
+
+
