@@ -96,8 +96,8 @@ class BlockTrace:
     attention: list[HeadEvent] = field(default_factory=list)
     input_id: dict[str, list[str]] = field(default_factory=dict)
     """Projection -> the modules (outermost first) whose forward received exactly its input tensor."""
-    stream_readers: list[tuple[str, ...]] = field(default_factory=list)
-    """For each op that read a tensor some projection reads: the module stack it ran in."""
+    input_readers: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
+    """Projection -> for each op that read its input tensor, the module stack that op ran in."""
     problem: str | None = None
 
 
@@ -115,16 +115,25 @@ def block_inputs(model: nn.Module, block: nn.Module, tokens: int = 4) -> tuple[t
         raise _Stop
 
     handle = block.register_forward_pre_hook(stop, with_kwargs=True)
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     try:
-        with torch.no_grad():
-            model(torch.zeros(1, tokens, dtype=torch.long, device="meta"))
-    except _Stop:
-        return seen["args"], seen["kwargs"]
-    except Exception:  # noqa: BLE001 -- a forward meta cannot run, or one that takes other inputs
-        return None
+        for call in (lambda: model(ids, use_cache=False), lambda: model(ids)):
+            try:
+                with torch.no_grad():
+                    call()
+            except _Stop:
+                # A key/value cache would grow with every trace of the block: each trace starts without one.
+                args = tuple(_no_cache(a) for a in seen["args"])
+                return args, {k: _no_cache(v) for k, v in seen["kwargs"].items()}
+            except Exception:  # noqa: BLE001 -- a forward meta cannot run, or one that takes other inputs
+                continue
     finally:
         handle.remove()
     return None
+
+
+def _no_cache(value: Any) -> Any:
+    return None if type(value).__name__.endswith("Cache") else value
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -157,6 +166,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict,
     finally:
         for handle in handles:
             handle.remove()
+    recorder.trace.input_readers = {name: recorder.readers.get(i, []) for name, i in recorder.projection_inputs.items()}
     return recorder.trace
 
 
@@ -169,7 +179,8 @@ class _Recorder(TorchDispatchMode):
         self.shadow: dict[int, Shadow] = {}
         self.keep: list[Tensor] = []  # every traced tensor stays alive: ids are keys
         self.stack: list[str] = []
-        self.projection_inputs: set[int] = set()
+        self.readers: dict[int, list[tuple[str, ...]]] = {}  # tensor id -> stacks of the ops that read it
+        self.projection_inputs: dict[str, int] = {}  # projection -> its input's id
         self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
         self.in_sdpa = False
 
@@ -210,7 +221,7 @@ class _Recorder(TorchDispatchMode):
         t.sizes[fqn] = projection_sizes(module)
         t.reads[fqn] = self.prov.get(id(x), frozenset())
         t.input_id[fqn] = list(self.input_seen.get(id(x), []))[:-1]
-        self.projection_inputs.add(id(x))
+        self.projection_inputs[fqn] = id(x)
         shadow = self.shadow.get(id(x))
         if shadow:
             t.row_inputs[fqn] = {name: [s.reshape(-1, s.shape[-1])[0] for s in slots] for name, slots in shadow.items()}
@@ -220,8 +231,10 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
-        if any(id(a) in self.projection_inputs for a in flat_in):
-            self.trace.stream_readers.append(tuple(self.stack))
+        if flat_in and not any(a.device.type == "meta" for a in flat_in):
+            return out  # the trace's own work on the shadows
+        for a in flat_in:
+            self.readers.setdefault(id(a), []).append(tuple(self.stack))
         provs = [self.prov[id(a)] for a in flat_in if id(a) in self.prov]
         union = frozenset().union(*provs) if provs else frozenset()
         if func in _ADDS and STREAM in union and len(provs) >= 2:
@@ -256,27 +269,28 @@ class _Recorder(TorchDispatchMode):
                     self.shadow[id(o)] = merged
 
     def _move(self, func, args, kwargs, out, flat_in) -> None:
-        """Apply the op to each slot of each shadow; every tensor argument must carry the same slots."""
-        structures = [{n: len(v) for n, v in self.shadow[id(a)].items()} if id(a) in self.shadow else None
-                      for a in flat_in]
-        if any(s is None for s in structures) or any(s != structures[0] for s in structures):
-            return
+        """Apply the op to each slot of each shadow. A tensor argument without a shadow (a cache's keys, a
+        constant) takes one of -1s, "no feature"; one with fewer slots repeats its last."""
+        names = {name: max(len(self.shadow[id(a)].get(name, ())) for a in flat_in if id(a) in self.shadow)
+                 for a in flat_in if id(a) in self.shadow for name in self.shadow[id(a)]}
         result: dict[str, list] = {}
-        for name, count in structures[0].items():
+        for name, count in names.items():
             for slot in range(count):
                 def swap(x):
-                    return self.shadow[id(x)][name][slot] if isinstance(x, Tensor) else x
+                    if not isinstance(x, Tensor):
+                        return x
+                    slots = self.shadow.get(id(x), {}).get(name)
+                    if not slots:
+                        return torch.full(x.shape, -1, dtype=torch.long)
+                    return slots[min(slot, len(slots) - 1)]
                 try:
                     moved = func(*tree_map(swap, args), **tree_map(swap, kwargs))
                 except Exception:  # noqa: BLE001 -- an op the host cannot mirror: the features are lost here
                     return
                 result.setdefault(name, []).append(moved)
         pieces = tree_flatten(out)[0]
-        for name, slots in result.items():
-            for slot_out in slots:
-                moved_pieces = tree_flatten(slot_out)[0]
-                if len(moved_pieces) != len(pieces):
-                    return
+        if any(len(tree_flatten(s)[0]) != len(pieces) for slots in result.values() for s in slots):
+            return
         for i, piece in enumerate(pieces):
             if isinstance(piece, Tensor):
                 self.shadow[id(piece)] = {name: [tree_flatten(s)[0][i] for s in slots] for name, slots in result.items()}
@@ -303,8 +317,8 @@ class _Recorder(TorchDispatchMode):
         group = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 1
 
         def by_head(shadow, pick):
-            return [{name: frozenset(int(i) for s in slots for i in pick(s, h).flatten().tolist())
-                     for name, slots in shadow.items()} for h in range(heads)]
+            return [{name: _features(pick(s, h) for s in slots) for name, slots in shadow.items()}
+                    for h in range(heads)]
         self.trace.attention.append(HeadEvent(q=by_head(sq, lambda s, h: s[0, h, 0, :]),
                                               k=by_head(sk, lambda s, h: s[0, h // group, 0, :]),
                                               v=by_head(sv, lambda s, h: s[0, h // group, 0, :])))
@@ -323,6 +337,8 @@ class _FunctionLevel(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is Tensor.__getitem__:
+            return self._getitem(args, kwargs)
         if func is not _SDPA:
             return func(*args, **kwargs)
         self.recorder.in_sdpa = True
@@ -334,10 +350,27 @@ class _FunctionLevel(TorchFunctionMode):
         return out
 
 
+    def _getitem(self, args, kwargs):
+        """``x[index]`` as written: an index list becomes a tensor on the meta device, whose values the
+        dispatch level cannot read, so the shadows take the Python index here."""
+        out = Tensor.__getitem__(*args, **kwargs)
+        source, index = args[0], args[1]
+        shadow = self.recorder.shadow.get(id(source))
+        pieces = index if isinstance(index, tuple) else (index,)
+        if shadow and isinstance(out, Tensor) and not any(isinstance(p, Tensor) for p in pieces):
+            self.recorder.shadow[id(out)] = {name: [s[index] for s in slots] for name, slots in shadow.items()}
+            self.recorder.keep.append(out)
+        return out
+
+
 def _per_head(shadow: Shadow, pick) -> list[dict[str, frozenset[int]]]:
     rows = next(iter(shadow.values()))[0].shape[0]
-    return [{name: frozenset(int(i) for s in slots for i in pick(s, n).flatten().tolist())
-             for name, slots in shadow.items()} for n in range(rows)]
+    return [{name: _features(pick(s, n) for s in slots) for name, slots in shadow.items()} for n in range(rows)]
+
+
+def _features(pieces) -> frozenset[int]:
+    """The features (non-negative indices) in shadow pieces."""
+    return frozenset(int(i) for piece in pieces for i in piece.flatten().tolist() if i >= 0)
 
 
 def _broadcast(shadow: Tensor, shape) -> Tensor | None:

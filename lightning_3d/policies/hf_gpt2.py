@@ -5,7 +5,7 @@ GPT-2 is the reference GPT (``policies/gpt.py``) with three twists, each handled
 * **Conv1D.** Its projections are ``transformers.pytorch_utils.Conv1D``: ``x @ weight + bias`` with ``weight``
   stored ``(in, out)``, transposed relative to ``nn.Linear``. Column-wise therefore splits weight dim 1 and
   the bias; row-wise splits weight dim 0 and keeps the bias whole, added once after the reduction.
-  :class:`Conv1DColwise` / :class:`Conv1DRowwise` are PyTorch's styles with only that placement changed.
+  ``policies.projections``' :class:`ColumnSplit` / :class:`RowSplit` place it so.
 * **Fused q|k|v.** ``c_attn`` maps C -> 3C, columns ``[q | k | v]``. A plain split of dim 1 would give rank 0
   all of q; each rank needs q, k and v of its own heads. ``_StridedShard(1, split_factor=3)`` is exactly that
   (rank r holds ``[q_r | k_r | v_r]``), DTensor computes with it, and HF's ``split(split_size)`` then cuts the
@@ -30,8 +30,7 @@ from __future__ import annotations
 from functools import partial
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,11 +39,11 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_3d.errors import LayoutError
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
+from lightning_3d.policies.projections import ColumnSplit, RowSplit
 from lightning_3d.policies.registry import register_policy
 
 GPT2_CLASS = "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel"
@@ -111,11 +110,11 @@ def gpt2_tp_plan(options: PlanOptions) -> dict[str, ParallelStyle]:
     region_input = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
     plan.update({
         "transformer.h.*.attn": region_input,
-        "transformer.h.*.attn.c_attn": Conv1DColwise(fused=3),
-        "transformer.h.*.attn.c_proj": Conv1DRowwise(output_layouts=between),
+        "transformer.h.*.attn.c_attn": ColumnSplit(parts=3),
+        "transformer.h.*.attn.c_proj": RowSplit(output_layouts=between),
         "transformer.h.*.mlp": region_input,
-        "transformer.h.*.mlp.c_fc": Conv1DColwise(),
-        "transformer.h.*.mlp.c_proj": Conv1DRowwise(output_layouts=between),
+        "transformer.h.*.mlp.c_fc": ColumnSplit(),
+        "transformer.h.*.mlp.c_proj": RowSplit(output_layouts=between),
     })
     if sp:
         for norm in ("transformer.h.*.ln_1", "transformer.h.*.ln_2", "transformer.ln_f"):
@@ -124,65 +123,6 @@ def gpt2_tp_plan(options: PlanOptions) -> dict[str, ParallelStyle]:
         # locally without communication.
         plan["transformer.drop"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     return plan
-
-
-class Conv1DColwise(ColwiseParallel):
-    """``ColwiseParallel`` for a transformers ``Conv1D`` (weight ``(in, out)``): weight split on dim 1, bias on
-    dim 0. ``fused=n``: the output columns are n side-by-side projections (``[q | k | v]``: n=3) and each rank
-    takes its slice of every one (``_StridedShard``); the local output is then ``[q_r | k_r | v_r]``."""
-
-    def __init__(self, *, fused: int = 1, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fused = fused
-
-    def _placements(self) -> tuple[Placement, Placement]:
-        if self.fused == 1:
-            return Shard(1), Shard(0)
-        return _StridedShard(1, split_factor=self.fused), _StridedShard(0, split_factor=self.fused)
-
-    def _partition_conv1d_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for param_name, placement in zip(("weight", "bias"), self._placements()):
-            _distribute_parameter(module, param_name, mesh, placement, self.src_data_rank)
-
-    @staticmethod
-    def _local_output_fn(mod, outputs, device_mesh):
-        return outputs.to_local()  # already each rank's own columns: no redistribution
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.fused == 1:
-            output_fn = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
-        else:
-            output_fn = self._local_output_fn
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts), output_fn,
-        )
-
-
-class Conv1DRowwise(RowwiseParallel):
-    """``RowwiseParallel`` for a transformers ``Conv1D``: weight split on dim 0 (its input features), bias
-    replicated (added once, to the reduced output)."""
-
-    def _partition_conv1d_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _distribute_parameter(module, "weight", mesh, Shard(0), self.src_data_rank)
-        _distribute_parameter(module, "bias", mesh, Replicate(), self.src_data_rank)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition_conv1d_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-
-def _distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
-                          src_data_rank: int | None) -> None:
-    param = getattr(module, name)
-    if param is None:
-        return
-    sharded = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
-    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def _tied(gpt2: nn.Module, fqn) -> list[tuple[str, str]]:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightning_3d.policies.block_trace import (
     STREAM,
     BlockTrace,
+    _features,
     is_projection,
     meta_copy,
     meta_like,
@@ -59,8 +60,9 @@ class Region:
     input_module: str | None = None
     """The module whose first input is this region's hidden states and holds no other reader of them (it
     gathers them once for every column); None: each column gathers its own input."""
-    fixes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Module -> attribute -> per-rank value; ``config`` as a per-rank copy."""
+    fixes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Module -> attribute -> its value on each tp rank (``config.<name>``: a value of the module's config);
+    :func:`attribute_values` turns them into what to set."""
 
 
 @dataclass
@@ -136,7 +138,7 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
         for name, slots in inputs.items():
             for rank in range(tp):
                 part = slice(rank * width // tp, (rank + 1) * width // tp)
-                owned[name][rank] = {int(i) for s in slots for i in s[part].tolist()}
+                owned[name][rank] = set(_features(s[part] for s in slots))
     region = Region(columns=columns, row=row, heads=heads)
     for name in columns:
         out = trace.sizes[name][1]
@@ -175,7 +177,7 @@ def _input_module(trace: BlockTrace, columns: list[str]) -> str | None:
     common = set.intersection(*seen) if seen else set()
     candidates = [m for m in common if m and all(_inside(c, m) for c in columns)]
     for module in sorted(candidates, key=lambda m: -m.count(".")):
-        readers = [stack for stack in trace.stream_readers if module in stack]
+        readers = [stack for stack in trace.input_readers.get(columns[0], []) if module in stack]
         if all(any(c in stack for c in columns) for stack in readers):
             return module
     return None
@@ -193,7 +195,7 @@ def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     first_failure = ""
     for size in range(min(len(candidates), _MAX_FIXES) + 1):
         for chosen in itertools.combinations(candidates, size):
-            fixes = _as_fixes(block, chosen, tp)
+            fixes = _as_fixes(chosen, tp)
             why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
             if why:
                 first_failure = first_failure or why
@@ -241,17 +243,29 @@ def _prefixes(fqn: str) -> list[str]:
     return [".".join(atoms[:i]) for i in range(len(atoms))]
 
 
-def _as_fixes(block: nn.Module, chosen, tp: int) -> dict[str, dict[str, Any]]:
-    fixes: dict[str, dict[str, Any]] = {}
+def _as_fixes(chosen, tp: int) -> dict[str, dict[str, int]]:
+    fixes: dict[str, dict[str, int]] = {}
     for holder, attribute, value in chosen:
-        per_module = fixes.setdefault(holder, {})
-        if attribute.startswith("config."):
-            config = per_module.get("config") or copy.copy(block.get_submodule(holder).config)
-            setattr(config, attribute.split(".", 1)[1], value // tp)
-            per_module["config"] = config
-        else:
-            per_module[attribute] = value // tp
+        fixes.setdefault(holder, {})[attribute] = value // tp
     return fixes
+
+
+def attribute_values(block: nn.Module, fixes: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """``fixes`` (module -> attribute -> per-rank value, ``config.<name>`` for a value of the module's config)
+    as the attributes to set on ``block``'s modules: a config value becomes a copy of that module's config
+    with it changed (the model's config object is shared by all its modules, and stays as it is)."""
+    values: dict[str, dict[str, Any]] = {}
+    for holder, attributes in fixes.items():
+        module = block.get_submodule(holder)
+        plain = {a: v for a, v in attributes.items() if not a.startswith("config.")}
+        in_config = {a.split(".", 1)[1]: v for a, v in attributes.items() if a.startswith("config.")}
+        if in_config:
+            config = copy.copy(module.config)
+            for name, value in in_config.items():
+                setattr(config, name, value)
+            plain["config"] = config
+        values[holder] = plain
+    return values
 
 
 def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int, tp: int) -> str:
@@ -262,7 +276,7 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     for name, index in features.items():
         _keep_outputs(local.get_submodule(name), len(index))
     _keep_inputs(local.get_submodule(region.row), whole.sizes[region.row][0] // tp)
-    for holder, attributes in fixes.items():
+    for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)
     trace = trace_block(local, args, kwargs, features)

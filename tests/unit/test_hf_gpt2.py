@@ -9,7 +9,7 @@ from torch import nn
 
 from helpers.hf_cases import GPT2_SIZES, NO_DROPOUT
 from lightning_3d.policies import PlanOptions, PolicyError, resolve_policy
-from lightning_3d.policies.hf_gpt2 import Conv1DColwise, Conv1DRowwise
+from lightning_3d.policies.projections import ColumnSplit, RowSplit
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,9 +34,9 @@ def test_plan_names_the_stages_the_tie_and_the_per_rank_attention_sizes():
     assert plan.after == ["model.transformer.ln_f", "model.lm_head"]
     assert plan.tied_parameters == [("model.transformer.wte.weight", "model.lm_head.weight")]
     assert plan.attribute_fixes["model.transformer.h.3.attn"] == {"split_size": 16, "embed_dim": 16, "num_heads": 2}
-    assert isinstance(plan.tp_plan["model.transformer.h.*.attn.c_attn"], Conv1DColwise)
-    assert plan.tp_plan["model.transformer.h.*.attn.c_attn"].fused == 3
-    assert isinstance(plan.tp_plan["model.transformer.h.*.mlp.c_proj"], Conv1DRowwise)
+    assert isinstance(plan.tp_plan["model.transformer.h.*.attn.c_attn"], ColumnSplit)
+    assert plan.tp_plan["model.transformer.h.*.attn.c_attn"].parts == 3
+    assert isinstance(plan.tp_plan["model.transformer.h.*.mlp.c_proj"], RowSplit)
     assert plan.forward_as_written and plan.stage_forward is None  # each stage runs GPT-2's own forward
     assert plan.sharded_rng_regions == []  # no dropout
 
@@ -100,8 +100,8 @@ def test_conv1d_styles_place_columns_rows_and_fused_qkv_per_head(fake_world):
 
     layers = nn.ModuleDict({"qkv": Conv1D(12, 4), "up": Conv1D(8, 4), "down": Conv1D(4, 8)})
     full = {name: layer.weight.detach().clone() for name, layer in layers.items()}
-    parallelize_module(layers, fake_world, {"qkv": Conv1DColwise(fused=3), "up": Conv1DColwise(),
-                                            "down": Conv1DRowwise()}, src_data_rank=None)  # slice locally
+    parallelize_module(layers, fake_world, {"qkv": ColumnSplit(parts=3), "up": ColumnSplit(),
+                                            "down": RowSplit()}, src_data_rank=None)  # slice locally
     assert layers["up"].weight.placements == (Shard(1),) and layers["up"].bias.placements == (Shard(0),)
     assert layers["down"].weight.placements == (Shard(0),) and layers["down"].bias.placements == (Replicate(),)
     # rank 1 of 2 holds the second half of each of q, k, v: columns [2:4], [6:8], [10:12]

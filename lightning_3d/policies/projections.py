@@ -1,0 +1,96 @@
+"""Column- and row-wise tensor parallelism for any projection: ``nn.Linear``, transformers' ``Conv1D``, fused.
+
+PyTorch's ``ColwiseParallel`` / ``RowwiseParallel`` take ``nn.Linear`` (weight ``(out, in)``) with one slice of
+the outputs per rank. Two things real models add, each only a placement:
+
+* **Conv1D** (GPT-2 and its kin): ``x @ weight + bias`` with ``weight`` stored ``(in, out)``, so the output
+  features are weight dim 1, the input features dim 0.
+* **Fused outputs**: ``[q | k | v]`` (nanoGPT's ``c_attn``, Phi-3's ``qkv_proj``) or ``[gate | up]``
+  (Phi-3's ``gate_up_proj``) are k side-by-side projections in one weight. Each rank needs its own slice of
+  every part (its heads' q, k and v; its gates and their ups): ``_StridedShard(dim, split_factor=k)`` is
+  exactly that. DTensor computes with it (the output is ``_StridedShard(-1, k)``; gradients keep the
+  weight's placement), and the local output is ``[q_r | k_r | v_r]``, which the model's own ``split`` then
+  cuts once its sizes are per rank. The parameter keeps its single-device name, shape and order, so
+  checkpoints keep the single-device layout (``lightning_3d.checkpoint.boxes`` writes a rank's k boxes).
+
+The column output is always returned as this rank's local columns, as they come: a fused output must not be
+redistributed (that would reorder it into a plain ``Shard``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+class ColumnSplit(ColwiseParallel):
+    """Column-wise for an ``nn.Linear`` or ``Conv1D``; ``parts=k``: its outputs are k equal fused parts and
+    each rank keeps its slice of every one.
+
+    Example (nanoGPT's fused attention input)::
+
+        {"model.transformer.h.*.attn.c_attn": ColumnSplit(parts=3)}
+    """
+
+    def __init__(self, *, parts: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.parts = parts
+
+    def _placement(self, dim: int) -> Placement:
+        return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        weight_dim = 0 if is_linear(module) else 1  # the output features
+        _distribute(module, "weight", mesh, self._placement(weight_dim), self.src_data_rank)
+        _distribute(module, "bias", mesh, self._placement(0), self.src_data_rank)
+
+    @staticmethod
+    def _local_columns(mod, outputs, device_mesh):
+        return outputs.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts), self._local_columns,
+        )
+
+    def __repr__(self) -> str:
+        return f"ColumnSplit(parts={self.parts}, input_layouts={self.input_layouts})"
+
+
+class RowSplit(RowwiseParallel):
+    """Row-wise for an ``nn.Linear`` or ``Conv1D``: the input features split, the bias whole (added once, to
+    the reduced output)."""
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _distribute(module, "weight", mesh, Shard(1 if is_linear(module) else 0), self.src_data_rank)
+        _distribute(module, "bias", mesh, Replicate(), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return f"RowSplit(output_layouts={self.output_layouts})"
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
+                src_data_rank: int | None) -> None:
+    param = getattr(module, name, None)
+    if param is None:
+        return
+    sharded = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
