@@ -76,6 +76,9 @@ class ParallelConfig:
     vocab_parallel_loss: bool = True
     """Under tp > 1, keep the logits sharded over the vocabulary and compute ``F.cross_entropy`` on the shards
     (the full logits never exist on one rank); False gathers full logits, as plain tensors, on every rank."""
+    allow_replicated: bool = False
+    """Under tp > 1, let ``policy="auto"`` train a model of which it leaves more than 10% of the block
+    parameters whole on every tp rank (by default it refuses, naming what it did not understand)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size"):

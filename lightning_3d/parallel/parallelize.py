@@ -206,7 +206,7 @@ def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: in
     """The policy's plan for ``module`` under ``config`` at tensor-parallel size ``tp``, completed for a
     pipeline where it names only its blocks (``policies.auto_pipeline``). Also what the dry run shows."""
     options = PlanOptions(tp=tp, sequence_parallel=config.sequence_parallel,
-                          vocab_parallel_loss=config.vocab_parallel_loss)
+                          vocab_parallel_loss=config.vocab_parallel_loss, allow_replicated=config.allow_replicated)
     return with_pipeline(module, policy.plan(module, options))
 
 

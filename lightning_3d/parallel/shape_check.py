@@ -42,7 +42,6 @@ from lightning_3d.common import join_fqn, local, parent_fqn
 from lightning_3d.errors import ShardedShapeError
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.pipeline.split import held_modules
-from lightning_3d.policies.auto import HEAD_ATTRIBUTES
 from lightning_3d.policies.base import Plan
 
 log = logging.getLogger(__name__)
@@ -106,8 +105,8 @@ class _FirstCall:
             f"  its layers on this rank (in -> out features): {layers}\n"
             f"  its integer attributes: {attributes}\n"
             f"Most often a head count or width that the module reshapes by, but that the policy did not divide by"
-            f" tp, fails this way. Name it in the policy's attribute_fixes (policy='auto' divides {', '.join(HEAD_ATTRIBUTES)};"
-            f" per-head sizes such as head_dim stay), or reshape with -1 heads, or use another tensor_parallel_size"
+            f" tp, fails this way. Name it in the policy's attribute_fixes (policy='auto' finds the ones its traced block"
+            f" reshapes by; per-head sizes such as head_dim stay), or reshape with -1 heads, or use another tensor_parallel_size"
             f" (1 always fits). Found by running {self.fqn}'s forward on fake tensors before its first real call."
         )
 

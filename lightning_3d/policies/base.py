@@ -21,6 +21,8 @@ class PlanOptions:
     """Keep activations between blocks sharded along the sequence (Megatron-style SP)."""
     vocab_parallel_loss: bool = True
     """Leave the logits sharded over the vocabulary (the loss is computed on the shards) instead of gathering."""
+    allow_replicated: bool = False
+    """Let "auto" leave more than 10% of the block parameters whole on every tp rank (else it refuses)."""
 
 
 @dataclass(kw_only=True)

@@ -192,13 +192,13 @@ def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     """Set ``region.fixes`` to the smallest set of divided attributes under which every rank's shrunk block
     traces as the whole one does on that rank; the reason when none does."""
     candidates = _candidates(block, whole, region, tp)
-    first_failure = ""
+    failures = []
     for size in range(min(len(candidates), _MAX_FIXES) + 1):
         for chosen in itertools.combinations(candidates, size):
             fixes = _as_fixes(chosen, tp)
             why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
             if why:
-                first_failure = first_failure or why
+                failures.append(why)
                 continue
             for rank in range(1, tp):
                 why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
@@ -207,8 +207,9 @@ def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             region.fixes = fixes
             return ""
     ints = {f"{m or '<block>'}.{a}": v for m, a, v in candidates}
-    return (f"split over tp it does not compute what one process does ({first_failure}); tried dividing"
-            f" {ints or 'no integer attribute'}")
+    tried = f"; with {', '.join(ints)} divided: {failures[-1]}" if len(failures) > 1 else ""
+    return (f"split over tp it does not compute what one process does (as it is: {failures[0]}{tried}); the"
+            f" integer attributes tried: {ints or 'none'}")
 
 
 def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> list[tuple[str, str, int]]:

@@ -109,6 +109,7 @@ class ThreeDStrategy(ParallelStrategy):
         init_from: Optional[str] = None,
         model_init: str = "auto",
         vocab_parallel_loss: bool = True,
+        allow_replicated: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -146,6 +147,7 @@ class ThreeDStrategy(ParallelStrategy):
             init_from=init_from,
             model_init=model_init,
             vocab_parallel_loss=vocab_parallel_loss,
+            allow_replicated=allow_replicated,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout

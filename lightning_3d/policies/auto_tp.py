@@ -1,0 +1,200 @@
+"""The tensor-parallel part of the "auto" plan, for a model no policy was written for.
+
+One block of each kind (class and parameter shapes) is traced on a meta copy of the model, with the inputs
+the model itself gives it (:mod:`~lightning_3d.policies.block_trace`), and split from what it computes
+(:mod:`~lightning_3d.policies.tp_structure`): attention and MLP regions, fused or not, in one module or over
+siblings, ``nn.Linear`` or ``Conv1D``. Every block of that kind takes the same split:
+
+* each region's column projections split their outputs (``ColumnSplit``; fused ones per part), its row
+  projection its inputs (``RowSplit``), which reduces (or, with sequence parallelism, reduce-scatters) into
+  the residual stream;
+* the region's hidden states become a replicated DTensor once, at the module that takes them whole
+  (``HiddenStates``), so its columns share one gradient reduction; else each column takes them itself;
+* the integer attributes the block reshapes by are set per rank, as the trace found them.
+
+**Never a silent no-op**: with more than ``MAX_REPLICATED`` of the block parameters left whole, planning
+stops (:class:`~lightning_3d.errors.PolicyError`) with what was not understood and how to write the policy
+lines, unless ``allow_replicated=True``. What was split is said once per job (rank 0).
+
+**Sequence parallelism**: between the regions the hidden states stay split along the sequence: the
+LayerNorm/RMSNorm layers of each block outside the regions run on sequence shards, each region gathers its
+input and its row projection reduce-scatters. The residual stream is split entering the first block and
+gathered leaving the last (the final norm and the head see every position). A block holding other weights
+between the regions is refused: they could mix positions. Parameter-free code there (a token shift) cannot be
+seen, so it must act on each position alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
+from lightning_3d.common import join_fqn
+from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
+from lightning_3d.policies.block_trace import block_inputs, is_projection, meta_copy, projection_sizes
+from lightning_3d.policies.hidden_states import HiddenStates
+from lightning_3d.policies.projections import ColumnSplit, RowSplit
+from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
+
+MAX_REPLICATED = 0.10
+"""The largest share of the block parameters "auto" may leave whole on every tp rank without being told."""
+
+
+def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions) -> Plan:
+    """The plan that splits ``root``'s ``blocks`` over ``options.tp`` ranks (see the module docstring)."""
+    between = Shard(1) if options.sequence_parallel else Replicate()
+    splits = block_splits(root, blocks, options.tp)
+    tp_plan: dict[str, ParallelStyle] = {}
+    fixes: dict[str, dict] = {}
+    sharded_rng: list[str] = []
+    covered: dict[str, list[str]] = {}
+    for block, split in splits.items():
+        covered[block] = []
+        for region in split.regions:
+            column_input = {}
+            if region.input_module is not None:
+                tp_plan[join_fqn(block, region.input_module)] = HiddenStates(input=(between, Replicate()),
+                                                                             use_local_output=False)
+            else:
+                column_input = dict(input_layouts=between)
+            for column in region.columns:
+                tp_plan[join_fqn(block, column)] = ColumnSplit(parts=region.parts[column], **column_input)
+            tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between)
+            for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
+                fixes.setdefault(join_fqn(block, holder), {}).update(values)
+            covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row)]
+    _judge(root, splits, tp_plan, options)
+    if options.sequence_parallel:
+        for block in blocks:
+            norms, dropouts = sequence_parallel_parts(root, block, covered[block])
+            tp_plan.update({norm: SequenceParallel(use_local_output=True) for norm in norms})
+            sharded_rng += dropouts
+    if options.sequence_parallel and blocks:
+        first, last = blocks[0], blocks[-1]
+        tp_plan[first] = HiddenStates(input=(Replicate(), Shard(1)))
+        tp_plan[last] = HiddenStates(input=(Replicate(), Shard(1)) if first == last else None,
+                                     output=(Shard(1), Replicate()))
+    return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng)
+
+
+def block_splits(root: nn.Module, blocks: list[str], tp: int) -> dict[str, BlockSplit]:
+    """Block FQN -> its split; one trace per kind of block (class and parameter shapes)."""
+    model, prefix = _callable_model(root, blocks)
+    by_kind: dict[tuple, BlockSplit] = {}
+    splits = {}
+    for block in blocks:
+        module = root.get_submodule(block)
+        kind = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+        if kind not in by_kind:
+            by_kind[kind] = _split_one(model, block[len(prefix) + 1:] if prefix else None, module, tp)
+        splits[block] = by_kind[kind]
+    return splits
+
+
+def _callable_model(root: nn.Module, blocks: list[str]) -> tuple[nn.Module | None, str]:
+    """A meta copy of the root's child holding the blocks (what ``training_step`` calls) and its FQN; None
+    when the blocks sit in the root itself."""
+    prefix = blocks[0].split(".")[0] if blocks and blocks[0].count(".") >= 2 else ""
+    return (meta_copy(root.get_submodule(prefix)), prefix) if prefix else (None, "")
+
+
+def _split_one(model: nn.Module | None, inner: str | None, block: nn.Module, tp: int) -> BlockSplit:
+    meta_block = model.get_submodule(inner) if model is not None else meta_copy(block)
+    inputs = block_inputs(model, meta_block) if model is not None else None
+    if inputs is None:  # the model cannot be called on token ids: the block on hidden states alone
+        width = next((projection_sizes(m)[0] for m in meta_block.modules() if is_projection(m)), None)
+        if width is None:
+            return BlockSplit(problem="it holds no nn.Linear or Conv1D")
+        inputs = ((torch.zeros(1, 4, width, device="meta"),), {})
+    return split_block(meta_block, *inputs, tp)
+
+
+def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> tuple[list[str], list[str]]:
+    """The norms of ``block`` outside its tp regions (``regions``: the modules they cover), which run on
+    sequence shards, and its dropout layers there, which then draw on each tp rank's own stream. Other weights
+    between the regions are refused: on a sequence shard they would get the gradient of this rank's
+    positions only (and might mix positions)."""
+    norms, dropouts, unknown = [], [], []
+    for name, module in root.get_submodule(block).named_modules():
+        fqn = join_fqn(block, name)
+        if any(fqn == r or fqn.startswith(r + ".") for r in regions):
+            continue
+        if _is_norm(module):
+            norms.append(fqn)
+        elif isinstance(module, nn.Dropout) and module.p > 0:
+            dropouts.append(fqn)
+        elif any(True for _ in module.parameters(recurse=False)) and not any(fqn.startswith(n + ".") for n in norms):
+            unknown.append(f"{fqn} ({type(module).__name__})")
+    if unknown:
+        raise PolicyError(
+            f"policy='auto' cannot keep the hidden states of {block} split along the sequence: besides the"
+            f" projections it split over tp ({', '.join(regions) or 'none'}) and LayerNorm/RMSNorm layers, it"
+            f" holds {', '.join(unknown)}, whose weights would see only this rank's positions. Register a policy"
+            " for the model (see policies/gpt.py), or sequence_parallel=False."
+        )
+    return norms, dropouts
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A LayerNorm or RMSNorm (PyTorch's, or a model's own class of that name): each position on its own."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+
+
+# -- what was split, said once; what was not, refused -------------------------------------------------------
+def sharded_share(root: nn.Module, blocks: list[str], tp_plan: dict[str, ParallelStyle]) -> tuple[int, int]:
+    """(parameter elements of ``blocks`` the plan shards over tp, all of their parameter elements)."""
+    sharded = total = 0
+    for block in blocks:
+        for fqn, module in root.get_submodule(block).named_modules():
+            style = tp_plan.get(join_fqn(block, fqn))
+            for name, param in module.named_parameters(recurse=False):
+                total += param.numel()
+                if isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight"):
+                    sharded += param.numel()
+    return sharded, total
+
+
+def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: PlanOptions) -> None:
+    blocks = list(splits)
+    sharded, total = sharded_share(root, blocks, tp_plan)
+    whole = 1 - sharded / total if total else 0.0
+    first = splits[blocks[0]] if blocks else BlockSplit()
+    if whole > MAX_REPLICATED and not options.allow_replicated:
+        raise PolicyError(_refusal(root, blocks, first, whole, options.tp))
+    model = _model_name(root, blocks)
+    regions = "; ".join(f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
+                        + "".join(f", {c} fused x{k}" for c, k in r.parts.items() if k > 1) for r in first.regions)
+    left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
+    rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
+                   f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Embeddings and the head stay"
+                   " whole on every tp rank.")
+
+
+def _model_name(root: nn.Module, blocks: list[str]) -> str:
+    prefix = blocks[0].split(".")[0] if blocks and blocks[0].count(".") >= 2 else ""
+    return type(root.get_submodule(prefix)).__name__
+
+
+def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int) -> str:
+    block = blocks[0] if blocks else "(no repeated blocks found)"
+    if split.problem:
+        reasons = f"  the block could not be traced on the meta device: {split.problem}"
+    else:
+        by_reason: dict[str, list[str]] = {}
+        for name, why in split.left.items():
+            by_reason.setdefault(why, []).append(name)
+        reasons = "\n".join(f"  {', '.join(names)}: {why}" for why, names in by_reason.items()) or "  (none)"
+    pattern = ".".join(["*" if a.isdigit() else a for a in block.split(".")])
+    return (
+        f"policy='auto' would leave {whole:.0%} of the block parameters of {_model_name(root, blocks)} whole on every"
+        f" tp rank at tensor_parallel_size={tp} (more than {MAX_REPLICATED:.0%}): each rank would hold and compute"
+        f" them all. In {block} (every block alike), not split:\n{reasons}\n"
+        f"Write these lines in a policy of your own (lightning_3d.policies.register_policy; see policies/gpt.py):"
+        f" a tp_plan such as {{'{pattern}.<q/k/v or up>': ColumnSplit(parts=<fused parts>),"
+        f" '{pattern}.<out or down>': RowSplit()}} (lightning_3d.policies.projections) with attribute_fixes for"
+        " the head counts the block reshapes by; or pass allow_replicated=True to train with them whole on every"
+        " tp rank; or tensor_parallel_size=1."
+    )
