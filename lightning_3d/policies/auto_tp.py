@@ -27,6 +27,7 @@ seen, so it must act on each position alone.
 from __future__ import annotations
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -34,7 +35,13 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
-from lightning_3d.policies.block_trace import block_inputs, is_projection, meta_copy, projection_sizes
+from lightning_3d.policies.block_trace import (
+    block_inputs,
+    is_projection,
+    meta_copy,
+    projection_sizes,
+    required_positionals,
+)
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, RowSplit
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
@@ -82,34 +89,44 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
 
 def block_splits(root: nn.Module, blocks: list[str], tp: int) -> dict[str, BlockSplit]:
     """Block FQN -> its split; one trace per kind of block (class and parameter shapes)."""
-    model, prefix = _callable_model(root, blocks)
+    callers = _callers(root, blocks)
     by_kind: dict[tuple, BlockSplit] = {}
     splits = {}
     for block in blocks:
         module = root.get_submodule(block)
         kind = (type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
         if kind not in by_kind:
-            by_kind[kind] = _split_one(model, block[len(prefix) + 1:] if prefix else None, module, tp)
+            by_kind[kind] = _split_one(callers, block, module, tp)
         splits[block] = by_kind[kind]
     return splits
 
 
-def _callable_model(root: nn.Module, blocks: list[str]) -> tuple[nn.Module | None, str]:
-    """A meta copy of the root's child holding the blocks (what ``training_step`` calls) and its FQN; None
-    when the blocks sit in the root itself."""
-    prefix = blocks[0].split(".")[0] if blocks and blocks[0].count(".") >= 2 else ""
-    return (meta_copy(root.get_submodule(prefix)), prefix) if prefix else (None, "")
+def _callers(root: nn.Module, blocks: list[str]) -> list[tuple[str, nn.Module]]:
+    """What ``training_step`` may call to run the blocks, as (FQN, meta copy): the root's child holding them
+    (unless it is their list), and the root (unless it is the LightningModule, whose copy would copy its
+    trainer)."""
+    prefix = _model_prefix(blocks)
+    found = []
+    if prefix and not isinstance(root.get_submodule(prefix), (nn.ModuleList, nn.ModuleDict)):
+        found.append(prefix)
+    if not isinstance(root, LightningModule):
+        found.append("")
+    return [(fqn, meta_copy(root.get_submodule(fqn))) for fqn in found]
 
 
-def _split_one(model: nn.Module | None, inner: str | None, block: nn.Module, tp: int) -> BlockSplit:
-    meta_block = model.get_submodule(inner) if model is not None else meta_copy(block)
-    inputs = block_inputs(model, meta_block) if model is not None else None
-    if inputs is None:  # the model cannot be called on token ids: the block on hidden states alone
-        width = next((projection_sizes(m)[0] for m in meta_block.modules() if is_projection(m)), None)
-        if width is None:
-            return BlockSplit(problem="it holds no nn.Linear or Conv1D")
-        inputs = ((torch.zeros(1, 4, width, device="meta"),), {})
-    return split_block(meta_block, *inputs, tp)
+def _split_one(callers: list[tuple[str, nn.Module]], block: str, module: nn.Module, tp: int) -> BlockSplit:
+    width = next((projection_sizes(m)[0] for m in module.modules() if is_projection(m)), None)
+    if width is None:
+        return BlockSplit(problem="it holds no nn.Linear or Conv1D")
+    for fqn, model in callers:
+        meta_block = model.get_submodule(block[len(fqn) + 1:] if fqn else block)
+        inputs = block_inputs(model, meta_block, width)
+        if inputs is not None:
+            return split_block(meta_block, *inputs, tp)
+    # The model cannot be called: the block alone, on hidden states (and None for what else it requires).
+    meta_block = meta_copy(module)
+    rest = (None,) * (required_positionals(meta_block) - 1)
+    return split_block(meta_block, (torch.zeros(1, 4, width, device="meta"), *rest), {}, tp)
 
 
 def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> tuple[list[str], list[str]]:
@@ -173,9 +190,13 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                    " whole on every tp rank.")
 
 
+def _model_prefix(blocks: list[str]) -> str:
+    """The root's child that holds the blocks ("" if they are the root's own children)."""
+    return blocks[0].split(".")[0] if blocks and "." in blocks[0] else ""
+
+
 def _model_name(root: nn.Module, blocks: list[str]) -> str:
-    prefix = blocks[0].split(".")[0] if blocks and blocks[0].count(".") >= 2 else ""
-    return type(root.get_submodule(prefix)).__name__
+    return type(root.get_submodule(_model_prefix(blocks))).__name__
 
 
 def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int) -> str:

@@ -24,6 +24,7 @@ tracing again as one tp rank holds the block.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,9 +106,10 @@ class _Stop(Exception):
     pass
 
 
-def block_inputs(model: nn.Module, block: nn.Module, tokens: int = 4) -> tuple[tuple, dict] | None:
+def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4) -> tuple[tuple, dict] | None:
     """The positional and keyword arguments ``model`` (on the meta device) passes ``block`` when called on
-    one sequence of ``tokens`` token ids; None when that call fails before reaching the block."""
+    one sequence of ``tokens`` token ids, or of hidden states ``width`` wide (for a forward that requires
+    more: masks of ones); None when no such call reaches the block."""
     seen: dict[str, Any] = {}
 
     def stop(_module, args, kwargs):
@@ -116,12 +118,19 @@ def block_inputs(model: nn.Module, block: nn.Module, tokens: int = 4) -> tuple[t
 
     handle = block.register_forward_pre_hook(stop, with_kwargs=True)
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    hidden = torch.zeros(1, tokens, width, device="meta")
+    masks = [torch.ones_like(ids)] * (required_positionals(model) - 1)
+    calls = [lambda: model(ids, use_cache=False), lambda: model(ids), lambda: model(ids, *masks),
+             lambda: model(hidden), lambda: model(hidden, *masks)]
     try:
-        for call in (lambda: model(ids, use_cache=False), lambda: model(ids)):
+        for call in calls:
             try:
-                with torch.no_grad():
+                with torch.no_grad(), torch.device("meta"):  # tensors the forward makes without a device too
                     call()
             except _Stop:
+                first = next((a for a in [*seen["args"], *seen["kwargs"].values()] if isinstance(a, Tensor)), None)
+                if first is None or not first.is_floating_point() or first.shape[-1] != width:
+                    continue  # not hidden states: this call is not how the model is meant to be called
                 # A key/value cache would grow with every trace of the block: each trace starts without one.
                 args = tuple(_no_cache(a) for a in seen["args"])
                 return args, {k: _no_cache(v) for k, v in seen["kwargs"].items()}
@@ -130,6 +139,16 @@ def block_inputs(model: nn.Module, block: nn.Module, tokens: int = 4) -> tuple[t
     finally:
         handle.remove()
     return None
+
+
+def required_positionals(module: nn.Module) -> int:
+    """How many positional arguments ``module``'s forward requires."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
 def _no_cache(value: Any) -> Any:
@@ -159,7 +178,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict,
     recorder.prov[id(hidden)] = frozenset({STREAM})
     handles = recorder.hook_modules()
     try:
-        with torch.no_grad(), _FunctionLevel(recorder), recorder:
+        with torch.no_grad(), torch.device("meta"), _FunctionLevel(recorder), recorder:
             block(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 -- what meta cannot run, or a shape the split broke
         recorder.trace.problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -207,7 +226,7 @@ class _Recorder(TorchDispatchMode):
                 self.prov[id(output)] = frozenset({fqn})
                 index = self.features.get(fqn)
                 if index is None:
-                    index = torch.arange(output.shape[-1])
+                    index = torch.arange(output.shape[-1], device="cpu")
                 self.shadow[id(output)] = {fqn: [index.expand(output.shape).clone()]}
                 self.keep.append(output)
         return hook
@@ -281,7 +300,7 @@ class _Recorder(TorchDispatchMode):
                         return x
                     slots = self.shadow.get(id(x), {}).get(name)
                     if not slots:
-                        return torch.full(x.shape, -1, dtype=torch.long)
+                        return torch.full(x.shape, -1, dtype=torch.long, device="cpu")
                     return slots[min(slot, len(slots) - 1)]
                 try:
                     moved = func(*tree_map(swap, args), **tree_map(swap, kwargs))
@@ -322,7 +341,7 @@ class _Recorder(TorchDispatchMode):
         self.trace.attention.append(HeadEvent(q=by_head(sq, lambda s, h: s[0, h, 0, :]),
                                               k=by_head(sk, lambda s, h: s[0, h // group, 0, :]),
                                               v=by_head(sv, lambda s, h: s[0, h // group, 0, :])))
-        index = torch.arange(heads) // group
+        index = torch.arange(heads, device="cpu") // group
         self.shadow[id(out)] = {name: [s[:, index, :1, :].expand(out.shape).clone() for s in slots]
                                 for name, slots in sv.items()}
         self.keep.append(out)

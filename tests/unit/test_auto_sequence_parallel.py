@@ -6,6 +6,8 @@ along the sequence between the attention and the MLP (the runs that match one pr
 parity/test_parity_auto_sequence_parallel.py)."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -14,6 +16,7 @@ from helpers.user_models import LlamaStyleLM, NanoGPT
 from lightning_3d.policies import PlanOptions, PolicyError
 from lightning_3d.policies.auto import AutoPolicy
 from lightning_3d.policies.hidden_states import HiddenStates
+from lightning_3d.policies.projections import ColumnSplit
 
 SP = PlanOptions(tp=2, sequence_parallel=True)
 
@@ -35,9 +38,42 @@ def test_auto_keeps_nanogpts_hidden_states_split_along_the_sequence_between_atte
     assert not any(fqn.startswith(("model.ln_f", "model.lm_head", "model.wte")) for fqn in plan.tp_plan)
 
 
+def test_auto_splits_an_mlp_whose_projections_sit_on_the_block_itself_and_keeps_sp_around_it():
+    # Meta-Llama layout: the feed-forward's w1/w2/w3 are the block's own children, beside the norms; the trace
+    # finds them as a region (w1, w3 -> w2) all the same, each column gathering its own input.
+    plan = AutoPolicy().plan(nn.ModuleDict({"model": LlamaStyleLM(64, 2, 32, 4)}), SP)
+    styles = plan.tp_plan
+    for column in ("w1", "w3"):
+        assert isinstance(styles[f"model.layers.1.{column}"], ColumnSplit)
+        assert styles[f"model.layers.1.{column}"].input_layouts == (Shard(1),)
+    assert styles["model.layers.1.w2"].output_layouts == (Shard(1),)
+    assert {f for f, st in styles.items() if isinstance(st, SequenceParallel) and f.startswith("model.layers.1.")} == {
+        "model.layers.1.attention_norm", "model.layers.1.ffn_norm"}
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class ScaledBlock(nn.Module):
+    """A pre-norm MLP block whose output is scaled by a learned vector before the residual add (CaiT, DINOv2)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.norm, self.up, self.down, self.scale = nn.LayerNorm(dim), nn.Linear(dim, 64), nn.Linear(64, dim), LayerScale(dim)
+
+    def forward(self, x):
+        return x + self.scale(self.down(F.gelu(self.up(self.norm(x)))))
+
+
 def test_auto_refuses_sequence_parallel_for_weights_between_the_regions_it_found():
-    # Meta-Llama layout with the feed-forward's w1/w2/w3 on the block itself, not in an MLP module: on sequence
-    # shards their gradients would hold this rank's positions only.
-    with pytest.raises(PolicyError, match=r"cannot keep the hidden states of model.layers.0 split along the"
-                                          r" sequence.*model.layers.0.w1 \(Linear\).*sequence_parallel=False"):
-        AutoPolicy().plan(nn.ModuleDict({"model": LlamaStyleLM(64, 2, 32, 4)}), SP)
+    # The layer scale's weight would see this rank's positions only on a sequence shard.
+    model = nn.ModuleDict({"model": nn.Sequential(*[ScaledBlock() for _ in range(2)])})
+    with pytest.raises(PolicyError, match=r"cannot keep the hidden states of model.0 split along the"
+                                          r" sequence.*model.0.scale \(LayerScale\).*sequence_parallel=False"):
+        AutoPolicy().plan(model, SP)
