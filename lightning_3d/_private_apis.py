@@ -59,7 +59,7 @@ PRIVATE_NAMES: dict[str, Private] = {
         "GradSyncStage runs a stage's backward itself to reduce gradients per micro-batch",
         "no public backward step of a pipeline stage"),
     "torch.distributed.tensor.placement_types._StridedShard": Private(
-        "GPT-2's fused q|k|v columns: each tp rank takes its heads' slice of q, k and v",
+        "fused projections (GPT-2's and nanoGPT's q|k|v, Phi-3's gate|up): each tp rank takes its slice of every part",
         "Shard(dim) cannot express a strided slice; no public placement for it"),
     "torch.utils._device._device_constructors": Private(
         "send the factory functions to the meta device while recording a build, as torch.device('meta') does,"
@@ -108,6 +108,11 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.ScriptObject._type": Private(
         "recognize a ProcessGroup argument of a c10d op by its class name (CommRecorder)", "no public accessor",
         attribute=True),
+    **{f"torch.ops.aten.{op}": Private(
+        "an ATen operator the block trace (policies.block_trace) follows feature indices through; ATen names"
+        " these ops with a leading underscore, and a dispatch mode sees them, not their public wrappers",
+        "none: a TorchDispatchMode sees ATen operators by these names", attribute=True)
+       for op in ("_unsafe_view", "_softmax", "_to_copy")},
     # ------------------------------------------------------------------ Lightning: imported
     "lightning.fabric.strategies._StrategyRegistry": Private(
         "the type of register_strategies' argument, as Lightning's own strategies annotate it",

@@ -62,7 +62,10 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
         covered[block] = []
         for region in split.regions:
             column_input = {}
-            if region.input_module is not None:
+            if region.narrow_input:  # the module sees this rank's hidden features; its columns gather them
+                tp_plan[join_fqn(block, region.input_module)] = HiddenStates(input=(between, Shard(-1)))
+                column_input = dict(input_layouts=Shard(-1))
+            elif region.input_module is not None:
                 tp_plan[join_fqn(block, region.input_module)] = HiddenStates(input=(between, Replicate()),
                                                                              use_local_output=False)
             else:

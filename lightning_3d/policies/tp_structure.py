@@ -60,6 +60,9 @@ class Region:
     input_module: str | None = None
     """The module whose first input is this region's hidden states and holds no other reader of them (it
     gathers them once for every column); None: each column gathers its own input."""
+    narrow_input: bool = False
+    """The input module takes this rank's slice of the hidden features and the columns gather them back: for
+    code that reads sizes from its input's width (nanoGPT's ``B, T, C = x.size()``, then ``view(B, T, C)``)."""
     fixes: dict[str, dict[str, int]] = field(default_factory=dict)
     """Module -> attribute -> its value on each tp rank (``config.<name>``: a value of the module's config);
     :func:`attribute_values` turns them into what to set."""
@@ -93,11 +96,11 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         if region is None:
             _leave(split, [row, *columns], why)
             continue
+        region.input_module = _input_module(whole, columns)
         why = _find_fixes(block, args, kwargs, whole, region, tp)
         if why:
             _leave(split, [row, *columns], why)
             continue
-        region.input_module = _input_module(whole, columns)
         split.regions.append(region)
         claimed.update([row, *columns])
     for name in whole.order:
@@ -193,19 +196,23 @@ def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     traces as the whole one does on that rank; the reason when none does."""
     candidates = _candidates(block, whole, region, tp)
     failures = []
-    for size in range(min(len(candidates), _MAX_FIXES) + 1):
-        for chosen in itertools.combinations(candidates, size):
-            fixes = _as_fixes(chosen, tp)
-            why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
-            if why:
-                failures.append(why)
-                continue
-            for rank in range(1, tp):
-                why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+    # A narrowed input costs an all-gather per region: tried only when no set of attributes does without.
+    for narrow in (False, True) if region.input_module is not None else (False,):
+        region.narrow_input = narrow
+        for size in range(min(len(candidates), _MAX_FIXES) + 1):
+            for chosen in itertools.combinations(candidates, size):
+                fixes = _as_fixes(chosen, tp)
+                why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
                 if why:
-                    return f"rank {rank} of tp would compute otherwise: {why}"
-            region.fixes = fixes
-            return ""
+                    failures.append(why)
+                    continue
+                for rank in range(1, tp):
+                    why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+                    if why:
+                        return f"rank {rank} of tp would compute otherwise: {why}"
+                region.fixes = fixes
+                return ""
+    region.narrow_input = False
     ints = {f"{m or '<block>'}.{a}": v for m, a, v in candidates}
     tried = f"; with {', '.join(ints)} divided: {failures[-1]}" if len(failures) > 1 else ""
     return (f"split over tp it does not compute what one process does (as it is: {failures[0]}{tried}); the"
@@ -280,6 +287,10 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)
+    if region.narrow_input:
+        local.get_submodule(region.input_module).register_forward_pre_hook(_resize_input(1 / tp), with_kwargs=True)
+        for column in region.columns:
+            local.get_submodule(column).register_forward_pre_hook(_resize_input(tp), with_kwargs=True)
     trace = trace_block(local, args, kwargs, features)
     if trace.problem:
         return trace.problem
@@ -303,6 +314,17 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             if getattr(got_event, side) != getattr(event, side)[heads]:
                 return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
     return ""
+
+
+def _resize_input(factor: float):
+    """A forward pre-hook that gives the module its first tensor argument ``factor`` times as wide (on meta)."""
+    def hook(_module, args, kwargs):
+        if args and isinstance(args[0], Tensor):
+            x = args[0]
+            return (torch.empty(*x.shape[:-1], int(x.shape[-1] * factor), dtype=x.dtype, device="meta"),
+                    *args[1:]), kwargs
+        return None
+    return hook
 
 
 def _keep_outputs(module: nn.Module, count: int) -> None:
