@@ -129,7 +129,8 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
     (``ConstructionRecord.reset_order``; a module reset twice is replayed twice); the modules it leaves out,
     or all without it, follow in ``named_modules()`` order.
     """
-    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    # Every name of a tied tensor: the last module to reset it wins, as in an eager build.
+    targets = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     torch.set_rng_state(rng_state)
     with torch.no_grad():
         for prefix, module in _replay_order(skeleton, order or []):

@@ -104,6 +104,38 @@ AUTO_SP_CASES = {c.name: c for c in [
     as_written_case("nanogpt_dp2_pp2_tp2_sp", "user_nanogpt", 2, 2, 2, sequence_parallel=True),
 ]}
 
+# Tensor parallelism that policy="auto" finds by tracing a block (issue 29), for models from transformers
+# configs and nanoGPT as published: parity/test_parity_auto_tensor_parallel.py.
+_HF_SIZES = dict(seq_len=16, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4)
+AUTO_TP_MODELS = {
+    "phi3": dict(_HF_SIZES, model_type="phi3", intermediate_size=64, num_key_value_heads=4, pad_token_id=0),
+    "bert": dict(_HF_SIZES, model_type="bert", intermediate_size=64, is_decoder=True, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0),
+    "gpt_neox": dict(_HF_SIZES, model_type="gpt_neox", intermediate_size=64, bos_token_id=0, eos_token_id=0),
+    "falcon": dict(_HF_SIZES, model_type="falcon", new_decoder_architecture=True, num_kv_heads=2, bos_token_id=0,
+                   eos_token_id=0),
+    "olmo": dict(_HF_SIZES, model_type="olmo", intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
+                 bos_token_id=0, eos_token_id=0),
+    "gemma2": dict(_HF_SIZES, model_type="gemma2", intermediate_size=64, num_key_value_heads=2, head_dim=8),
+    "qwen2": dict(_HF_SIZES, model_type="qwen2", intermediate_size=64, num_key_value_heads=2),
+    "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),
+}
+
+
+def auto_tp_case(model, dp, pp, tp, **strategy):
+    kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
+    tag = f"{model}_{dp}_{pp}_{tp}" + ("_sp" if strategy.get("sequence_parallel") else "")
+    if model == "nanogpt":
+        return as_written_case(f"auto_{tag}", "user_published_gpt", dp, pp, tp, **strategy)
+    return Case(name=f"auto_{tag}", module="hf", strategy_kwargs=kwargs, dp=dp, steps=4, model=AUTO_TP_MODELS[model])
+
+
+AUTO_TP_CASES = {c.name: c for c in [
+    auto_tp_case(model, *layout, **extra)
+    for model in ["nanogpt", *AUTO_TP_MODELS]
+    for layout, extra in [((1, 1, 2), {}), ((1, 1, 2), dict(sequence_parallel=True)), ((1, 2, 2), {})]
+]}
+
 _RESULTS: dict[str, Result] = {}
 
 
@@ -112,6 +144,6 @@ def hf_results(tmp_path_factory) -> dict[str, Result]:
     if not _RESULTS:
         out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
         cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(), *FAST_INIT_CASES.values(),
-                 *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values()]
+                 *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values(), *AUTO_TP_CASES.values()]
         _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
     return _RESULTS

@@ -5,6 +5,9 @@
   its init in the parent -- ``self.apply(self._init_weights)`` re-draws every Linear and Embedding with std
   0.02, then the residual projections get std 0.02 / sqrt(2 * n_layer). Replaying ``reset_parameters()``
   would give other weights (PyTorch's default Linear init).
+* :class:`PublishedGPT` is written the way nanoGPT's own ``model.py`` is: one fused ``c_attn`` (q|k|v), the
+  sizes read back from the input (``B, T, C = x.size()``, then ``view(B, T, C)``), the layers in a
+  ``ModuleDict``, and ``forward(idx, targets)`` that returns ``(logits, loss)``.
 * :class:`UserLlamaModule` builds ``transformers.LlamaForCausalLM(config)`` in ``configure_model()``, the
   ordinary Lightning way: Hugging Face initializes it in ``post_init()``, not in ``reset_parameters()``.
 * :class:`LlamaStyleLM` follows Meta's reference Llama: blocks called with a mask, RMSNorm weights made by
@@ -95,6 +98,55 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class FusedSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(0.0), nn.Dropout(0.0)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class PublishedBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), FusedSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(n_embd, 4 * n_embd), c_proj=nn.Linear(4 * n_embd, n_embd)))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class PublishedGPT(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd), drop=nn.Dropout(0.0),
+            h=nn.ModuleList([PublishedBlock(n_embd, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(n_embd)))
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
 class _NextTokenModule(L.LightningModule):
     """The training step, loss and optimizer a user writes; subclasses build ``self.model``."""
 
@@ -126,6 +178,16 @@ class NanoGPTModule(_NextTokenModule):
 
     def logits(self, tokens):
         return self.model(tokens)
+
+
+class PublishedGPTModule(_NextTokenModule):
+    def configure_model(self):
+        if self.model is None:
+            c = self.config
+            self.model = PublishedGPT(c.vocab_size, c.block_size, c.n_layer, c.n_embd, c.n_head)
+
+    def logits(self, tokens):
+        return self.model(tokens)[0]
 
 
 def user_llama(config) -> nn.Module:

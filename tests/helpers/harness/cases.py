@@ -70,3 +70,6 @@ class Result:
     """The whole model's parameter count as ThroughputMonitor saw it (for its MFU)."""
     rank_parameter_bytes: list[int] = field(default_factory=list)
     """Bytes of parameters each global rank holds after training (its shards, of its stages)."""
+    tp_sharded_block_share: list[float] = field(default_factory=list)
+    """Per global rank: of the parameter elements of the blocks it holds (parameters under a numbered module,
+    ``layers.3.``), the share that is sharded over the "tp" mesh dimension."""

@@ -27,7 +27,7 @@ def run_distributed(case: Case) -> Result | None:
         trainer.save_checkpoint(case.save_checkpoint)
     params = gather_full_state(module)
     result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, model_parameters(trainer),
-                    _parameter_bytes_per_rank(module))
+                    _parameter_bytes_per_rank(module), _tp_sharded_block_share(module))
     return result if dist.get_rank() == 0 else None
 
 
@@ -37,6 +37,24 @@ def _parameter_bytes_per_rank(module: torch.nn.Module) -> list[int]:
     local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, local)
+    return per_rank
+
+
+def _tp_sharded_block_share(module: torch.nn.Module) -> list[float]:
+    """Counted on each rank from its parameters' placements (see ``Result.tp_sharded_block_share``)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    sharded = total = 0
+    for name, param in module.named_parameters():
+        if not any(atom.isdigit() for atom in name.split(".")):
+            continue  # not in a block
+        total += param.numel()
+        if isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ()):
+            if isinstance(param.placements[param.device_mesh.mesh_dim_names.index("tp")], (Shard, _StridedShard)):
+                sharded += param.numel()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, sharded / total if total else 0.0)
     return per_rank
 
 
