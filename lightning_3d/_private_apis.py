@@ -70,10 +70,8 @@ PRIVATE_NAMES: dict[str, Private] = {
         "the method a custom tensor-parallel style implements (the torch docs' way to write one)",
         "ParallelStyle's only (abstract) method; no public name", attribute=True),
     "torch.distributed.tensor.parallel.ColwiseParallel._prepare_input_fn": Private(
-        "Conv1D and kv-head styles reuse ColwiseParallel's / RowwiseParallel's input redistribution",
+        "the projection and kv-head styles reuse ColwiseParallel's / RowwiseParallel's input redistribution",
         "copying their code instead", attribute=True),
-    "torch.distributed.tensor.parallel.RowwiseParallel._prepare_output_fn": Private(
-        "the GPT-2 Conv1D styles reuse the output redistribution", "copying its code instead", attribute=True),
     "torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn": Private(
         "replicated kv heads override how a linear layer's weight is split", "copying its code instead",
         attribute=True),

@@ -70,9 +70,11 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
                                                                              use_local_output=False)
             else:
                 column_input = dict(input_layouts=between)
+            changed = region.changed_in_place
             for column in region.columns:
-                tp_plan[join_fqn(block, column)] = ColumnSplit(parts=region.parts[column], **column_input)
-            tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between)
+                tp_plan[join_fqn(block, column)] = ColumnSplit(parts=region.parts[column], copy_output=column in changed,
+                                                               **column_input)
+            tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between, copy_output=region.row in changed)
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row)]

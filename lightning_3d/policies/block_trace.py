@@ -97,6 +97,8 @@ class BlockTrace:
     attention: list[HeadEvent] = field(default_factory=list)
     input_id: dict[str, list[str]] = field(default_factory=dict)
     """Projection -> the modules (outermost first) whose forward received exactly its input tensor."""
+    changed_in_place: set[str] = field(default_factory=set)
+    """Projections whose output the block then changes in place (``mlp_output += attention_output``)."""
     input_readers: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
     """Projection -> for each op that read its input tensor, the module stack that op ran in."""
     problem: str | None = None
@@ -198,6 +200,7 @@ class _Recorder(TorchDispatchMode):
         self.shadow: dict[int, Shadow] = {}
         self.keep: list[Tensor] = []  # every traced tensor stays alive: ids are keys
         self.stack: list[str] = []
+        self.output_of: dict[int, str] = {}  # a projection output's id -> the projection
         self.readers: dict[int, list[tuple[str, ...]]] = {}  # tensor id -> stacks of the ops that read it
         self.projection_inputs: dict[str, int] = {}  # projection -> its input's id
         self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
@@ -224,6 +227,7 @@ class _Recorder(TorchDispatchMode):
             self.stack.pop()
             if is_projection(module) and isinstance(output, Tensor):
                 self.prov[id(output)] = frozenset({fqn})
+                self.output_of[id(output)] = fqn
                 index = self.features.get(fqn)
                 if index is None:
                     index = torch.arange(output.shape[-1], device="cpu")
@@ -254,6 +258,8 @@ class _Recorder(TorchDispatchMode):
             return out  # the trace's own work on the shadows
         for a in flat_in:
             self.readers.setdefault(id(a), []).append(tuple(self.stack))
+        if func.overloadpacket.__name__.endswith("_") and args and id(args[0]) in self.output_of:
+            self.trace.changed_in_place.add(self.output_of[id(args[0])])
         provs = [self.prov[id(a)] for a in flat_in if id(a) in self.prov]
         union = frozenset().union(*provs) if provs else frozenset()
         if func in _ADDS and STREAM in union and len(provs) >= 2:

@@ -34,16 +34,16 @@ def is_linear(module: nn.Module) -> bool:
 
 class ColumnSplit(ColwiseParallel):
     """Column-wise for an ``nn.Linear`` or ``Conv1D``; ``parts=k``: its outputs are k equal fused parts and
-    each rank keeps its slice of every one.
+    each rank keeps its slice of every one. ``copy_output``: for a model that changes the output in place.
 
     Example (nanoGPT's fused attention input)::
 
         {"model.transformer.h.*.attn.c_attn": ColumnSplit(parts=3)}
     """
 
-    def __init__(self, *, parts: int = 1, **kwargs) -> None:
+    def __init__(self, *, parts: int = 1, copy_output: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.parts = parts
+        self.parts, self.copy_output = parts, copy_output
 
     def _placement(self, dim: int) -> Placement:
         return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
@@ -53,9 +53,8 @@ class ColumnSplit(ColwiseParallel):
         _distribute(module, "weight", mesh, self._placement(weight_dim), self.src_data_rank)
         _distribute(module, "bias", mesh, self._placement(0), self.src_data_rank)
 
-    @staticmethod
-    def _local_columns(mod, outputs, device_mesh):
-        return outputs.to_local()
+    def _local_columns(self, mod, outputs, device_mesh):
+        return _local(outputs, self.copy_output)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -69,7 +68,16 @@ class ColumnSplit(ColwiseParallel):
 
 class RowSplit(RowwiseParallel):
     """Row-wise for an ``nn.Linear`` or ``Conv1D``: the input features split, the bias whole (added once, to
-    the reduced output)."""
+    the reduced output). ``copy_output``: for a model that changes the output in place."""
+
+    def __init__(self, *, copy_output: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.copy_output = copy_output
+
+    def _reduced(self, mod, outputs, device_mesh):
+        if outputs.placements != self.output_layouts:
+            outputs = outputs.redistribute(placements=self.output_layouts, async_op=True)
+        return _local(outputs, self.copy_output) if self.use_local_output else outputs
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         _distribute(module, "weight", mesh, Shard(1 if is_linear(module) else 0), self.src_data_rank)
@@ -79,12 +87,18 @@ class RowSplit(RowwiseParallel):
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts), self._reduced,
         )
 
     def __repr__(self) -> str:
         return f"RowSplit(output_layouts={self.output_layouts})"
+
+
+def _local(output, copy: bool):
+    """The local tensor of a DTensor output; a copy where the model changes it in place (autograd forbids
+    changing a custom function's view in place)."""
+    local = output.to_local()
+    return local.clone() if copy else local
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,

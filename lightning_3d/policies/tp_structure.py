@@ -60,6 +60,9 @@ class Region:
     input_module: str | None = None
     """The module whose first input is this region's hidden states and holds no other reader of them (it
     gathers them once for every column); None: each column gathers its own input."""
+    changed_in_place: set[str] = field(default_factory=set)
+    """Its projections whose outputs the block changes in place: they get their own copy of the local output
+    (a DTensor's local tensor may not be changed in place under autograd)."""
     narrow_input: bool = False
     """The input module takes this rank's slice of the hidden features and the columns gather them back: for
     code that reads sizes from its input's width (nanoGPT's ``B, T, C = x.size()``, then ``view(B, T, C)``)."""
@@ -97,6 +100,7 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             _leave(split, [row, *columns], why)
             continue
         region.input_module = _input_module(whole, columns)
+        region.changed_in_place = whole.changed_in_place & {row, *columns}
         why = _find_fixes(block, args, kwargs, whole, region, tp)
         if why:
             _leave(split, [row, *columns], why)
