@@ -129,8 +129,12 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
     (``ConstructionRecord.reset_order``; a module reset twice is replayed twice); the modules it leaves out,
     or all without it, follow in ``named_modules()`` order.
     """
-    # Every name of a tied tensor: the last module to reset it wins, as in an eager build.
     targets = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    # A tied tensor goes to each of its names this rank holds (the embedding on the first pipeline stage, the
+    # head on the last): the last module to reset it wins, as in an eager build, on every stage alike.
+    names: dict[int, list[str]] = {}
+    for fqn, tensor in [*skeleton.named_parameters(remove_duplicate=False), *skeleton.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(fqn)
     torch.set_rng_state(rng_state)
     with torch.no_grad():
         for prefix, module in _replay_order(skeleton, order or []):
@@ -141,9 +145,10 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
                 _set_tensor(module, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"))
             _reset(module, init_module)()
             for name, meta in own.items():
-                target = targets.get(f"{prefix}.{name}" if prefix else name)
-                if target is not None:  # None: it lives on another pipeline stage
-                    _copy_slice(getattr(module, name), target)
+                for fqn in names.get(id(meta), [f"{prefix}.{name}" if prefix else name]):
+                    target = targets.get(fqn)
+                    if target is not None:  # None: it lives on another pipeline stage
+                        _copy_slice(getattr(module, name), target)
                 _set_tensor(module, name, meta)
 
 

@@ -134,6 +134,9 @@ AUTO_TP_CASES = {c.name: c for c in [
     auto_tp_case(model, *layout, **extra)
     for model in ["nanogpt", *AUTO_TP_MODELS]
     for layout, extra in [((1, 1, 2), {}), ((1, 1, 2), dict(sequence_parallel=True)), ((1, 2, 2), {})]
+    # Falcon's blocks return a tuple its forward takes [0] of: a pipeline of that forward as written is
+    # refused (StepPatternError, tests/faults), so Falcon runs tp only.
+    if not (model == "falcon" and layout[1] > 1)
 ]}
 
 _RESULTS: dict[str, Result] = {}

@@ -54,6 +54,21 @@ def test_models_that_init_in_reset_parameters_are_proven_replayable_and_replay_b
     assert torch.equal(torch.get_rng_state(), after_eager)
 
 
+def test_a_tied_weight_replays_to_its_eager_value_on_a_stage_that_holds_only_one_end():
+    # The first pipeline stage holds the embedding, not the head whose reset ran last in the eager build.
+    build = lambda: PublishedGPT(64, 16, 2, 32, 4)  # noqa: E731
+    torch.manual_seed(5)
+    eager = nn.ModuleDict({"model": build()})
+    torch.manual_seed(5)
+    start = torch.get_rng_state()
+    root, record = record_build(build)
+    skeleton = copy.deepcopy(root)
+    materialize(root, torch.device("cpu"))
+    root["model"].lm_head.register_parameter("weight", None)  # the last stage's end
+    replay_init(skeleton, root, start, order=record.reset_order(root))
+    assert torch.equal(root["model"].transformer.wte.weight, eager["model"].transformer.wte.weight)
+
+
 def test_init_in_the_parent_is_refused_naming_the_line_of_code():
     root, record = record_build(lambda: NanoGPT(64, 16, 2, 32, 4))
     why = record.verdict(root)
