@@ -5,6 +5,7 @@ forward as written; sequence parallelism from "auto"), and one shared launch per
 check their own cases, whichever runs first launches every set (torchrun start-up dominates these tiny
 runs)."""
 
+import dataclasses
 from pathlib import Path
 
 from helpers.harness import Case, Result, launch_by_world_size
@@ -139,6 +140,10 @@ AUTO_TP_CASES = {c.name: c for c in [
     if not (model == "falcon" and layout[1] > 1)
 ]}
 
+AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith("_1_1_2")]
+"""The auto tp=2 runs that save their checkpoint after training (``AUTO_TP_CHECKPOINTS``: name -> path)."""
+AUTO_TP_CHECKPOINTS: dict[str, str] = {}
+
 _RESULTS: dict[str, Result] = {}
 
 
@@ -146,7 +151,9 @@ def hf_results(tmp_path_factory) -> dict[str, Result]:
     """Every Hugging Face parity run's result by name, launched once per pytest session."""
     if not _RESULTS:
         out_dir = Path(tmp_path_factory.mktemp("hf_parity"))
+        AUTO_TP_CHECKPOINTS.update({name: str(out_dir / "checkpoints" / f"{name}.ckpt") for name in AUTO_TP_SAVED})
+        auto_tp = [dataclasses.replace(c, save_checkpoint=AUTO_TP_CHECKPOINTS.get(c.name)) for c in AUTO_TP_CASES.values()]
         cases = [*LLAMA_CASES.values(), *GPT2_CASES.values(), *USER_INIT_CASES.values(), *FAST_INIT_CASES.values(),
-                 *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values(), *AUTO_TP_CASES.values()]
+                 *AS_WRITTEN_CASES.values(), *AUTO_SP_CASES.values(), *auto_tp]
         _RESULTS.update(launch_by_world_size(cases, out_dir, timeout=900))
     return _RESULTS
