@@ -57,10 +57,15 @@ EXPECTED_AFTER_SETUP = {
     "explicit_split_names_a_missing_block": ("LayoutError", ["not blocks of the model: ['model.blocks.7']",
                                                              "missing: ['model.blocks.1']"]),
     # Found by a fake-tensor forward of each block before its first real call (lightning_3d.parallel.shape_check).
-    "tp_shapes_a_head_count_auto_does_not_know": ("ShardedShapeError", [
+    "tp_shapes_a_head_count_the_policy_did_not_divide": ("ShardedShapeError", [
         "model.layers.0.attention (HeadsAttention)", "(dp, pp, tp) = (1, 1, 2)", "shape '[2, 16, 4, 8]' is invalid",
         "wq 32 -> 16 (of 32 -> 32)", "heads=4", "attribute_fixes",
         "bad_config_worker.py:", "w(x).view(B, T, self.heads, C // self.heads)"]),
+    # Found by tracing one block on the meta device (lightning_3d.policies.auto_tp): a refusal, not a no-op.
+    "auto_cannot_split_most_of_a_block": ("PolicyError", [
+        "policy='auto' would leave", "of the block parameters of HeadsLM whole on every tp rank",
+        "attention.out, attention.qkv: each rank's share of attention.qkv's outputs is neither one slice",
+        "fused projection of unequal parts", "ColumnSplit(parts=", "allow_replicated=True"]),
     "float_token_ids": ("RuntimeError", ["Expected tensor for argument #1 'indices'", "Long, Int"]),
     "resume_from_a_missing_checkpoint": ("FileNotFoundError", ["No checkpoint at no/such/last.ckpt"]),
     "resume_from_an_incomplete_checkpoint": ("CheckpointError", ["not a complete lightning_3d checkpoint",

@@ -43,7 +43,8 @@ class MLP(nn.Module):
 
 
 class HeadsAttention(Attention):
-    """Reshapes by a head count under a name auto does not know, and lets ``view`` work out the head size."""
+    """Reshapes by a head count under a name of its own (auto finds it from the reshape), and lets ``view``
+    work out the head size."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__(width, heads)
@@ -211,8 +212,8 @@ CASES = {
     "tp_vocabulary_not_divisible": SizeCase(strategy=dict(tensor_parallel_size=2), sizes=dict(vocab=63)),
     "tp_hidden_width_not_divisible": SizeCase(strategy=dict(tensor_parallel_size=2), sizes=dict(hidden=63)),
     "tp_heads_not_divisible": SizeCase(strategy=dict(tensor_parallel_size=2), sizes=dict(width=36, heads=3)),
-    "tp_head_count_under_a_name_auto_does_not_know": SizeCase(strategy=dict(tensor_parallel_size=2),
-                                                              sizes=dict(attention="heads")),
+    "tp_head_count_under_a_name_of_the_models_own": SizeCase(strategy=dict(tensor_parallel_size=2),
+                                                             sizes=dict(attention="heads")),
     "tp_plain": SizeCase(strategy=dict(tensor_parallel_size=2)),
 }
 """Name -> case, each run on ``world`` ranks."""

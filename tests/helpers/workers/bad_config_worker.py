@@ -18,10 +18,12 @@ import lightning as L
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from helpers.launchers import end_process_group
 from helpers.user_models import NanoGPTModule
 from lightning_3d import ThreeDStrategy
+from lightning_3d.policies import Plan, PlanOptions, Policy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 
 TINY = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
@@ -69,7 +71,8 @@ class ManualOptimization(GPTLightningModule):
 
 
 class HeadsAttention(nn.Module):
-    """Keeps its head count as ``heads``, a name policy="auto" cannot know to divide by tp."""
+    """Keeps its head count as ``heads``, which its hand-written policy (:class:`ForgetsTheHeadCount`) does not
+    divide by tp."""
 
     def __init__(self, width: int = 32, heads: int = 4):
         super().__init__()
@@ -106,6 +109,43 @@ class HeadsLM(nn.Module):
 class HeadsModel(GPTLightningModule):
     def configure_model(self):
         self.model = HeadsLM()
+
+
+class ForgetsTheHeadCount(Policy):
+    """A user's tensor-parallel plan for HeadsLM that splits q/k/v/o but leaves ``heads`` whole."""
+
+    def plan(self, root, options=PlanOptions()):
+        blocks = [f"model.layers.{i}" for i in range(2)]
+        tp_plan = {f"model.layers.*.attention.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")}
+        tp_plan["model.layers.*.attention.wo"] = RowwiseParallel()
+        return Plan(blocks=blocks, tp_plan=tp_plan if options.tp > 1 else {})
+
+
+class FusedGQAAttention(nn.Module):
+    """q|k|v fused in one projection with fewer kv heads than query heads (4 and 2): parts of unequal width,
+    which no placement of one weight splits per head (Phi-3 with GQA is written so)."""
+
+    def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                     self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FusedGQAModel(GPTLightningModule):
+    def configure_model(self):
+        self.model = HeadsLM()
+        for layer in self.model.layers:
+            layer.attention = FusedGQAAttention()
 
 
 class EagerModel(GPTLightningModule):
@@ -158,9 +198,12 @@ CASES = {
     "explicit_split_names_a_missing_block": lambda: (
         ThreeDStrategy(pipeline_parallel_size=2, pipeline_split=[["model.blocks.0"], ["model.blocks.7"]]),
         GPTLightningModule(config=TINY)),
-    "tp_shapes_a_head_count_auto_does_not_know": lambda: (ThreeDStrategy(tensor_parallel_size=2), HeadsModel(config=TINY)),
+    "tp_shapes_a_head_count_the_policy_did_not_divide": lambda: (
+        ThreeDStrategy(tensor_parallel_size=2, policy=ForgetsTheHeadCount()), HeadsModel(config=TINY)),
+    "auto_cannot_split_most_of_a_block": lambda: (ThreeDStrategy(tensor_parallel_size=2), FusedGQAModel(config=TINY)),
     # Launched on 4 ranks (test_shape_check): the check runs inside a pipeline stage.
-    "tp_shapes_inside_a_pipeline_stage": lambda: (ThreeDStrategy(tensor_parallel_size=2, pipeline_parallel_size=2),
+    "tp_shapes_inside_a_pipeline_stage": lambda: (ThreeDStrategy(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                                 policy=ForgetsTheHeadCount()),
                                                   HeadsModel(config=TINY), SyntheticDataModule(seq_len=16, batch_size=4)),
     "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
     "resume_from_a_missing_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
