@@ -17,8 +17,10 @@ of k equal parts (``_StridedShard``: nanoGPT's ``[q | k | v]``, Phi-3's ``[gate 
 Then the integer attributes the block's modules (and their configs) reshape by must become per-rank values.
 No names are assumed: candidates are the integers that equal a size the split divides, and the smallest set
 of them whose division makes the block, shrunk to one rank, trace the same heads and the same features at
-the row projection as the whole block restricted to that rank, is the answer -- checked on every rank. A
-block no set of fixes makes right is not split, with the reason.
+the row projection as the whole block restricted to that rank, is the answer -- checked on every rank. Where
+no set does, because the code reads a size from its input (``B, T, C = x.size()``), the region's input
+module is given this rank's slice of the hidden features (its columns gather them back, one all-gather) and
+the search runs again. A region no set of fixes makes right is not split, with the reason.
 """
 
 from __future__ import annotations
@@ -93,17 +95,17 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             continue
         columns = [c for c in whole.order if c in reads]
         if any(whole.reads.get(c) != frozenset({STREAM}) for c in columns):
-            _leave(split, [row, *columns], "it reads projections that do not read the residual stream")
+            _leave(split, [*columns, row], "it reads projections that do not read the residual stream")
             continue
         region, why = _region(whole, columns, row, tp)
         if region is None:
-            _leave(split, [row, *columns], why)
+            _leave(split, [*columns, row], why)
             continue
         region.input_module = _input_module(whole, columns)
         region.changed_in_place = whole.changed_in_place & {row, *columns}
         why = _find_fixes(block, args, kwargs, whole, region, tp)
         if why:
-            _leave(split, [row, *columns], why)
+            _leave(split, [*columns, row], why)
             continue
         split.regions.append(region)
         claimed.update([row, *columns])

@@ -64,7 +64,7 @@ EXPECTED_AFTER_SETUP = {
     # Found by tracing one block on the meta device (lightning_3d.policies.auto_tp): a refusal, not a no-op.
     "auto_cannot_split_most_of_a_block": ("PolicyError", [
         "policy='auto' would leave", "of the block parameters of HeadsLM whole on every tp rank",
-        "attention.out, attention.qkv: each rank's share of attention.qkv's outputs is neither one slice",
+        "attention.qkv, attention.out: each rank's share of attention.qkv's outputs is neither one slice",
         "fused projection of unequal parts", "ColumnSplit(parts=", "allow_replicated=True"]),
     "float_token_ids": ("RuntimeError", ["Expected tensor for argument #1 'indices'", "Long, Int"]),
     "resume_from_a_missing_checkpoint": ("FileNotFoundError", ["No checkpoint at no/such/last.ckpt"]),
