@@ -125,7 +125,7 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
     width = trace.sizes[row][0]
     if width % tp:
         return None, f"{row}'s {width} inputs do not divide by tensor_parallel_size={tp}"
-    events = [e for e in trace.attention if _channels(e) and _channels(e) <= set(columns)]
+    events = _attention_events(trace, columns)
     if len(events) > 1:
         return None, "it holds more than one attention product"
     owned: dict[str, list[set[int]]] = {c: [set() for _ in range(tp)] for c in columns}
@@ -164,18 +164,24 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
     return region, ""
 
 
+def _attention_events(trace: BlockTrace, columns) -> list:
+    """The attention products whose q, k and v come from ``columns`` only."""
+    return [e for e in trace.attention if _channels(e) and _channels(e) <= set(columns)]
+
+
 def _channels(event) -> set[str]:
     return {name for side in (event.q, event.k, event.v) for head in side for name in head}
 
 
 def _parts(owned: list[list[int]], out: int, tp: int) -> int | None:
-    """1 if rank r keeps slice r; k if it keeps slice r of each of k equal parts; else None."""
-    for k in range(1, out // tp + 1):
-        if out % (k * tp):
-            continue
-        piece, part = out // (k * tp), out // k
-        if all(owned[r] == [j * part + r * piece + i for j in range(k) for i in range(piece)] for r in range(tp)):
-            return k
+    """1 if rank r keeps slice r; k if it keeps slice r of each of k equal parts; else None. k is read off
+    rank 0's share (its number of runs of consecutive features), then every rank is checked against it."""
+    k = 1 + sum(1 for a, b in zip(owned[0], owned[0][1:]) if b != a + 1)
+    if out % (k * tp):
+        return None
+    piece, part = out // (k * tp), out // k
+    if all(owned[r] == [j * part + r * piece + i for j in range(k) for i in range(piece)] for r in range(tp)):
+        return k
     return None
 
 
@@ -247,7 +253,7 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
 
 
 def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
-    event = next(e for e in whole.attention if _channels(e) and _channels(e) <= set(region.columns))
+    event = _attention_events(whole, region.columns)[0]
     return {len({frozenset(sorted((n, tuple(sorted(f))) for n, f in head.items())) for head in event.k})}
 
 
@@ -309,10 +315,10 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
                                         for n in expected):
         return f"{region.row} would read other features"
     if region.heads:
-        event = next(e for e in whole.attention if _channels(e) <= set(region.columns) and _channels(e))
+        event = _attention_events(whole, region.columns)[0]
         per_rank = region.heads // tp
         heads = slice(rank * per_rank, (rank + 1) * per_rank)
-        local_events = [e for e in trace.attention if _channels(e) and _channels(e) <= set(region.columns)]
+        local_events = _attention_events(trace, region.columns)
         if len(local_events) != 1:
             return "the attention product is not found once"
         got_event = local_events[0]

@@ -48,13 +48,14 @@ def test_auto_shards_at_least_90_percent_of_the_block_parameters(model_type, tp)
 
 
 def test_fused_projections_keep_each_ranks_parts_together():
-    p = plan(hf("phi3"))
+    root = hf("phi3")
+    p = plan(root)
     assert p.tp_plan["model.model.layers.0.self_attn.qkv_proj"].parts == 3
     assert p.tp_plan["model.model.layers.1.mlp.gate_up_proj"].parts == 2
     assert isinstance(p.tp_plan["model.model.layers.1.mlp.down_proj"], RowSplit)
     fix = p.attribute_fixes["model.model.layers.0.self_attn"]
     assert fix["num_key_value_heads"] == 2 and fix["config"].num_attention_heads == 2
-    assert p.attribute_fixes["model.model.layers.0.self_attn"]["config"] is not hf("phi3")["model"].config
+    assert fix["config"] is not root["model"].config and root["model"].config.num_attention_heads == 4
 
 
 def test_nanogpt_as_published_gets_its_hidden_features_sliced_and_gathered():
