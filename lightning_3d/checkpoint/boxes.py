@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]]
@@ -45,14 +45,31 @@ def is_strided(value: object) -> bool:
 
 
 def _global_indices(tensor: DTensor, dim: int) -> Tensor:
-    """The global indices along ``dim`` of the local tensor's entries, in local order: the placements that
-    split ``dim`` applied to ``arange`` (sliced locally, as every rank holds it whole)."""
-    shape = [1] * tensor.ndim
-    shape[dim] = tensor.shape[dim]
-    index = torch.arange(tensor.shape[dim]).view(shape)
-    placements = [p if isinstance(p, (Shard, _StridedShard)) and p.dim == dim else Replicate()
-                  for p in tensor.placements]
-    return distribute_tensor(index, tensor.device_mesh, placements, src_data_rank=None).to_local().flatten()
+    """The global indices along ``dim`` of the local tensor's entries, in local order, from the placements that
+    split ``dim``: a ``Shard`` takes its chunk, a ``_StridedShard`` alone its slice of each of ``split_factor``
+    parts. A ``_StridedShard`` followed by another split of ``dim`` is FSDP2's mark of a dp cut made on the
+    tp-local piece: the inner split first, then a chunk of what it left. (``distribute_tensor`` and
+    ``full_tensor`` read a dp cut over a *strided* tp split otherwise than FSDP2 lays it out: a fused q|k|v
+    bias under ZeRO.) No communication."""
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    index = torch.arange(tensor.shape[dim])
+    splits = [(m, p) for m, p in enumerate(tensor.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+    if len(splits) == 2 and isinstance(splits[0][1], _StridedShard):
+        splits = [splits[1], (splits[0][0], Shard(dim))]
+    for m, placement in splits:
+        size, rank = mesh.size(m), coordinate[m]
+        if isinstance(placement, _StridedShard):
+            index = torch.cat([_chunk(part, size, rank) for part in index.chunk(placement.split_factor)])
+        else:
+            index = _chunk(index, size, rank)
+    return index
+
+
+def _chunk(index: Tensor, size: int, rank: int) -> Tensor:
+    """``rank``'s piece of ``index`` cut in ``size`` as ``Shard`` cuts (``torch.chunk``; empty past the end)."""
+    pieces = index.chunk(size)
+    return pieces[rank] if rank < len(pieces) else index[:0]
 
 
 def _runs(index: Tensor) -> list[tuple[int, int, int]]:

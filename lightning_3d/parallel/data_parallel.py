@@ -7,7 +7,8 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -77,11 +78,25 @@ def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, 
     """
     reshard = zero_stage_that_runs(zero_stage, pipeline_stage)[0] == 3
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
-                   offload_policy=offload_policy or OffloadPolicy())
+                   offload_policy=offload_policy or OffloadPolicy(), shard_placement_fn=zero_placement)
     for block in blocks:
         fully_shard(block, **options)
     fully_shard(module, **options)
     return module
+
+
+def zero_placement(param: nn.Parameter) -> Shard | None:
+    """Where ZeRO cuts ``param`` over dp: dim 1 for a weight whose tp split on dim 0 is strided (a fused
+    ``q|k|v`` or ``gate|up``), else FSDP2's default (dim 0).
+
+    A dp cut on the dim a strided tp split already cuts nests two strided splits, which DTensor describes
+    but does not gather (``full_tensor``) or place (``distribute_tensor``, and so checkpoints) as FSDP2 lays
+    them out: the trained values are right and every saved or gathered one of them wrong. On dim 1 the two
+    cuts are independent."""
+    if isinstance(param, DTensor) and param.ndim >= 2 and any(
+            isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+        return Shard(1)
+    return None
 
 
 def zero_stage_that_runs(zero_stage: int, pipeline: bool) -> tuple[int, str]:

@@ -125,7 +125,8 @@ AUTO_TP_MODELS = {
 
 def auto_tp_case(model, dp, pp, tp, **strategy):
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, **strategy)
-    tag = f"{model}_{dp}_{pp}_{tp}" + ("_sp" if strategy.get("sequence_parallel") else "")
+    tag = (f"{model}_{dp}_{pp}_{tp}" + ("_sp" if strategy.get("sequence_parallel") else "")
+           + (f"_zero{strategy['zero_stage']}" if strategy.get("zero_stage") else ""))
     if model == "nanogpt":
         return as_written_case(f"auto_{tag}", "user_published_gpt", dp, pp, tp, **strategy)
     return Case(name=f"auto_{tag}", module="hf", strategy_kwargs=kwargs, dp=dp, steps=4, model=AUTO_TP_MODELS[model])
@@ -138,9 +139,12 @@ AUTO_TP_CASES = {c.name: c for c in [
     # Falcon's blocks return a tuple its forward takes [0] of: a pipeline of that forward as written is
     # refused (StepPatternError, tests/faults), so Falcon runs tp only.
     if not (model == "falcon" and layout[1] > 1)
+] + [
+    # ZeRO-3 over dp on fused projections (phi3's weights, nanoGPT's q|k|v bias too): dp cuts the tp-local piece.
+    auto_tp_case(model, 2, 1, 2, zero_stage=3) for model in ("phi3", "nanogpt")
 ]}
 
-AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith("_1_1_2")]
+AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith(("_1_1_2", "_zero3"))]
 """The auto tp=2 runs that save their checkpoint after training (``AUTO_TP_CHECKPOINTS``: name -> path)."""
 AUTO_TP_CHECKPOINTS: dict[str, str] = {}
 

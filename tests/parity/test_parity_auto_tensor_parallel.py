@@ -55,6 +55,22 @@ def test_a_tp2_checkpoint_is_in_the_single_device_layout(shared_runs, name, tmp_
     assert compared >= len(trained) - 2, (compared, len(trained))  # all but non-persistent buffers
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [n for n in _names() if n.endswith("_zero3")])
+def test_a_checkpoint_of_fused_projections_under_zero_holds_what_one_process_trained(shared_runs, name, tmp_path):
+    # ZeRO cuts the tp-local piece of a fused projection over dp: saved, it must still be the trained tensor.
+    from helpers.harness import reference_for
+    from helpers.hf_cases import AUTO_TP_CASES, AUTO_TP_CHECKPOINTS
+    from lightning_3d.checkpoint.convert import consolidate
+
+    reference = reference_for(AUTO_TP_CASES[name]).params
+    consolidate(AUTO_TP_CHECKPOINTS[name], tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt")
+    assert {k for k in saved if "attn" in k and "bias" in k or "qkv" in k}  # fused ones are there
+    for key, tensor in saved.items():
+        assert (tensor - reference[key]).abs().max() <= 1e-5, key
+
+
 @pytest.fixture(scope="module")
 def reloaded(shared_runs, tmp_path_factory):
     """nanoGPT and Phi-3 started from their tp=2 checkpoints at tp=4 and in one process (no step taken)."""

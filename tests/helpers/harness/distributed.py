@@ -63,11 +63,18 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     ranks: empty). Collective: every rank calls it."""
     from torch.distributed.tensor import DTensor
 
+    from lightning_3d.checkpoint.boxes import is_strided, local_boxes
+
     local = {}
     persistent = module.state_dict().keys()  # not, e.g., a rotary embedding's frequencies (as the reference)
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     for name, tensor in tensors:  # tied parameters under each of their names, as in a state dict
         if name not in persistent:
+            continue
+        if is_strided(tensor):  # its boxes, placed on rank 0 (full_tensor misreads a dp cut over a strided tp split)
+            piece = tensor.to_local().detach().cpu()
+            local[name] = (tuple(tensor.shape), tensor.dtype,
+                           [(offsets, sizes, piece[region].clone()) for offsets, sizes, region in local_boxes(tensor)])
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().cpu().clone()
@@ -77,5 +84,12 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     dist.gather_object(local, per_rank, dst=0)
     merged: dict[str, torch.Tensor] = {}
     for state in per_rank or []:
-        merged.update(state)
+        for name, value in state.items():
+            if isinstance(value, tuple):
+                shape, dtype, boxes = value
+                full = merged.setdefault(name, torch.zeros(shape, dtype=dtype))
+                for offsets, sizes, piece in boxes:
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = piece
+            else:
+                merged[name] = value
     return merged
