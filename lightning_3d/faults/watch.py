@@ -131,7 +131,7 @@ class FaultWatch:
             return
         _write_torchelastic_error(f"{self.describe(self.rank)} failed: {message}")
         print(f"lightning_3d: {self.describe(self.rank)} failed: {message}", file=sys.stderr, flush=True)
-        self._wait_for_acks()
+        self._wait_for_acks(self.world_size - 1)
 
     # ------------------------------------------------------------------ every rank
 
@@ -180,10 +180,10 @@ class FaultWatch:
         print(f"lightning_3d: {stopped}\n{main_thread_report()}", file=sys.stderr, flush=True)
         if self.flight_recorder is not None:
             print(self.flight_recorder.report(asked_at, not_asked), file=sys.stderr, flush=True)
-        if reported_by == me:
-            self._wait_for_acks()  # the others print what they wait in before this rank goes away
-        else:
-            self._ack()
+        # No rank goes away before every rank has printed what it waits in: torchrun ends the other ranks as
+        # soon as one exits, and a rank slow to notice the hang (a loaded host) would end without its report.
+        self._ack()
+        self._wait_for_acks(self.world_size)
         self._exit(stopped, printed=True)
 
     def _say(self, message: str) -> None:
@@ -198,11 +198,11 @@ class FaultWatch:
         except Exception:  # noqa: BLE001 -- the store is gone
             pass
 
-    def _wait_for_acks(self) -> None:
+    def _wait_for_acks(self, count: int) -> None:
         # The whole exit timeout: each rank prints its stacks first, which takes seconds on a loaded host.
         deadline = time.monotonic() + self.exit_timeout_s
         try:
-            while time.monotonic() < deadline and self.store.add("acks", 0) < self.world_size - 1:
+            while time.monotonic() < deadline and self.store.add("acks", 0) < count:
                 time.sleep(self.poll_s / 4)
         except Exception:  # noqa: BLE001 -- the store is gone
             pass

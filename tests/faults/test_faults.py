@@ -77,7 +77,7 @@ def test_a_hang_ends_the_job_with_what_every_rank_waits_in(tmp_path):
                for rank in range(4) if f"lightning_3d: {_coords(rank, layout)} made no progress for" in stderr}
     assert sorted(reports) == [0, 1, 2, 3], stderr[-4000:]
     assert "time.sleep(0.05)" in stderr  # only the sleeping rank's stack has the line it sleeps on
-    assert "waiting in: wait_tensor" in reports[0] and "stage 0 forward of micro-batch 0" in reports[0]
+    assert "waiting in: wait_tensor" in reports[0] and "stage 0 forward of micro-batch 0" in reports[0], reports[0]
     for rank in (2, 3):  # the next stage waits for activations
         assert "waiting in: _wait_batch_p2p" in reports[rank], reports[rank]
     assert seconds < 5 + 15 + 10, f"the hang took {seconds:.1f} s to end the job (hang_timeout=5, exit_timeout=15)"
@@ -177,3 +177,28 @@ def test_a_failing_fault_store_is_reported_once_and_a_failure_published_after_it
     assert exits == ["rank 0 stops: rank 1 failed: ValueError: injected after the glitch"], stderr
     assert stderr.count("rank 0 cannot read the fault store (RuntimeError: Connection reset by peer)") == 1, stderr
     assert "rank 0 reads the fault store again" in stderr, stderr
+
+
+def test_no_rank_ends_after_a_hang_before_every_rank_has_printed_its_report():
+    # torchrun ends every rank once one exits, so a rank that is slow to notice the hang (rank 2 here, whose
+    # watcher has not started) would lose its report if a peer exited as soon as it had printed its own.
+    store = dist.HashStore()
+    watches = [FaultWatch(store, rank, 3, lambda r: f"rank {r}", Phase("training", 0.3 if rank == 0 else None),
+                          exit_timeout_s=8.0) for rank in range(3)]
+    exits = {}
+    for watch in watches:
+        watch.store = watches[0].store  # the same generation's keys (one watch per process in a real run)
+        watch._exit = lambda report, printed=False, rank=watch.rank: exits.setdefault(rank, time.monotonic())
+    for watch in watches[:2]:
+        watch.start()
+    try:
+        _wait_for(lambda: watches[0].store.add("acks", 0) >= 2, seconds=5)
+        time.sleep(1.0)  # ranks 0 and 1 have printed and acknowledged; rank 2 has not yet
+        assert exits == {}, "a rank ended before the slow rank had printed what it waits in"
+        slow_started = time.monotonic()
+        watches[2].start()
+        _wait_for(lambda: len(exits) == 3)
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert sorted(exits) == [0, 1, 2] and min(exits.values()) >= slow_started, exits
