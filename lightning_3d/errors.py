@@ -35,7 +35,7 @@ class ShardedShapeError(RuntimeError):
 
 
 class StepPatternError(RuntimeError):
-    """A pattern in the user's step that pipeline parallelism cannot run as one process does."""
+    """A pattern in the user's step that pipeline or tensor parallelism cannot run as one process does."""
 
 
 class CheckpointError(RuntimeError):

@@ -3,9 +3,10 @@
 Under tensor parallelism the output head leaves the logits sharded over the vocabulary (a DTensor), so the
 full ``(tokens, vocab)`` logits never exist on one rank. The user's ``F.cross_entropy(logits, targets)``
 (or ``nn.CrossEntropyLoss``, which calls it) still works: while the strategy runs a step it holds
-:class:`VocabParallelLoss`, a ``TorchFunctionMode`` that sends cross-entropy on a DTensor to PyTorch's
-``loss_parallel`` (log-softmax reduced across the shards: two small all-reduces per call) and hands back an
-ordinary tensor, so logging and everything after it is as on one device. Backward must run inside
+:class:`~lightning_3d.parallel.sharded_logits.ShardedLogitsMode`, a ``TorchFunctionMode`` that sends
+cross-entropy on a DTensor to PyTorch's ``loss_parallel`` (log-softmax reduced across the shards: two small
+all-reduces per call) and hands back an ordinary tensor, so logging and everything after it is as on one
+device; whatever else the step does with the logits sees one device's tensor too. Backward must run inside
 ``loss_parallel()`` too; the strategy does that.
 
 Outside a strategy step, :func:`vocab_parallel_cross_entropy` is the same computation as a plain function.
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.overrides import TorchFunctionMode
 
 from lightning_3d.common import local
+from lightning_3d.parallel.sharded_logits import ShardedLogitsMode
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
@@ -64,19 +65,10 @@ def vocab_parallel_ops() -> Iterator[None]:
         _depth = 0
 
 
-class VocabParallelLoss(TorchFunctionMode):
-    """Routes ``F.cross_entropy`` on vocabulary-sharded DTensor logits to :func:`vocab_parallel_cross_entropy`."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.cross_entropy and args and isinstance(args[0], DTensor):
-            return vocab_parallel_cross_entropy(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
 @contextmanager
 def vocab_parallel_loss() -> Iterator[None]:
     """Both halves, for a strategy step: ``F.cross_entropy`` on sharded logits routed to the vocabulary-parallel
-    loss (forward), and PyTorch's loss-parallel ops switched on (its backward)."""
-    with VocabParallelLoss(), vocab_parallel_ops():
+    loss, and anything else on them as on one device (forward, ``parallel.sharded_logits``), and PyTorch's
+    loss-parallel ops switched on (its backward)."""
+    with ShardedLogitsMode(vocab_parallel_cross_entropy), vocab_parallel_ops():
         yield

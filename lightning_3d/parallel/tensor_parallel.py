@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_3d.errors import LayoutError
+from lightning_3d.parallel.sharded_logits import mark_logits_of
 from lightning_3d.pipeline.split import PLACEHOLDERS
 from lightning_3d.policies.base import Plan
 from lightning_3d.policies.kv_heads import ReplicatedKVHeads
@@ -29,11 +30,20 @@ def apply_tensor_parallel(root: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> N
     present = {fqn: style for pattern, style in plan.tp_plan.items() for fqn in match_modules(root, pattern)
                if not isinstance(root.get_submodule(fqn), PLACEHOLDERS)}
     parallelize_module(root, tp_mesh, present)
+    for fqn, style in present.items():
+        if _leaves_output_sharded_on_last_dim(style):  # the output head, under a vocabulary-parallel loss
+            mark_logits_of(root.get_submodule(fqn))
     held = {fqn for fqn, _ in root.named_modules()}
     for fqn, attributes in plan.attribute_fixes.items():
         if fqn in held:
             for name, value in attributes.items():
                 setattr(root.get_submodule(fqn), name, value)
+
+
+def _leaves_output_sharded_on_last_dim(style: ParallelStyle) -> bool:
+    if not isinstance(style, ColwiseParallel) or style.use_local_output:
+        return False
+    return [(p.is_shard(), getattr(p, "dim", None)) for p in style.output_layouts] == [(True, -1)]
 
 
 def match_modules(root: nn.Module, pattern: str) -> list[str]:

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_3d.parallel.parallelize import ParallelModel
+from lightning_3d.parallel.sharded_logits import whole
 
 
 def run_step(model: ParallelModel, method: str, args: tuple, kwargs: dict, *, sync_grads: bool,
@@ -27,8 +28,10 @@ def run_step(model: ParallelModel, method: str, args: tuple, kwargs: dict, *, sy
                                           **kwargs)
     with model.loss_context():
         if model.called is not module or isinstance(module, FSDPModule):  # FSDP2's hooks are on the module
-            return redirection(model.called, module, method, *args, **kwargs)
-        return getattr(module, method)(*args, **kwargs)
+            output = redirection(model.called, module, method, *args, **kwargs)
+        else:
+            output = getattr(module, method)(*args, **kwargs)
+        return whole(output)  # logits returned sharded over the vocabulary reach Lightning whole
 
 
 def _zeroed_after(module, args: tuple, kwargs: dict) -> bool:

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N idioms_worker.py OUT_DIR NAME [NAME ...]
 
-Names: "conformance_LAYOUT_ROUTE" with LAYOUT "pp2" or "dp2_pp2" and ROUTE a key of ``idioms.ROUTES``
-(``idioms.run_conformance``), or a key of ``idioms.UNSUPPORTED`` (at pp=2).
+Names: "conformance_LAYOUT_ROUTE" with LAYOUT a key of :data:`LAYOUTS` and ROUTE one of its routes
+(:func:`routes_of`; ``idioms.run_conformance``), or a key of ``idioms.UNSUPPORTED`` (at pp=2).
 """
 
 import json
@@ -16,14 +16,22 @@ from helpers.idioms import ROUTES, UNSUPPORTED, run_conformance, run_unsupported
 from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 
-LAYOUTS = {"pp2": dict(dp=1, mask_rate=0.15), "dp2_pp2": dict(dp=2, mask_rate=0.0)}
-"""Layout -> its dp size (pp=2) and masking rate (a dp run draws other masks, as DDP does)."""
+LAYOUTS = {"pp2": dict(dp=1, pp=2, tp=1, mask_rate=0.15), "dp2_pp2": dict(dp=2, pp=2, tp=1, mask_rate=0.0),
+           "tp2": dict(dp=1, pp=1, tp=2, mask_rate=0.15)}
+"""Layout -> its sizes and masking rate (a dp run draws other masks, as DDP does)."""
+TP_ROUTES = ["gpt", "as_written", "hf"]
+"""The routes with a tensor-parallel plan: the gpt and llama policies (logits sharded over the vocabulary,
+which torchmetrics, argmax and the step's returned dict must see whole) and auto's plan of nanoGPT."""
+
+
+def routes_of(layout: str) -> list[str]:
+    return TP_ROUTES if LAYOUTS[layout]["tp"] > 1 else list(ROUTES)
 
 
 def conformance_case(name: str) -> tuple[str, str] | None:
     """("pp2", "gpt") for "conformance_pp2_gpt"; None for another name."""
     for layout in LAYOUTS:
-        for route in ROUTES:
+        for route in routes_of(layout):
             if name == f"conformance_{layout}_{route}":
                 return layout, route
     return None
@@ -34,10 +42,11 @@ def main(out_dir: str, names: list[str]) -> None:
         case_dir = Path(out_dir) / name
         if conformance_case(name):
             layout, route = conformance_case(name)
-            dp = LAYOUTS[layout]["dp"]
-            strategy = ThreeDStrategy(data_parallel_size=dp, pipeline_parallel_size=2, num_microbatches=2,
-                                      policy=ROUTES[route][1])
-            result = run_conformance(strategy, 2 * dp, dp, case_dir, LAYOUTS[layout]["mask_rate"], route)
+            sizes = LAYOUTS[layout]
+            strategy = ThreeDStrategy(data_parallel_size=sizes["dp"], pipeline_parallel_size=sizes["pp"],
+                                      tensor_parallel_size=sizes["tp"], num_microbatches=2, policy=ROUTES[route][1])
+            result = run_conformance(strategy, sizes["dp"] * sizes["pp"] * sizes["tp"], sizes["dp"], case_dir,
+                                     sizes["mask_rate"], route)
         else:
             assert name in UNSUPPORTED, name
             result = run_unsupported(name, ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=2))
