@@ -12,6 +12,9 @@ siblings, ``nn.Linear`` or ``Conv1D``. Every block of that kind takes the same s
   (``HiddenStates``), so its columns share one gradient reduction; else each column takes them itself;
 * the integer attributes the block reshapes by are set per rank, as the trace found them.
 
+Outside the blocks, the token embedding and the output head split over the vocabulary
+(``policies.vocab_parallel``; a tied pair stays one tensor).
+
 **Never a silent no-op**: with more than ``MAX_REPLICATED`` of the block parameters left whole, planning
 stops (:class:`~lightning_3d.errors.PolicyError`) with what was not understood and how to write the policy
 lines, unless ``allow_replicated=True``. What was split is said once per job (rank 0).
@@ -34,6 +37,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from lightning_3d.common import join_fqn
+from lightning_3d.policies.auto_pipeline import tied_parameters
 from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_trace import (
     block_inputs,
@@ -45,6 +49,7 @@ from lightning_3d.policies.block_trace import (
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, RowSplit
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
+from lightning_3d.policies.vocab_parallel import vocab_parallel_styles
 
 MAX_REPLICATED = 0.10
 """The largest share of the block parameters "auto" may leave whole on every tp rank without being told."""
@@ -78,7 +83,9 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row)]
-    _judge(root, splits, tp_plan, options)
+    vocabulary, said = vocab_parallel_styles(root, blocks, options.tp, options.vocab_parallel_loss)
+    tp_plan.update(vocabulary)
+    _judge(root, splits, tp_plan, options, said)
     if options.sequence_parallel:
         for block in blocks:
             norms, dropouts = sequence_parallel_parts(root, block, covered[block])
@@ -89,7 +96,8 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
         tp_plan[first] = HiddenStates(input=(Replicate(), Shard(1)))
         tp_plan[last] = HiddenStates(input=(Replicate(), Shard(1)) if first == last else None,
                                      output=(Shard(1), Replicate()))
-    return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng)
+    return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng,
+                tied_parameters=tied_parameters(root))
 
 
 def block_splits(root: nn.Module, blocks: list[str], tp: int) -> dict[str, BlockSplit]:
@@ -179,7 +187,7 @@ def sharded_share(root: nn.Module, blocks: list[str], tp_plan: dict[str, Paralle
     return sharded, total
 
 
-def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: PlanOptions) -> None:
+def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: PlanOptions, vocabulary: str) -> None:
     blocks = list(splits)
     sharded, total = sharded_share(root, blocks, tp_plan)
     whole = 1 - sharded / total if total else 0.0
@@ -191,8 +199,7 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                         + "".join(f", {c} fused x{k}" for c, k in r.parts.items() if k > 1) for r in first.regions)
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
     rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
-                   f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Embeddings and the head stay"
-                   " whole on every tp rank.")
+                   f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")
 
 
 def _model_prefix(blocks: list[str]) -> str:

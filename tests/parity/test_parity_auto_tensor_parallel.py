@@ -4,7 +4,8 @@ Falcon (fused head-major query_key_value), OLMo, Gemma 2, Qwen2, GPT-2 (Conv1D) 
 and nanoGPT as published (fused c_attn, sizes read from its input). Each matches one process step by step at
 (dp, pp, tp) = (1, 1, 2), with sequence parallelism, and at (1, 2, 2) (Falcon: tp only, its blocks return
 tuples a pipeline of its forward cannot cut); at least 90% of each rank's block parameters are sharded over
-tp, counted from the placements on the ranks; a checkpoint written at tp=2 holds the single-device layout:
+tp, counted from the placements on the ranks, and so are the token embedding and the head (over the
+vocabulary, a tied pair included); a checkpoint written at tp=2 holds the single-device layout:
 transformers loads it, and runs at tp=1 and tp=4 start from it."""
 
 import pytest
@@ -27,6 +28,11 @@ def test_auto_splits_the_model_over_tp_and_trains_as_in_one_process(shared_runs,
 
     result = shared_runs[name]
     assert min(result.tp_sharded_block_share) >= 0.9, result.tp_sharded_block_share
+    # The token embedding and the head (a tied pair, BERT's bias tied by another name) split over the
+    # vocabulary on every rank; what stays whole outside the blocks is positions, norms and the like.
+    vocab = AUTO_TP_CASES[name].model["vocab_size"]
+    whole_vocab = {n for rank in result.tp_whole_outside_blocks for n, shape in rank if shape[:1] == [vocab]}
+    assert not whole_vocab, whole_vocab
     # HF models: AdamW with eps 1e-3 (helpers/harness/cases.py); nanoGPT: SGD, lr 0.1, 3 steps. 1e-5 either way.
     assert_parity(result, reference_for(AUTO_TP_CASES[name]), loss_atol=1e-5, param_atol=1e-5)
 

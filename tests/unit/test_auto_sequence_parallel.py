@@ -35,7 +35,10 @@ def test_auto_keeps_nanogpts_hidden_states_split_along_the_sequence_between_atte
     first, last = plan.tp_plan["model.h.0"], plan.tp_plan["model.h.2"]
     assert isinstance(first, HiddenStates) and first.input == (Replicate(), Shard(1)) and first.output is None
     assert isinstance(last, HiddenStates) and last.output == (Shard(1), Replicate()) and last.input is None
-    assert not any(fqn.startswith(("model.ln_f", "model.lm_head", "model.wte")) for fqn in plan.tp_plan)
+    assert not any(fqn.startswith("model.ln_f") for fqn in plan.tp_plan)
+    # ... and the tied embedding and head split over the vocabulary on every position (issue 29).
+    assert plan.tp_plan["model.lm_head"].input_layouts == (Replicate(),)
+    assert isinstance(plan.tp_plan["model.wte"], RowwiseParallel)
 
 
 def test_auto_splits_an_mlp_whose_projections_sit_on_the_block_itself_and_keeps_sp_around_it():

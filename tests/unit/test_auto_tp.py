@@ -5,6 +5,7 @@ parity/test_parity_auto_tensor_parallel.py. Here: the plan only, in one process,
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from helpers.user_models import PublishedGPT
 from lightning_3d.policies import PlanOptions, PolicyError
@@ -65,6 +66,26 @@ def test_nanogpt_as_published_gets_its_hidden_features_sliced_and_gathered():
     assert attn.input[1].is_shard(-1)  # the module sees C / tp features: its x.size() then fits its view()
     assert p.tp_plan["model.transformer.h.0.attn.c_attn"].parts == 3
     assert p.attribute_fixes["model.transformer.h.0.attn"] == {"n_embd": 16, "n_head": 2}
+
+
+def test_the_embedding_and_head_split_over_the_vocabulary_a_tied_pair_included():
+    root = nn.ModuleDict({"model": PublishedGPT(64, 16, 2, 32, 4)})
+    p = plan(root)
+    assert isinstance(p.tp_plan["model.transformer.wte"], RowwiseParallel)
+    assert isinstance(p.tp_plan["model.lm_head"], ColwiseParallel)
+    assert "model.transformer.wpe" not in p.tp_plan  # 16 positions, not the vocabulary
+    assert ("model.transformer.wte.weight", "model.lm_head.weight") in p.tied_parameters
+    untied = plan(hf("olmo"))
+    assert {"model.model.embed_tokens", "model.lm_head"} <= set(untied.tp_plan)
+
+
+def test_a_vocabulary_tp_does_not_divide_stays_whole_and_says_how_to_pad(monkeypatch):
+    said = []
+    monkeypatch.setattr("lightning_3d.policies.auto_tp.rank_zero_info", said.append)
+    p = plan(hf("olmo", vocab_size=63))
+    assert "model.lm_head" not in p.tp_plan
+    [summary] = said  # one line (on rank 0 only: rank_zero_info)
+    assert "the vocabulary (63) does not divide by tensor_parallel_size=2 (pad it to 64)" in summary
 
 
 def test_fewer_kv_heads_than_tp_ranks_is_refused_naming_it():

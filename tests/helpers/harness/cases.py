@@ -73,3 +73,6 @@ class Result:
     tp_sharded_block_share: list[float] = field(default_factory=list)
     """Per global rank: of the parameter elements of the blocks it holds (parameters under a numbered module,
     ``layers.3.``), the share that is sharded over the "tp" mesh dimension."""
+    tp_whole_outside_blocks: list[list] = field(default_factory=list)
+    """Per global rank: (name, global shape) of each parameter outside the blocks it holds that is whole over
+    "tp" (not sharded): the embeddings, head and final norm a policy did not split."""

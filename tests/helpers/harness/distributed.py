@@ -27,7 +27,7 @@ def run_distributed(case: Case) -> Result | None:
         trainer.save_checkpoint(case.save_checkpoint)
     params = gather_full_state(module)
     result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, model_parameters(trainer),
-                    _parameter_bytes_per_rank(module), _tp_sharded_block_share(module))
+                    _parameter_bytes_per_rank(module), _tp_sharded_block_share(module), _tp_whole_outside_blocks(module))
     return result if dist.get_rank() == 0 else None
 
 
@@ -40,21 +40,34 @@ def _parameter_bytes_per_rank(module: torch.nn.Module) -> list[int]:
     return per_rank
 
 
-def _tp_sharded_block_share(module: torch.nn.Module) -> list[float]:
-    """Counted on each rank from its parameters' placements (see ``Result.tp_sharded_block_share``)."""
+def _in_block(name: str) -> bool:
+    return any(atom.isdigit() for atom in name.split("."))
+
+
+def _tp_sharded(param: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    sharded = total = 0
-    for name, param in module.named_parameters():
-        if not any(atom.isdigit() for atom in name.split(".")):
-            continue  # not in a block
-        total += param.numel()
-        if isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ()):
-            if isinstance(param.placements[param.device_mesh.mesh_dim_names.index("tp")], (Shard, _StridedShard)):
-                sharded += param.numel()
+    if not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ()):
+        return False
+    return isinstance(param.placements[param.device_mesh.mesh_dim_names.index("tp")], (Shard, _StridedShard))
+
+
+def _tp_sharded_block_share(module: torch.nn.Module) -> list[float]:
+    """Counted on each rank from its parameters' placements (see ``Result.tp_sharded_block_share``)."""
+    in_blocks = [param for name, param in module.named_parameters() if _in_block(name)]
+    total, sharded = sum(p.numel() for p in in_blocks), sum(p.numel() for p in in_blocks if _tp_sharded(p))
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, sharded / total if total else 0.0)
+    return per_rank
+
+
+def _tp_whole_outside_blocks(module: torch.nn.Module) -> list[list]:
+    """Per rank: (name, global shape) of each parameter outside the blocks left whole over tp."""
+    whole = [(name, list(param.shape)) for name, param in module.named_parameters()
+             if not _in_block(name) and not _tp_sharded(param)]
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, whole)
     return per_rank
 
 
