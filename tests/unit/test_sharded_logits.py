@@ -45,10 +45,10 @@ def _logits(mesh):
 
 
 def test_calls_other_than_the_loss_see_one_devices_tensor(mesh):
-    full, logits = _logits(mesh)
     targets = torch.randint(0, V, (2, 5))
-    assert is_sharded_logits(logits)
-    with vocab_parallel_loss():
+    with vocab_parallel_loss():  # the head runs inside the step, as in a strategy's step
+        full, logits = _logits(mesh)
+        assert is_sharded_logits(logits)
         preds = logits.argmax(-1)
         masked = logits.masked_fill(targets[..., None] == 0, -1.0)  # a plain mask
         picked = logits.log_softmax(-1).gather(-1, targets[..., None])  # a plain index
@@ -61,9 +61,9 @@ def test_calls_other_than_the_loss_see_one_devices_tensor(mesh):
 
 
 def test_calls_that_keep_the_layout_stay_sharded_so_the_loss_never_gathers(mesh):
-    full, logits = _logits(mesh)
     targets = torch.randint(0, V, (2, 4))
     with vocab_parallel_loss():
+        full, logits = _logits(mesh)
         shifted = (logits[:, :-1] / 2.0).float().flatten(0, 1)
         assert is_sharded_logits(shifted)
         loss = F.cross_entropy(shifted, targets.flatten())
@@ -74,9 +74,9 @@ def test_calls_that_keep_the_layout_stay_sharded_so_the_loss_never_gathers(mesh)
 
 
 def test_an_in_place_change_that_would_touch_only_a_gathered_copy_is_refused_with_the_spelling(mesh):
-    _, logits = _logits(mesh)
     mask = torch.zeros(2, 5, V, dtype=torch.bool)
     with vocab_parallel_loss(), pytest.raises(StepPatternError, match=r"logits = logits.masked_fill\(\.\.\.\)"):
+        _, logits = _logits(mesh)
         logits.detach().masked_fill_(mask, 0.0)
 
 
