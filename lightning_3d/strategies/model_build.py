@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Optional
@@ -55,8 +54,9 @@ class WatchedBuild:
             yield
 
     def verdict(self, module: pl.LightningModule, plan_for: Callable[[pl.LightningModule], Plan],
-                precision: Precision, params_loaded: bool) -> tuple[Plan, InitialWeights]:
-        """The plan for the module as it will be parallelized, and where its initial weights come from."""
+                precision: Precision, params_loaded: bool, local_ranks: int = 1) -> tuple[Plan, InitialWeights]:
+        """The plan for the module as it will be parallelized, and where its initial weights come from.
+        ``local_ranks``: the ranks on this host, each of which may build the whole model on it (the host check)."""
         plan = plan_for(module)
         record, self._record = self._record, None
         metrics = _metrics_on_meta(module)
@@ -71,13 +71,14 @@ class WatchedBuild:
         why = metrics or record.verdict(module, plan.init_module, params_loaded=params_loaded)
         if why is None:
             return plan, InitialWeights(self._rng_state, record.reset_order(module))
-        source = self._build_as_written(module, precision, why, on_every_rank=metrics is not None)
+        source = self._build_as_written(module, precision, why, on_every_rank=metrics is not None,
+                                        local_ranks=local_ranks)
         if metrics is not None:  # the host build is the module now: exact, broadcast from rank 0
             return plan_for(module), InitialWeights(self._rng_state)
         return plan, InitialWeights(self._rng_state, streamed=True, source=source)
 
     def _build_as_written(self, module: pl.LightningModule, precision: Precision, why: str,
-                          on_every_rank: bool) -> WeightSource | None:
+                          on_every_rank: bool, local_ranks: int) -> WeightSource | None:
         """Replaying the init on the meta build would not give the model's own weights (``why``): refuse under
         model_init="meta"; under "auto", global rank 0 runs configure_model() again, as written, from the
         attributes and random state it started with (the exact route), and keeps what it built aside as the
@@ -108,7 +109,7 @@ class WatchedBuild:
                 return tape
             rank_zero_info(f"lightning_3d: the recorded build cannot be replayed ({tape.problem}); building the"
                            " whole model on global rank 0's host instead")
-        _check_host_memory(_bytes_of(module) * (_local_builders() if on_every_rank else 1),
+        _check_host_memory(_bytes_of(module) * (local_ranks if on_every_rank else 1),
                            "building the whole model on the host takes", module)
         self._before.restore(module)
         torch.set_rng_state(self._rng_state)
@@ -141,10 +142,6 @@ class WatchedBuild:
 def _bytes_of(module: nn.Module) -> int:
     tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _local_builders() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _check_host_memory(need: int, doing: str, module: nn.Module) -> None:

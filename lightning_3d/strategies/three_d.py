@@ -51,7 +51,7 @@ from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
 from lightning_3d.strategies.model_build import WatchedBuild
 from lightning_3d.strategies.steps import run_step
-from lightning_3d.strategies.threads import set_threads_per_rank
+from lightning_3d.strategies.threads import local_world_size, set_threads_per_rank
 
 
 class ThreeDStrategy(ParallelStrategy):
@@ -329,7 +329,8 @@ class ThreeDStrategy(ParallelStrategy):
         what = "set-up: parallelizing the model" + (" and loading init_from" if config.init_from else "")
         with self._phases.phase(what, "setup_timeout"):
             plan, weights = self._build.verdict(module, lambda m: plan_model(self._policy, m, config, dims.tp),
-                                                self.precision_plugin, params_loaded=config.init_from is not None)
+                                                self.precision_plugin, params_loaded=config.init_from is not None,
+                                                local_ranks=local_world_size(self.num_processes))
             model = parallelize(module, plan, config, dims, self.device_mesh, rank=self.global_rank,
                                 device=self.root_device, precision=self.precision_plugin, weights=weights)
         check_shapes_at_first_call(module, plan, dims, self.coords)  # at each block's first call

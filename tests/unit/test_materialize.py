@@ -80,3 +80,17 @@ def test_metrics_made_in_configure_model_are_refused_under_model_init_meta():
         module.configure_model()
     with pytest.raises(InitError, match=r"torchmetrics state of acc \(MulticlassAccuracy\), peak \(MaxMetric\)"):
         build.verdict(module, lambda m: Plan(), Precision(), params_loaded=False)
+
+
+def test_a_host_build_on_every_rank_is_checked_against_every_rank_on_this_host(monkeypatch):
+    # Under Lightning's own launcher LOCAL_WORLD_SIZE is unset (it was read as 1): the strategy passes the
+    # ranks on this host, each of which builds the whole model here.
+    module = WithMetrics(metrics_in_configure_model=True)
+    build = WatchedBuild("auto")
+    with build.context(module, Precision()):
+        module.configure_model()
+    model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("lightning_3d.strategies.model_build.host_memory_available", lambda: 3 * model_bytes)
+    with pytest.raises(InitError, match=r"building the whole model on the host takes .* GiB of host memory"):
+        build.verdict(module, lambda m: Plan(), Precision(), params_loaded=False, local_ranks=4)
