@@ -27,6 +27,7 @@ from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.loss import vocab_parallel_loss
+from lightning_3d.parallel.sharded_logits import whole
 from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng, preserved_random_state
 from lightning_3d.parallel.sequence_length import check_sequence_length, guard_sequence_lengths
@@ -194,6 +195,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
             pp_group=mesh["pp"].get_group(), device=device,
             last_stage_rank=dims.rank(coords._replace(pp=dims.pp - 1)), loss_context=loss_context,
             random_state=partial(preserved_random_state, sharded_rng, device), stage_output=plan.stage_output,
+            step_result=whole if loss_context is vocab_parallel_loss else None,  # logits it returns, made whole
             dp_group=mesh["dp"].get_group(), finish_grads=partial(_finish_grads, dims.tp > 1, tied),
             reduce_grads_per_microbatch=config.pipeline_reduce_grads == "per_microbatch",
             check_inputs=partial(check_sequence_length, tp=dims.tp) if config.sequence_parallel else None,

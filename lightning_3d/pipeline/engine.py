@@ -68,6 +68,7 @@ class PipelineEngine:
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
                  device: torch.device, loss_context: Callable[[], Any] = nullcontext,
                  random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None,
+                 step_result: Callable[[Any], Any] | None = None,
                  dp_group: dist.ProcessGroup | None = None,
                  finish_grads: Callable[[nn.Module], None] | None = None,
                  reduce_grads_per_microbatch: bool = False,
@@ -84,6 +85,7 @@ class PipelineEngine:
         self.loss_context = loss_context  # e.g. vocabulary-parallel loss: around the schedule (fwd and bwd)
         self.random_state = random_state  # restores the random streams after metadata inference
         self.stage_output = stage_output  # the last stage's tensor -> what the user's model call returns
+        self.step_result = step_result  # what one micro-batch's step returned -> what is kept (whole logits)
         self.finish_grads = finish_grads  # after a step's backward: sums across tp ranks and tied stages
         self.reduce_grads_per_microbatch = reduce_grads_per_microbatch
         """Stages reduce-scatter each block's gradient in every micro-batch, not once per step
@@ -215,7 +217,7 @@ class PipelineEngine:
             if train and loss is None:
                 raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under pipeline"
                                 f" parallelism; got {type(result).__name__}")
-            results.append(detached(result))
+            results.append(detached(result if self.step_result is None else self.step_result(result)))
             # Forward-only schedules keep what the loss function returns but never differentiate it.
             return loss * loss_scale if train else torch.zeros(())
 

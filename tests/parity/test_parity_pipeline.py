@@ -78,15 +78,19 @@ def test_matches_single_process(name, results):
     assert max(abs(a - b) for a, b in zip(result.logged, reference.logged)) <= 1e-5, (result.logged, reference.logged)
 
 
-def _eval_run(tmp_path, pp):
-    forkrun(pp, str(WORKERS / "eval_worker.py"), str(tmp_path), str(pp), rank_files=tmp_path)
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(pp)]
+def _eval_run(tmp_path, pp, tp=1):
+    forkrun(pp * tp, str(WORKERS / "eval_worker.py"), str(tmp_path), str(pp), str(tp), rank_files=tmp_path)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(pp * tp)]
 
 
-def test_validate_and_predict_through_the_pipeline_match_one_process(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_validate_and_predict_through_the_pipeline_match_one_process(tmp_path, tp):
+    # At tp=2 the head leaves the logits sharded over the vocabulary: predict_step returns them whole.
     (tmp_path / "one").mkdir()
     (tmp_path / "pp").mkdir()
     [reference] = _eval_run(tmp_path / "one", 1)
-    for rank_result in _eval_run(tmp_path / "pp", 2):  # every stage returns the same values
+    for rank_result in _eval_run(tmp_path / "pp", 2, tp):  # every stage returns the same values
         assert abs(rank_result["val_loss"] - reference["val_loss"]) <= 1e-5
         assert rank_result["next_token"] == reference["next_token"]
+        assert rank_result["logits_shape"] == reference["logits_shape"]
+        assert abs(rank_result["logits_sum"] - reference["logits_sum"]) <= 1e-3
