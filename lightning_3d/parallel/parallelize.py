@@ -12,7 +12,7 @@ import copy
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,9 @@ class ParallelModel:
     """This tp rank's random stream (None without tensor parallelism); checkpoints save its state."""
     loss_context: Callable[[], AbstractContextManager]
     """Entered around steps and backward: the vocabulary-parallel cross-entropy under tensor parallelism."""
+    step_result: Callable[[Any], Any] | None = None
+    """What a step's result goes through before Lightning sees it (its vocabulary-sharded logits made whole);
+    None: kept as it is."""
 
 
 def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
@@ -181,7 +184,9 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     if config.init_from:
         load_pretrained(module, config.init_from, plan.checkpoint_names, plan.tied_parameters)
 
-    loss_context = vocab_parallel_loss if dims.tp > 1 and config.vocab_parallel_loss else nullcontext
+    sharded_logits = dims.tp > 1 and config.vocab_parallel_loss
+    loss_context = vocab_parallel_loss if sharded_logits else nullcontext
+    step_result = whole if sharded_logits else None  # logits a step returns reach Lightning whole
     engine = None
     if stages:
         # 9. Tied weights' gradients summed between the first and last stages (built once data parallel has
@@ -195,13 +200,13 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
             pp_group=mesh["pp"].get_group(), device=device,
             last_stage_rank=dims.rank(coords._replace(pp=dims.pp - 1)), loss_context=loss_context,
             random_state=partial(preserved_random_state, sharded_rng, device), stage_output=plan.stage_output,
-            step_result=whole if loss_context is vocab_parallel_loss else None,  # logits it returns, made whole
+            step_result=step_result,
             dp_group=mesh["dp"].get_group(), finish_grads=partial(_finish_grads, dims.tp > 1, tied),
             reduce_grads_per_microbatch=config.pipeline_reduce_grads == "per_microbatch",
             check_inputs=partial(check_sequence_length, tp=dims.tp) if config.sequence_parallel else None,
         )
     return ParallelModel(module=module, called=called, engine=engine, sharded_rng=sharded_rng,
-                         loss_context=loss_context)
+                         loss_context=loss_context, step_result=step_result)
 
 
 def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:

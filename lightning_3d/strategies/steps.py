@@ -9,7 +9,6 @@ from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_3d.parallel.parallelize import ParallelModel
-from lightning_3d.parallel.sharded_logits import whole
 
 
 def run_step(model: ParallelModel, method: str, args: tuple, kwargs: dict, *, sync_grads: bool,
@@ -31,7 +30,7 @@ def run_step(model: ParallelModel, method: str, args: tuple, kwargs: dict, *, sy
             output = redirection(model.called, module, method, *args, **kwargs)
         else:
             output = getattr(module, method)(*args, **kwargs)
-        return whole(output)  # logits returned sharded over the vocabulary reach Lightning whole
+        return output if model.step_result is None else model.step_result(output)
 
 
 def _zeroed_after(module, args: tuple, kwargs: dict) -> bool:
