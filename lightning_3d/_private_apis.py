@@ -121,9 +121,6 @@ PRIVATE_NAMES: dict[str, Private] = {
     "lightning.fabric.utilities.distributed._init_dist_connection": Private(
         "create the process group from the cluster environment (torchrun, Slurm, Lightning's launcher)",
         "torch.distributed.init_process_group plus the environment's address and port, by hand"),
-    "lightning.fabric.utilities.distributed._sync_ddp_if_available": Private(
-        "reduce logged values with Lightning's reduce ops ('mean', 'sum'), as its strategies do",
-        "torch.distributed.all_reduce and the division for 'mean', by hand"),
     "lightning.fabric.utilities.optimizer._optimizers_to_device": Private(
         "move optimizer state to the device after a restore, as Lightning's strategies do",
         "no public function"),

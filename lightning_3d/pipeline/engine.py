@@ -13,9 +13,11 @@ Per step, on the ranks of one pipeline (one pp group):
    returning stage output ``i``, so the user's own code computes the loss and updates its metrics. Its
    ``self.log`` calls are recorded, not sent (a collective there, like ``sync_dist=True``, would hang the
    other stages); patterns that cannot run this way (the model called twice, a collective with other
-   stages) are found here, at the first step (``step_checks.py``).
+   stages) are found here (``step_checks.py``): the collective check at the first step of each
+   schedule, so that the steps after it run no dispatch mode.
 4. **Every stage** -- the last stage broadcasts the step's results to its pp group (``shared_results.py``:
-   no tensor pickled): the return value and the
+   no tensor pickled; the structure only when it changed, so a steady-state step pickles nothing): the
+   return value and the
    logged values combined over the micro-batches as one process computes them for the whole batch
    (``step_results.py``: by ``reduce_fx``), and the state its torchmetrics objects gained (``step_metrics.py``).
    Every rank returns that value and replays those ``self.log`` calls, so every rank logs one process's value
@@ -53,7 +55,7 @@ from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
 from lightning_3d.pipeline.microbatches import concatenate, split_batch
 from lightning_3d.pipeline.random_replay import RandomState, replayed
 from lightning_3d.pipeline.schedules import SCHEDULES, CurrentLoss, ScheduleGPipe, placeholder_loss
-from lightning_3d.pipeline.shared_results import share
+from lightning_3d.pipeline.shared_results import ResultsChannel
 from lightning_3d.pipeline.stand_ins import CaptureInputs, ModelInputs, ReturnOutput, swapped
 from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
 from lightning_3d.pipeline.step_metrics import StepMetrics
@@ -106,6 +108,8 @@ class PipelineEngine:
         self._pp_ranks = dist.get_process_group_ranks(pp_group)
         self._first_stage_rank = self._pp_ranks[0]  # stage 0 is on pp rank 0 (interleaved schedules too)
         self._metrics = StepMetrics(module, dp_group)
+        self._results = ResultsChannel(last_stage_rank, pp_group, device)
+        self._watched: set[tuple] = set()  # schedule keys whose first step ran under CollectiveWatch
         self.timeline: PipelineTimeline | None = None  # see record_timeline
         for index, stage in stages.items():
             if index < num_stages - 1:
@@ -198,13 +202,16 @@ class PipelineEngine:
         logs: list[list[tuple]] = []
         errors: list[str] = []
         self._metrics.begin()
+        watch = key not in self._watched  # the first step of this schedule: look for collectives (step_checks)
+        self._watched.add(key)
 
         def loss_fn(output: Tensor, index: Tensor) -> Tensor:
             i = self._microbatch_index(index)
             calls = ModelCalls(method, self.root_name)
             try:
                 with self._root_returning(output, calls), self._recording_logs() as recorded, \
-                        replayed(replay[i], self.device), CollectiveWatch(method, self._pp_ranks):
+                        replayed(replay[i], self.device), \
+                        CollectiveWatch(method, self._pp_ranks) if watch else nullcontext():
                     if explicit:
                         result = self.module.pipeline_loss(output, microbatches[i])
                     else:
@@ -273,25 +280,26 @@ class PipelineEngine:
                         **step_kwargs: Any) -> tuple[tuple, dict, list[RandomState | None]]:
         """The inputs of the model call, captured per micro-batch on every rank (``pipeline/random_replay.py``).
         If the step draws random numbers before the call, every rank starts from the first stage's random state
-        and the random state each capture started from is returned, for the last stage to replay."""
+        and captures again, keeping the random state each capture started from, for the last stage to replay.
+        A step that draws nothing takes two snapshots of the random state and no collective."""
         start = RandomState.now(self.device)
-        captured, states = self._capture_each(method, microbatches, *args, **step_kwargs)
+        captured, _ = self._capture_each(method, microbatches, *args, keep_states=False, **step_kwargs)
         if RandomState.now(self.device).same_as(start):  # nothing drawn before the model call
             return (*captured, [None] * len(microbatches))
         # Every rank of the pipeline runs the same step on the same batch, so all of them get here together.
         shared = [start]
-        dist.broadcast_object_list(shared, src=self._first_stage_rank, group=self.pp_group)
-        if not self.has_first_stage:
-            shared[0].restore(self.device)
-            captured, states = self._capture_each(method, microbatches, *args, **step_kwargs)
+        dist.broadcast_object_list(shared, src=self._first_stage_rank, group=self.pp_group, device=torch.device("cpu"))
+        shared[0].restore(self.device)
+        captured, states = self._capture_each(method, microbatches, *args, keep_states=True, **step_kwargs)
         return (*captured, states)
 
-    def _capture_each(self, method: str, microbatches: list[Any], *args: Any,
+    def _capture_each(self, method: str, microbatches: list[Any], *args: Any, keep_states: bool,
                       **step_kwargs: Any) -> tuple[tuple[tuple, dict], list[RandomState]]:
         per_microbatch, states = [], []
         with swapped(self.module, self.root_name, CaptureInputs(self._root())), self._recording_logs():
             for microbatch in microbatches:
-                states.append(RandomState.now(self.device))
+                if keep_states:
+                    states.append(RandomState.now(self.device))
                 try:
                     getattr(self.module, method)(microbatch, *args, **step_kwargs)
                 except ModelInputs as captured:
@@ -336,11 +344,11 @@ class PipelineEngine:
         if self.has_last_stage:
             payload = {"errors": errors} if errors else {
                 "value": concatenate(results) if method == "predict_step" else combine_outputs(results),
-                "logs": combine_logs(logs, self._metrics.names()),
+                "logs": combine_logs(logs, self._metrics.names(), self.device),
                 "metrics": self._metrics.step_states(),
             }
-        # Numbers and names pickled, tensors packed on the device (no tensor is pickled: shared_results.py).
-        shared = share(payload, src=self.last_stage_rank, group=self.pp_group, device=self.device)
+        # Tensors packed on the device; names and numbers pickled on the host when they change (shared_results.py).
+        shared = self._results.share(payload)
         if "errors" in shared:
             raise StepPatternError(shared["errors"][0])
         self._metrics.end(shared["metrics"])

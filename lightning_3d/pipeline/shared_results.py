@@ -1,15 +1,21 @@
 """Results one rank sends to the others of its group with no tensor pickled: the structure (numbers, names,
-shapes) as a Python object, the tensors as tensors on the rank's device, packed into one buffer per dtype.
+shapes) as a Python object on the host, the tensors as tensors on the rank's device, packed into one buffer.
 
 A pickled CUDA tensor would unpickle on the sender's device index -- GPU 4 of the sending node, an invalid
-ordinal where a task sees one GPU, as Slurm usually binds -- and ``broadcast_object_list`` syncs the device
-once per object. Here the receiving ranks rebuild each tensor on their own device from the packed buffers,
-which travel over the group's backend for that device (NCCL on GPUs), as Megatron-LM sends its step results.
+ordinal where a task sees one GPU, as Slurm usually binds -- and ``broadcast_object_list`` on a device syncs
+it once per object. Here the structure travels pickled on the host (the group's gloo side: the default group
+on CUDA is "cuda:nccl,cpu:gloo", ``strategies.processes.backend_for``), and the receiving ranks rebuild each
+tensor on their own device from one byte buffer, which travels over the group's device backend (NCCL on
+GPUs), as Megatron-LM sends its step results.
+
+:class:`ResultsChannel` is for what one sender sends every step (the pipeline's step results): the structure
+of a step's results is nearly always the previous step's -- the same loss, the same logged names -- so it
+travels only when it changes. A steady-state step costs one one-byte host broadcast (did the structure
+change?) and one device broadcast of the packed tensors: no pickling and no host sync of device values.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,64 +24,94 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+_HOST = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class _Slot:
-    """Where a tensor was in the structure: its shape, dtype and place in its dtype's buffer."""
+    """Where a tensor was in the structure: its shape, dtype and bytes in the packed buffer."""
 
     shape: tuple[int, ...]
-    dtype: str
+    dtype: torch.dtype
     offset: int
+    nbytes: int
+
+
+class ResultsChannel:
+    """Sends what global rank ``src`` computes every step to every rank of ``group``, the structure only when
+    it differs from the previous step's (module doc). Every rank of the group calls :meth:`share` in the same
+    steps."""
+
+    def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.src, self.group, self.device = src, group, device
+        self._layout: tuple[Any, int] | None = None  # (structure, bytes of tensors) of the last shared object
+        self.structure_sends = 0  # how often the structure travelled (pickled): once, unless the step changes
+
+    def share(self, obj: Any) -> Any:
+        """``obj`` (on ``src``; anything on the others) on every rank, its tensors on ``device``."""
+        sending = dist.get_rank() == self.src
+        layout = _without_tensors(obj) if sending else None
+        changed = torch.tensor([sending and layout != self._layout], dtype=torch.uint8)
+        dist.broadcast(changed, src=self.src, group=self.group)  # a host tensor: no device sync to read it
+        if changed.item():
+            box = [layout]
+            dist.broadcast_object_list(box, src=self.src, group=self.group, device=_HOST)
+            self._layout = box[0]
+            self.structure_sends += 1
+        structure, nbytes = self._layout
+        return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, self.src, self.group,
+                                                    self.device))
 
 
 def share(obj: Any, src: int, group: dist.ProcessGroup, device: torch.device) -> Any:
     """``obj`` (on global rank ``src``; anything on the others) on every rank of ``group``, its tensors on
-    ``device``. Collective over ``group``: two or more broadcasts (the structure, then one per dtype)."""
+    ``device``, once (Lightning's ``strategy.broadcast``): the structure pickled on the host, the tensors in one
+    device broadcast."""
     sending = dist.get_rank() == src
-    structure = [_without_tensors(obj) if sending else None]
-    dist.broadcast_object_list(structure, src=src, group=group)
-    shape, sizes = structure[0]
-    buffers = _packed(obj, device) if sending else {
-        dtype: torch.empty(size, dtype=_carrier(dtype), device=device) for dtype, size in sizes.items()}
-    for dtype in sorted(sizes):
-        dist.broadcast(buffers[dtype], src=src, group=group)
-    return tree_map(lambda leaf: _unpacked(leaf, buffers) if isinstance(leaf, _Slot) else leaf, shape)
+    box = [_without_tensors(obj) if sending else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=_HOST)
+    structure, nbytes = box[0]
+    return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, src, group, device))
 
 
-def _without_tensors(obj: Any) -> tuple[Any, dict[str, int]]:
+def _without_tensors(obj: Any) -> tuple[Any, int]:
     """``obj`` with a :class:`_Slot` in each tensor's place (the containers themselves, not a pytree spec, whose
-    unpickling warns), and the elements each dtype's buffer holds."""
-    sizes: dict[str, int] = {}
+    unpickling warns), and the bytes its tensors take."""
+    total = 0
 
     def slot(leaf: Any) -> Any:
+        nonlocal total
         if not isinstance(leaf, Tensor):
             return leaf
-        dtype = _name(leaf.dtype)
-        sizes[dtype] = sizes.get(dtype, 0) + leaf.numel()
-        return _Slot(tuple(leaf.shape), dtype, sizes[dtype] - leaf.numel())
+        nbytes = leaf.numel() * leaf.element_size()
+        total += nbytes
+        return _Slot(tuple(leaf.shape), leaf.dtype, total - nbytes, nbytes)
 
-    return tree_map(slot, obj), sizes
-
-
-def _packed(obj: Any, device: torch.device) -> dict[str, Tensor]:
-    by_dtype: dict[str, list[Tensor]] = {}
-    for leaf in tree_flatten(obj)[0]:
-        if isinstance(leaf, Tensor):
-            dtype = _name(leaf.dtype)
-            by_dtype.setdefault(dtype, []).append(leaf.detach().reshape(-1).to(device, _carrier(dtype)))
-    return {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
+    return tree_map(slot, obj), total
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _broadcast_bytes(obj: Any, nbytes: int, src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    """The bytes of ``obj``'s tensors (on ``src``), in order, on every rank: one broadcast on ``device``."""
+    if obj is not None:
+        parts = [_as_bytes(x.detach().to(device)) for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
+        buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    else:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if nbytes:
+        dist.broadcast(buffer, src=src, group=group)
+    return buffer
 
 
-def _carrier(dtype: str) -> torch.dtype:
-    """The dtype a buffer of ``dtype`` travels in (bool as bytes: not every backend sends bool)."""
-    return torch.uint8 if dtype == "bool" else getattr(torch, dtype)
+def _as_bytes(tensor: Tensor) -> Tensor:
+    """The tensor's values as a flat byte tensor (its bits, any dtype; bool as bytes, which every backend sends)."""
+    flat = tensor.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
 
 
-def _unpacked(slot: _Slot, buffers: dict[str, Tensor]) -> Tensor:
-    size = math.prod(slot.shape)
-    values = buffers[slot.dtype][slot.offset:slot.offset + size].reshape(slot.shape).clone()
-    return values.bool() if slot.dtype == "bool" else values
+def _rebuilt(structure: Any, buffer: Tensor) -> Any:
+    def unpacked(slot: _Slot) -> Tensor:
+        data = buffer[slot.offset:slot.offset + slot.nbytes].clone()  # its own storage: aligned for any dtype
+        values = data.bool() if slot.dtype == torch.bool else data.view(slot.dtype)
+        return values.reshape(slot.shape)
+
+    return tree_map(lambda leaf: unpacked(leaf) if isinstance(leaf, _Slot) else leaf, structure)

@@ -5,7 +5,9 @@ batch, and the step returns one loss (or dict). Under the pipeline the last stag
 micro-batch (equal slices of the batch); here those runs are combined into what the one call would have given:
 
 * ``self.log`` values by their ``reduce_fx``: the mean of the micro-batches' values for "mean" (a mean over
-  equal slices is the mean over the batch), their sum for "sum", max for "max", min for "min"; a
+  equal slices is the mean over the batch), their sum for "sum", max for "max", min for "min" -- on the
+  device, in float64, as a tensor of the default dtype (what Lightning makes of a logged number), so no
+  value is copied to the host mid-step; a
   ``batch_size=`` given per micro-batch becomes their sum, the batch's (Lightning weighs the batches of an
   epoch by it). Lightning then aggregates the batches of an epoch (``on_epoch=True``) and syncs
   (``sync_dist=True``) as it always does.
@@ -19,21 +21,21 @@ micro-batch (equal slices of the batch); here those runs are combined into what 
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 # reduce_fx as Lightning accepts it (strings or the torch functions) -> how micro-batch values combine
-_COMBINE: dict[Any, Callable[[list[float]], float]] = {
-    "mean": statistics.fmean, "avg": statistics.fmean, torch.mean: statistics.fmean,
-    "sum": sum, torch.sum: sum,
-    "max": max, torch.max: max,
-    "min": min, torch.min: min,
+_COMBINE: dict[Any, Callable[[Tensor], Tensor]] = {
+    "mean": torch.mean, "avg": torch.mean, torch.mean: torch.mean,
+    "sum": torch.sum, torch.sum: torch.sum,
+    "max": torch.max, torch.max: torch.max,
+    "min": torch.min, torch.min: torch.min,
 }
 
 
@@ -44,9 +46,10 @@ class MetricRef:
     fqn: str
 
 
-def combine_logs(per_microbatch: list[list[tuple]], metric_names: dict[int, str]) -> list[tuple]:
+def combine_logs(per_microbatch: list[list[tuple]], metric_names: dict[int, str], device: torch.device) -> list[tuple]:
     """One ``self.log`` call per name, as one process logging the whole batch would make it (module doc).
-    ``metric_names`` maps ``id(metric)`` to its name in the module, for Metric objects logged as values."""
+    ``metric_names`` maps ``id(metric)`` to its name in the module, for Metric objects logged as values;
+    numbers logged as Python values are put on ``device``."""
     calls: dict[str, tuple] = {}
     values: dict[str, list] = {}
     batch_sizes: dict[str, list] = {}
@@ -68,10 +71,10 @@ def combine_logs(per_microbatch: list[list[tuple]], metric_names: dict[int, str]
             combined.append((name, MetricRef(metric_names[id(seen[-1])]), args, kwargs))
             continue
         reduce_fx = kwargs.get("reduce_fx", "mean")
-        numbers = [float(v.detach() if isinstance(v, Tensor) else v) for v in seen]
-        combine = _COMBINE.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx)
-        value = combine(numbers) if combine is not None else float(reduce_fx(torch.tensor(numbers)))
-        combined.append((name, value, args, kwargs))
+        numbers = torch.stack([_whole(v).detach().to(device, torch.float64).reshape(()) if isinstance(v, Tensor)
+                               else torch.tensor(v, dtype=torch.float64, device=device) for v in seen])
+        combine = _COMBINE.get(reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx, reduce_fx)
+        combined.append((name, combine(numbers).to(torch.get_default_dtype()), args, kwargs))
     return combined
 
 
@@ -93,6 +96,10 @@ def _combine_leaf(leaves: list[Any]) -> Any:
         stacked = torch.stack([x.detach() for x in leaves])
         return stacked.mean() if stacked.is_floating_point() else stacked.sum()
     return torch.cat([x.detach() for x in leaves])
+
+
+def _whole(value: Tensor) -> Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value  # a loss over tp shards: replicated
 
 
 def detached(result: Any) -> Any:
