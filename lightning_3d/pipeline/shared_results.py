@@ -53,7 +53,7 @@ class ResultsChannel:
         layout = _without_tensors(obj) if sending else None
         changed = torch.tensor([sending and layout != self._layout], dtype=torch.uint8)
         dist.broadcast(changed, src=self.src, group=self.group)  # a host tensor: no device sync to read it
-        if changed.item():
+        if changed.numpy()[0]:  # read on the host: numpy() of a host tensor, never a device copy
             box = [layout]
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=_HOST)
             self._layout = box[0]

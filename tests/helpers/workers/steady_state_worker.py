@@ -1,0 +1,151 @@
+"""What a steady-state training step runs besides the model: modes on the stack and host syncs, per step.
+
+    python -m torch.distributed.run --nproc-per-node 2 steady_state_worker.py OUT_DIR LAYOUT [LAYOUT ...]
+
+LAYOUT is a key of :data:`LAYOUTS` ("one" runs in one process, for the reference). For each layout two runs of
+the reference GPT: "bare" (no callbacks, no logger) and "default" (Lightning's default callbacks -- progress
+bar, ModelCheckpoint, model summary -- and a TensorBoard logger writing every step). Rank 0 writes
+``LAYOUT_RUN.json``:
+
+* ``modes``: per step of steps 2-4, the deepest TorchFunctionMode / TorchDispatchMode stack seen while a block
+  runs forward or its output's gradient is computed; ``blocks_seen`` how many such moments were recorded.
+* ``syncs``: per step of steps 5-7, on each rank, copies of a device value to the host
+  (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``) and object collectives
+  (``broadcast_object_list``, ``all_gather_object``, ...), counted from ``on_train_batch_start`` to
+  ``on_train_batch_end`` (Lightning's own SIGTERM broadcast, before the batch, is not counted).
+"""
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack
+
+from helpers.launchers import end_process_group
+from lightning_3d import ThreeDStrategy
+from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+
+LAYOUTS = {"one": {}, "pp2": dict(pipeline_parallel_size=2, num_microbatches=4),
+           "tp2": dict(tensor_parallel_size=2)}
+MODE_STEPS = (1, 2, 3)  # batch indices: steps 2-4
+SYNC_STEPS = (4, 5, 6)  # steps 5-7
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                      "send_object_list", "recv_object_list")
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Counts reads of tensor values by the host, less those of the optimizer's step counters: torch keeps
+    those on the host on a GPU run too (Adam without ``capturable``/``fused``), where reading them syncs nothing."""
+
+    def __init__(self, host_counters: set[int]) -> None:
+        super().__init__()
+        self.count, self.host_counters, self.where = 0, host_counters, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and id(args[0]) not in self.host_counters:
+            self.count += 1
+            self.where.append("".join(traceback.format_stack(limit=8)[:-1]))
+        return func(*args, **(kwargs or {}))
+
+
+class Probe(L.Callback):
+    def __init__(self) -> None:
+        self.modes: dict[int, list[int]] = {}
+        self.syncs: dict[int, int] = {}
+        self.blocks_seen = 0
+        self.where: list[str] = []  # the stack of each sync counted (for a failing test's message)
+        self._counter: _CountSyncs | None = None
+        self._objects = 0
+        self._step: int | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for module in pl_module.modules():
+            if type(module).__name__ == "Block":
+                module.register_forward_pre_hook(self._forward)
+                module.register_forward_hook(self._output)
+        self._originals = {name: getattr(dist, name) for name in OBJECT_COLLECTIVES}
+        for name, original in self._originals.items():
+
+            def counted(*args, _original=original, **kwargs):
+                self._objects += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        for name, original in getattr(self, "_originals", {}).items():
+            setattr(dist, name, original)
+
+    def _seen(self) -> None:
+        if self._step is not None:
+            deepest = self.modes.setdefault(self._step, [0, 0])
+            deepest[0] = max(deepest[0], torch._C._len_torch_function_stack())
+            deepest[1] = max(deepest[1], _len_torch_dispatch_stack())
+            self.blocks_seen += 1
+
+    def _forward(self, module, args) -> None:
+        self._seen()
+
+    def _output(self, module, args, output) -> None:
+        tensor = output[0] if isinstance(output, tuple) else output
+        if self._step is not None and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self._seen())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx in MODE_STEPS:
+            self._step = batch_idx
+        if batch_idx in SYNC_STEPS:
+            counters = {id(state["step"]) for optimizer in trainer.optimizers for state in optimizer.state.values()
+                        if isinstance(state.get("step"), torch.Tensor)}
+            self._objects, self._counter = 0, _CountSyncs(counters)
+            self._counter.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._step = None
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.syncs[batch_idx] = self._counter.count + self._objects
+            self.where.extend(self._counter.where)
+            self._counter = None
+
+
+def run(layout: str, kind: str, out_dir: Path) -> dict:
+    L.seed_everything(0, verbose=False)
+    module = GPTLightningModule(config=GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16))
+    data = SyntheticDataModule(seq_len=16, batch_size=8, num_train_samples=8 * 8)
+    probe = Probe()
+    devices = int(os.environ.get("WORLD_SIZE", 1))
+    bare = kind == "bare"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=ThreeDStrategy(**LAYOUTS[layout]), max_steps=8,
+        callbacks=[probe], enable_progress_bar=not bare, enable_checkpointing=not bare,
+        enable_model_summary=not bare, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+        logger=False if bare else TensorBoardLogger(str(out_dir / f"tb_{layout}")),
+        default_root_dir=str(out_dir / f"root_{layout}_{kind}"))
+    trainer.fit(module, data)
+    syncs = [None] * max(devices, 1)
+    if dist.is_initialized():
+        dist.all_gather_object(syncs, probe.syncs)
+    else:
+        syncs = [probe.syncs]
+    return {"modes": probe.modes, "blocks_seen": probe.blocks_seen, "syncs": syncs, "where": probe.where[:3]}
+
+
+def main(out_dir: str, layouts: list[str]) -> None:
+    out = Path(out_dir)
+    for layout in layouts:
+        for kind in ("bare", "default"):
+            result = run(layout, kind, out)
+            if int(os.environ.get("RANK", 0)) == 0:
+                (out / f"{layout}_{kind}.json").write_text(json.dumps(result))
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
