@@ -55,7 +55,7 @@ from lightning_3d.pipeline.metadata_inference import isolate_metadata_inference
 from lightning_3d.pipeline.microbatches import concatenate, split_batch
 from lightning_3d.pipeline.random_replay import RandomState, replayed
 from lightning_3d.pipeline.schedules import SCHEDULES, CurrentLoss, ScheduleGPipe, placeholder_loss
-from lightning_3d.pipeline.shared_results import ResultsChannel
+from lightning_3d.pipeline.shared_results import ResultsChannel, host_side
 from lightning_3d.pipeline.stand_ins import CaptureInputs, ModelInputs, ReturnOutput, swapped
 from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
 from lightning_3d.pipeline.step_metrics import StepMetrics
@@ -288,7 +288,8 @@ class PipelineEngine:
             return (*captured, [None] * len(microbatches))
         # Every rank of the pipeline runs the same step on the same batch, so all of them get here together.
         shared = [start]
-        dist.broadcast_object_list(shared, src=self._first_stage_rank, group=self.pp_group, device=torch.device("cpu"))
+        dist.broadcast_object_list(shared, src=self._first_stage_rank, group=self.pp_group,
+                                device=host_side(self.pp_group, self.device))
         shared[0].restore(self.device)
         captured, states = self._capture_each(method, microbatches, *args, keep_states=True, **step_kwargs)
         return (*captured, states)

@@ -44,6 +44,7 @@ class ResultsChannel:
 
     def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
         self.src, self.group, self.device = src, group, device
+        self._host = host_side(group, device)
         self._layout: tuple[Any, int] | None = None  # (structure, bytes of tensors) of the last shared object
         self.structure_sends = 0  # how often the structure travelled (pickled): once, unless the step changes
 
@@ -51,11 +52,11 @@ class ResultsChannel:
         """``obj`` (on ``src``; anything on the others) on every rank, its tensors on ``device``."""
         sending = dist.get_rank() == self.src
         layout = _without_tensors(obj) if sending else None
-        changed = torch.tensor([sending and layout != self._layout], dtype=torch.uint8)
-        dist.broadcast(changed, src=self.src, group=self.group)  # a host tensor: no device sync to read it
-        if changed.numpy()[0]:  # read on the host: numpy() of a host tensor, never a device copy
+        changed = torch.tensor([sending and layout != self._layout], dtype=torch.uint8, device=self._host)
+        dist.broadcast(changed, src=self.src, group=self.group)  # on the host where the group has a host side
+        if changed.numpy()[0] if changed.device.type == "cpu" else changed.item():  # numpy(): no device copy
             box = [layout]
-            dist.broadcast_object_list(box, src=self.src, group=self.group, device=_HOST)
+            dist.broadcast_object_list(box, src=self.src, group=self.group, device=self._host)
             self._layout = box[0]
             self.structure_sends += 1
         structure, nbytes = self._layout
@@ -69,9 +70,18 @@ def share(obj: Any, src: int, group: dist.ProcessGroup, device: torch.device) ->
     device broadcast."""
     sending = dist.get_rank() == src
     box = [_without_tensors(obj) if sending else None]
-    dist.broadcast_object_list(box, src=src, group=group, device=_HOST)
+    dist.broadcast_object_list(box, src=src, group=group, device=host_side(group, device))
     structure, nbytes = box[0]
     return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, src, group, device))
+
+
+def host_side(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where ``group`` takes small host-side values: the host when its backend serves host tensors (gloo, or
+    "cuda:nccl,cpu:gloo"), else ``device`` (an NCCL-only group, e.g. one split from the default: reading such a
+    value syncs the device, the price of a group without a host side)."""
+    if device.type == "cpu" or "gloo" in (dist.get_backend(group) or ""):
+        return _HOST
+    return device
 
 
 def _without_tensors(obj: Any) -> tuple[Any, int]:
