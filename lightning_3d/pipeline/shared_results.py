@@ -66,13 +66,8 @@ class ResultsChannel:
 
 def share(obj: Any, src: int, group: dist.ProcessGroup, device: torch.device) -> Any:
     """``obj`` (on global rank ``src``; anything on the others) on every rank of ``group``, its tensors on
-    ``device``, once (Lightning's ``strategy.broadcast``): the structure pickled on the host, the tensors in one
-    device broadcast."""
-    sending = dist.get_rank() == src
-    box = [_without_tensors(obj) if sending else None]
-    dist.broadcast_object_list(box, src=src, group=group, device=host_side(group, device))
-    structure, nbytes = box[0]
-    return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, src, group, device))
+    ``device``, once (Lightning's ``strategy.broadcast``): a channel used for one object."""
+    return ResultsChannel(src, group, device).share(obj)
 
 
 def host_side(group: dist.ProcessGroup, device: torch.device) -> torch.device:
