@@ -129,10 +129,13 @@ def _nbytes(x: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
 
 
-def _when_done(work: dist.Work, record: Collective, clock: Clock) -> None:
+def _when_done(work: dist.Work | None, record: Collective, clock: Clock) -> None:
     def done(future: torch.futures.Future) -> None:
         record.end = clock.now()
 
+    if work is None:  # NCCL's boxed Work unboxes to None (seen on an H200, torch 2.11): no future to wait on
+        record.end = clock.now()
+        return
     try:
         # ``then`` (not add_done_callback): on CUDA its callback runs on streams that wait for the work.
         work.get_future().then(done)

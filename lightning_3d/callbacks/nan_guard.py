@@ -116,7 +116,8 @@ class NaNGuard(L.Callback):
         found = [mine]
         if dist.is_initialized():  # every rank learns what every rank saw: they all act alike
             # One small all-reduce per step says whether any rank saw one; only then the reports are gathered.
-            flag = torch.tensor([mine is not None], dtype=torch.int32, device=_device_of(pl_module))
+            # On the rank's device: a collective of the default group takes device tensors (NCCL serves no other).
+            flag = torch.tensor([mine is not None], dtype=torch.int32, device=trainer.strategy.root_device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if not flag.item():
                 return
@@ -145,11 +146,6 @@ class NaNGuard(L.Callback):
         self.rollbacks.append((trainer.global_step, checkpoint))
         pl_module.print(f"NaNGuard rolled back to {checkpoint} at step {trainer.global_step} (learning rates x"
                         f" {self.rollback_lr_factor}): NaN/Inf gradient on {report}")
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    # NCCL reduces device tensors only; gloo takes host ones.
-    return next(module.parameters()).device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _checkpoint_callbacks(trainer: L.Trainer) -> list[ModelCheckpoint]:

@@ -94,3 +94,42 @@ def test_a_single_process_logs_zero_communication(tmp_path):
                 SyntheticDataModule(seq_len=16, batch_size=2))
     comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
     assert comm and all(value == 0.0 for value in comm.values()), comm
+
+
+def test_nan_guard_agrees_across_ranks_on_the_ranks_own_device(monkeypatch):
+    """Found on an H200 (benchmarks/gpu_collectives.py, NCCL-only group): the guard's one all-reduce per step
+    took a host tensor whenever the backend's name was not exactly "nccl" ("cuda:nccl" alone: "No backend type
+    associated with device type cpu"). It must take the strategy's device, whatever the backend is called."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    class Reached(Exception):
+        pass
+
+    seen = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise Reached
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *args: "cuda:nccl")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    guard = NaNGuard()
+    trainer = SimpleNamespace(global_step=0, strategy=SimpleNamespace(root_device=torch.device("meta")))
+    module = torch.nn.Linear(2, 2)  # its parameters on the host, as an offloaded or CPU-built module's are
+    with pytest.raises(Reached):
+        guard.on_before_optimizer_step(trainer, module, optimizer=None)
+    assert seen == [torch.device("meta")]
+
+
+def test_comm_recorder_times_a_collective_whose_work_unboxes_to_none():
+    """Found on an H200 (torch 2.11, NCCL): the boxed Work of an NCCL collective unboxed to None, and CommTimer
+    failed the step with "'NoneType' object has no attribute 'get_future'"."""
+    from lightning_3d.callbacks.comm_recorder import Clock, Collective, _when_done
+
+    record = Collective(op="allreduce_", group_ranks=(0,), bytes=4, start=Clock().now())
+    _when_done(None, record, Clock())
+    assert record.end >= record.start
