@@ -40,6 +40,18 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch._subclasses.fake_tensor": Private(
         "run a block on fake tensors to check its shapes before the first step, without computing it",
         "no public fake-tensor mode; the meta device would need a meta copy of each block"),
+    "torch._C.DisableTorchFunctionSubclass": Private(
+        "run a call on vocabulary-sharded logits as on any DTensor from their own __torch_function__ (sharded_logits)",
+        "what torch.Tensor.__torch_function__ itself uses; calling that instead converts every result to the subclass"),
+    "torch._foreach_norm": Private(
+        "the global gradient norm: one multi-tensor norm per (device, dtype) group of local pieces, not a kernel"
+        " per parameter (clip.grad_square_terms)",
+        "torch.nn.utils.get_total_norm does this, but returns the norm in the gradients' dtype and takes no"
+        " per-group divisor (the copies of a replicated piece)"),
+    "torch._foreach_mul_": Private(
+        "clipping: scale every local gradient of a (device, dtype) group in one multi-tensor kernel (clip.py)",
+        "torch.nn.utils.clip_grads_with_norm_ does this, but reads param.grad (DTensors here, not their local"
+        " pieces)"),
     "torch._ops.HigherOrderOperator": Private(
         "let higher-order operators (checkpoint, cond) pass through the dispatch mode untouched",
         "no public name for the class"),

@@ -2,12 +2,13 @@
 
 Under tensor parallelism the output head leaves the logits sharded over the vocabulary (a DTensor), so the
 full ``(tokens, vocab)`` logits never exist on one rank. The user's ``F.cross_entropy(logits, targets)``
-(or ``nn.CrossEntropyLoss``, which calls it) still works: while the strategy runs a step it holds
-:class:`~lightning_3d.parallel.sharded_logits.ShardedLogitsMode`, a ``TorchFunctionMode`` that sends
-cross-entropy on a DTensor to PyTorch's ``loss_parallel`` (log-softmax reduced across the shards: two small
-all-reduces per call) and hands back an ordinary tensor, so logging and everything after it is as on one
-device; whatever else the step does with the logits sees one device's tensor too. Backward must run inside
-``loss_parallel()`` too; the strategy does that.
+(or ``nn.CrossEntropyLoss``, which calls it) still works: the head's output is a
+:class:`~lightning_3d.parallel.sharded_logits.ShardedLogits`, whose ``__torch_function__`` sends
+cross-entropy to PyTorch's ``loss_parallel`` (log-softmax reduced across the shards: two small all-reduces
+per call) and hands back an ordinary tensor, so logging and everything after it is as on one device;
+whatever else the step does with the logits sees one device's tensor too. The loss-parallel ops must be on
+for its backward as well: the strategy holds :func:`vocab_parallel_loss` over the step and the backward
+(a switch in DTensor's dispatcher, not a mode: nothing runs per torch call).
 
 Outside a strategy step, :func:`vocab_parallel_cross_entropy` is the same computation as a plain function.
 """
@@ -23,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_3d.common import local
-from lightning_3d.parallel.sharded_logits import ShardedLogitsMode
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
@@ -67,8 +67,7 @@ def vocab_parallel_ops() -> Iterator[None]:
 
 @contextmanager
 def vocab_parallel_loss() -> Iterator[None]:
-    """Both halves, for a strategy step: ``F.cross_entropy`` on sharded logits routed to the vocabulary-parallel
-    loss, and anything else on them as on one device (forward, ``parallel.sharded_logits``), and PyTorch's
-    loss-parallel ops switched on (its backward)."""
-    with ShardedLogitsMode(vocab_parallel_cross_entropy), vocab_parallel_ops():
+    """For a strategy step and its backward: PyTorch's loss-parallel ops on, so that ``F.cross_entropy`` on
+    marked logits (``parallel.sharded_logits``) and its backward run on the vocabulary shards."""
+    with vocab_parallel_ops():
         yield

@@ -5,8 +5,8 @@ With ``vocab_parallel_loss`` the output head leaves its logits as a DTensor shar
 does more with logits than the loss: ``argmax`` for an accuracy, a torchmetrics object, ``masked_fill`` with
 a plain mask, ``log_softmax(-1).gather(...)``. On a bare DTensor those fail (``got mixed torch.Tensor and
 DTensor``, ``aten._unique2``) or hand back DTensors that fail later. So the head marks its output
-(:func:`mark_logits_of`), and while a step runs :class:`ShardedLogitsMode` decides, per torch call on a marked
-tensor:
+(:func:`mark_logits_of`): the DTensor becomes a :class:`ShardedLogits`, whose ``__torch_function__`` decides,
+per torch call on it:
 
 * ``F.cross_entropy``: the vocabulary-parallel loss (two small all-reduces, never the whole logits);
 * a call that keeps the logits' layout (``view``, ``flatten``, ``float``, slicing tokens, elementwise with a
@@ -15,9 +15,9 @@ tensor:
 * anything else: PyTorch's DTensor result made whole (``full_tensor``, differentiable), or, where the call
   also takes a plain tensor, the logits gathered first. Rank 0 says so, once.
 
-Until a head has marked its output in the step, every call goes straight through (the model's forward pays
-one flag test per torch call: 7.4 against 11.1 us per call with the arguments searched, 8.9 for the loss
-routing alone, microbenchmark of small ops on CPU).
+Only calls that take the logits pay for this: a tensor subclass, not a mode, so no Python runs for any other
+torch call of the forward or backward (issue 30: a ``TorchFunctionMode`` held over the step cost ~3 us per
+torch call of the whole model, forward, backward and recompute).
 
 An in-place change of marked logits that must gather (``logits.masked_fill_(plain_mask, ...)``) is refused
 with the out-of-place spelling: filling a gathered copy would leave ``logits`` unchanged, silently.
@@ -25,20 +25,19 @@ with the out-of-place spelling: filling a gathered copy would leave ``logits`` u
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
+import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from lightning_3d.errors import StepPatternError
+from lightning_3d.parallel.loss import vocab_parallel_cross_entropy
 
-_MARK = "_lightning_3d_vocab_sharded_logits"
 _said = False  # whether rank 0 has said that a call on the logits made them whole (once per process)
-_armed = False  # whether any logits were marked since the mode was entered: until then every call runs as is
 
 
 def mark_logits_of(module: nn.Module) -> None:
@@ -48,7 +47,7 @@ def mark_logits_of(module: nn.Module) -> None:
 
 
 def is_sharded_logits(value: Any) -> bool:
-    return isinstance(value, DTensor) and getattr(value, _MARK, False)
+    return isinstance(value, ShardedLogits)
 
 
 def whole(value: Any) -> Any:
@@ -56,42 +55,32 @@ def whole(value: Any) -> Any:
     return tree_map(lambda v: v.full_tensor() if is_sharded_logits(v) else v, value)
 
 
-class ShardedLogitsMode(TorchFunctionMode):
-    """Inside a step: marked logits behave as one device's tensor (see the module docstring).
-    ``cross_entropy`` is the vocabulary-parallel loss, applied to marked logits (and to any DTensor logits)."""
+class ShardedLogits(DTensor):
+    """A DTensor of logits sharded over the vocabulary that behaves as one device's tensor (see the module
+    docstring). Made only by :func:`mark_logits_of`'s hook, which re-classes the head's output in place."""
 
-    def __init__(self, cross_entropy: Callable[..., Tensor]) -> None:
-        super().__init__()
-        self.cross_entropy = cross_entropy
-
-    def __enter__(self):
-        global _armed
-        _armed = False
-        return super().__enter__()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.cross_entropy and args and isinstance(args[0], DTensor):
-            return self.cross_entropy(*args, **kwargs)
-        if not _armed:  # the model's forward up to its head: nothing marked yet, nothing to look for
-            return func(*args, **kwargs)
-        marked = _marked(args, kwargs)
-        if marked is None:
-            return func(*args, **kwargs)
-        if _takes_plain_tensor(args, kwargs):
-            if _in_place(func):
-                raise StepPatternError(_in_place_message(func))
-            _say_gathered(func, marked)
-            return func(*whole(args), **whole(kwargs))
-        output = func(*args, **kwargs)
-        return tree_map(lambda value: _kept_or_whole(value, marked, func), output)
+        # Below, torch calls on these tensors run as on any DTensor (no recursion into this method).
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is F.cross_entropy and args and isinstance(args[0], DTensor):
+                return vocab_parallel_cross_entropy(*args, **kwargs)
+            marked = _marked(args, kwargs)
+            if marked is None:  # a marked tensor only in a nested argument: as any DTensor
+                return func(*args, **kwargs)
+            if _takes_plain_tensor(args, kwargs):
+                if _in_place(func):
+                    raise StepPatternError(_in_place_message(func))
+                _say_gathered(func, marked)
+                return func(*whole(args), **whole(kwargs))
+            output = func(*args, **kwargs)
+            return tree_map(lambda value: _kept_or_whole(value, marked, func), output)
 
 
 def _mark(value: Any) -> Any:
-    global _armed
-    if isinstance(value, DTensor):
-        setattr(value, _MARK, True)
-        _armed = True
+    if isinstance(value, DTensor) and not isinstance(value, ShardedLogits):
+        value.__class__ = ShardedLogits  # the same tensor, autograd history and DTensor state kept
     return value
 
 

@@ -1,6 +1,8 @@
 """After the first step, a training step runs no Python mode around the model and reads no device value on the
 host (issue 30): modes on the stack while blocks run forward and backward at steps 2-4, and host syncs plus
-object collectives at steps 5-7, at pp=2 and tp=2 (helpers/workers/steady_state_worker.py), one launch."""
+object collectives at steps 5-7, at pp=2 and tp=2 (helpers/workers/steady_state_worker.py), one launch. With
+lightning_3d's five callbacks logging every step, one host sync per step: NaNGuard's agreement on whether any
+rank saw a NaN, which must reach the host before the optimizer step."""
 
 import json
 
@@ -19,7 +21,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("steady_state")
     forkrun(2, str(WORKERS / "steady_state_worker.py"), str(out), *LAYOUTS, timeout=300)
     return {(layout, kind): json.loads((out / f"{layout}_{kind}.json").read_text())
-            for layout in LAYOUTS for kind in ("bare", "default")}
+            for layout in LAYOUTS for kind in ("bare", "default", "monitors")}
 
 
 @pytest.mark.parametrize("kind", ["bare", "default"])
@@ -30,11 +32,14 @@ def test_no_host_sync_and_no_object_collective_in_a_steady_state_step(results, l
         assert len(per_step) == 3 and all(count == 0 for count in per_step.values()), (rank, per_step, result["where"])
 
 
-@pytest.mark.parametrize("layout", [
-    "pp2",
-    pytest.param("tp2", marks=pytest.mark.xfail(strict=True, reason="the sharded-logits TorchFunctionMode is on the"
-                                                " stack for the whole step at tp>1 (issue 30, not done)")),
-])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_callbacks_sync_the_host_once_in_a_step_that_logs(results, layout):
+    result = results[(layout, "monitors")]
+    for rank, per_step in enumerate(result["syncs"]):
+        assert len(per_step) == 3 and all(count <= 1 for count in per_step.values()), (rank, per_step, result["where"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_no_mode_is_active_while_blocks_run_after_the_first_step(results, layout):
     result = results[(layout, "bare")]
     assert result["blocks_seen"] > 0
