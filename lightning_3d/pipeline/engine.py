@@ -57,6 +57,7 @@ from lightning_3d.pipeline.random_replay import RandomState, replayed
 from lightning_3d.pipeline.schedules import SCHEDULES, CurrentLoss, ScheduleGPipe, placeholder_loss
 from lightning_3d.pipeline.shared_results import ResultsChannel, host_side
 from lightning_3d.pipeline.stand_ins import CaptureInputs, ModelInputs, ReturnOutput, swapped
+from lightning_3d.pipeline.step_costs import StepCosts
 from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
 from lightning_3d.pipeline.step_metrics import StepMetrics
 from lightning_3d.pipeline.step_results import MetricRef, combine_logs, combine_outputs, detached
@@ -111,6 +112,11 @@ class PipelineEngine:
         self._results = ResultsChannel(last_stage_rank, pp_group, device)
         self._watched: set[tuple] = set()  # schedule keys whose first step ran under CollectiveWatch
         self.timeline: PipelineTimeline | None = None  # see record_timeline
+        self.costs = StepCosts()
+        """Seconds of the last step by part (``costs.seconds``): "capture" (the user's step up to the model call,
+        the random state's snapshot and replay), "sharing" (the results, last stage to every rank), "schedule"
+        (``torch.distributed.pipelining``: forwards, backwards, waits), "user_loss" (the user's step on the last
+        stage's output) and "bookkeeping" (the rest of the engine's own code)."""
         for index, stage in stages.items():
             if index < num_stages - 1:
                 stage.register_forward_hook(_require_tensor_output(index))
@@ -148,32 +154,34 @@ class PipelineEngine:
 
         Returns what the step returned, combined over the micro-batches (``pipeline/step_results.py``): the
         loss, or the dict with it and the step's other keys."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        previous = [None if zeroed_after else p.grad for p in params]
-        for p in params:
-            p.grad = None
-        self._sync_grads = sync_grads  # read by the training stages when the schedule runs (_schedule)
-        loss = self.run("training_step", batch, *args, train=True, loss_scale=1.0 / accumulate_grad_batches,
-                        **step_kwargs)
-        held_in_fsdp = not sync_grads and any(isinstance(m, FSDPModule) for m in self.stages.values())
-        if self.finish_grads is not None and not held_in_fsdp:
-            self.finish_grads(self.module)
-        if any(a is not b for a, b in zip(params, (p for p in self.module.parameters() if p.requires_grad))):
-            # The gradients went to Parameter objects the module no longer holds (FSDP2 left its gathered ones
-            # registered when the step began): the optimizer would step on none of them, silently.
-            raise RuntimeError("The module's parameters were replaced during the pipelined step; its gradients"
-                               " would be lost. Please report this with the layout and the Lightning hooks used.")
-        self._step_grads = [(p, p.grad) for p in params]
-        for p, grad in zip(params, previous):
-            p.grad = grad
+        with self.costs.step():
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            previous = [None if zeroed_after else p.grad for p in params]
+            for p in params:
+                p.grad = None
+            self._sync_grads = sync_grads  # read by the training stages when the schedule runs (_schedule)
+            loss = self.run("training_step", batch, *args, train=True, loss_scale=1.0 / accumulate_grad_batches,
+                            **step_kwargs)
+            held_in_fsdp = not sync_grads and any(isinstance(m, FSDPModule) for m in self.stages.values())
+            if self.finish_grads is not None and not held_in_fsdp:
+                self.finish_grads(self.module)
+            if any(a is not b for a, b in zip(params, (p for p in self.module.parameters() if p.requires_grad))):
+                # The gradients went to Parameter objects the module no longer holds (FSDP2 left its gathered ones
+                # registered when the step began): the optimizer would step on none of them, silently.
+                raise RuntimeError("The module's parameters were replaced during the pipelined step; its gradients"
+                                   " would be lost. Please report this with the layout and the Lightning hooks used.")
+            self._step_grads = [(p, p.grad) for p in params]
+            for p, grad in zip(params, previous):
+                p.grad = grad
         return loss
 
     def add_step_grads(self) -> None:
         """Add the gradients of the last :meth:`training_step` to the parameters' (accumulated) ones."""
-        for param, grad in self._step_grads:
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad.add_(grad)
-        self._step_grads = []
+        with self.costs.part("bookkeeping"):  # part of the last training step
+            for param, grad in self._step_grads:
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+            self._step_grads = []
 
     def run(self, method: str, batch: Any, *args: Any, train: bool, loss_scale: float = 1.0,
             **step_kwargs: Any) -> Any:
@@ -183,61 +191,69 @@ class PipelineEngine:
         (or the step's dict with it); for validation and test the same (None if the step returned nothing);
         for ``predict_step``, its outputs concatenated over the micro-batches.
         ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
-        key, num_microbatches = self._shape_key(batch, train)
-        microbatches = split_batch(batch, num_microbatches)
-        explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
-        replay: list[RandomState | None] = [None] * num_microbatches
-        if explicit:
-            stage_inputs = self.has_first_stage or self._as_written_inputs is not None or self.check_inputs is not None
-            inputs, kwargs = (tuple(self.module.pipeline_inputs(batch)) if stage_inputs else ()), {}
-        else:
-            inputs, kwargs, replay = self._capture_inputs(method, microbatches, *args, **step_kwargs)
-        if self.check_inputs is not None:
-            self.check_inputs(inputs, kwargs, model=f"self.{self.root_name}")
-        if self._as_written_inputs is not None:  # every stage rebuilds the model call from the tensors it gets
-            self._as_written_inputs.spec = tree_flatten((inputs, kwargs))[1]
-        if not self.has_first_stage:
-            inputs, kwargs = (), {}
-        results: list[Any] = []
-        logs: list[list[tuple]] = []
-        errors: list[str] = []
-        self._metrics.begin()
-        watch = key not in self._watched  # the first step of this schedule: look for collectives (step_checks)
-        self._watched.add(key)
+        with self.costs.step():
+            key, num_microbatches = self._shape_key(batch, train)
+            explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
+            replay: list[RandomState | None] = [None] * num_microbatches
+            with self.costs.part("capture"):
+                microbatches = split_batch(batch, num_microbatches)
+                if explicit:
+                    stage_inputs = (self.has_first_stage or self._as_written_inputs is not None
+                                    or self.check_inputs is not None)
+                    inputs, kwargs = (tuple(self.module.pipeline_inputs(batch)) if stage_inputs else ()), {}
+                else:
+                    inputs, kwargs, replay = self._capture_inputs(method, microbatches, *args, **step_kwargs)
+            if self.check_inputs is not None:
+                self.check_inputs(inputs, kwargs, model=f"self.{self.root_name}")
+            if self._as_written_inputs is not None:  # every stage rebuilds the model call from the tensors it gets
+                self._as_written_inputs.spec = tree_flatten((inputs, kwargs))[1]
+            if not self.has_first_stage:
+                inputs, kwargs = (), {}
+            results: list[Any] = []
+            logs: list[list[tuple]] = []
+            errors: list[str] = []
+            with self.costs.part("sharing"):
+                self._metrics.begin()
+            watch = key not in self._watched  # the first step of this schedule: look for collectives (step_checks)
+            self._watched.add(key)
 
-        def loss_fn(output: Tensor, index: Tensor) -> Tensor:
-            i = self._microbatch_index(index)
-            calls = ModelCalls(method, self.root_name)
-            try:
-                with self._root_returning(output, calls), self._recording_logs() as recorded, \
-                        replayed(replay[i], self.device), \
-                        CollectiveWatch(method, self._pp_ranks) if watch else nullcontext():
-                    if explicit:
-                        result = self.module.pipeline_loss(output, microbatches[i])
-                    else:
-                        result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
-            except StepPatternError as found:  # every rank raises it after the schedule (step_checks.py)
-                errors.append(str(found))
-                return placeholder_loss(output)
-            logs.append(recorded)
-            loss = _loss_of(result)
-            if train and loss is None:
-                raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under pipeline"
-                                f" parallelism; got {type(result).__name__}")
-            results.append(detached(result if self.step_result is None else self.step_result(result)))
-            # Forward-only schedules keep what the loss function returns but never differentiate it.
-            return loss * loss_scale if train else torch.zeros(())
+            def loss_fn(output: Tensor, index: Tensor) -> Tensor:
+                with self.costs.part("bookkeeping"):  # the engine's own code inside "schedule", around the user's
+                    i = self._microbatch_index(index)
+                    calls = ModelCalls(method, self.root_name)
+                    try:
+                        with self._root_returning(output, calls), self._recording_logs() as recorded, \
+                                CollectiveWatch(method, self._pp_ranks) if watch else nullcontext(), \
+                                self.costs.part("capture"), replayed(replay[i], self.device), \
+                                self.costs.part("user_loss"):
+                            if explicit:
+                                result = self.module.pipeline_loss(output, microbatches[i])
+                            else:
+                                result = getattr(self.module, method)(microbatches[i], *args, **step_kwargs)
+                    except StepPatternError as found:  # every rank raises it after the schedule (step_checks.py)
+                        errors.append(str(found))
+                        return placeholder_loss(output)
+                    logs.append(recorded)
+                    loss = _loss_of(result)
+                    if train and loss is None:
+                        raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under"
+                                        f" pipeline parallelism; got {type(result).__name__}")
+                    with self.costs.part("sharing"):
+                        results.append(detached(result if self.step_result is None else self.step_result(result)))
+                    # Forward-only schedules keep what the loss function returns but never differentiate it.
+                    return loss * loss_scale if train else torch.zeros(())
 
-        schedule = self._schedule(key, num_microbatches, loss_fn)
-        targets = torch.arange(num_microbatches, device=self.device)
-        with self.loss_context():
-            if train:
-                schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
-            else:
-                # The step's results come from loss_fn; PyTorch's merge of the outputs would also fail on
-                # a scalar among them (a model's own loss, from labels=).
-                schedule.eval(*inputs, target=targets, return_outputs=False, **kwargs)
-        return self._share_results(method, results, logs, errors)
+            schedule = self._schedule(key, num_microbatches, loss_fn)
+            targets = torch.arange(num_microbatches, device=self.device)
+            with self.loss_context(), self.costs.part("schedule"):
+                if train:
+                    schedule.step(*inputs, target=targets, return_outputs=False, **kwargs)
+                else:
+                    # The step's results come from loss_fn; PyTorch's merge of the outputs would also fail on
+                    # a scalar among them (a model's own loss, from labels=).
+                    schedule.eval(*inputs, target=targets, return_outputs=False, **kwargs)
+            with self.costs.part("sharing"):
+                return self._share_results(method, results, logs, errors)
 
     def _microbatch_index(self, target: Tensor) -> int:
         """Which micro-batch the schedule hands the loss function. Its target is its slice of
