@@ -51,4 +51,9 @@ class PlannerError(ValueError):
 
 
 class NoLayoutFits(PlannerError):
-    """No layout fits the GPUs' memory; the message gives the smallest need and what to change."""
+    """No layout fits the devices' memory; the message gives the smallest need and what to change.
+    ``smallest_bytes`` is that need per rank (None where the raiser did not give it)."""
+
+    def __init__(self, message: str, *, smallest_bytes: float | None = None) -> None:
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes

@@ -64,12 +64,18 @@ PRECISIONS = {
         Precision("32-true", 4, 4, 8, 4, 4, "32-true"),
         # Lightning's autocast: fp32 weights, gradients and AdamW state; bf16 matmul inputs, fp32 residual.
         Precision("bf16-mixed", 4, 4, 8, 2, 4, "bf16-mixed"),
-        # Megatron-LM / DeepSpeed: bf16 weights and gradients, fp32 master copy + Adam (K = 12 in ZeRO).
+        # The ZeRO paper's mixed precision (fp16 in its day): 16-bit weights and gradients, fp32 master copy +
+        # Adam (K = 12). Megatron-LM's fp16 runs (Narayanan et al. 2021) kept fp16 gradients.
         Precision("megatron-mixed", 2, 2, 12, 2, 2, "bf16-mixed"),
+        # bf16 runs of Megatron-LM (which turns on --accumulate-allreduce-grads-in-fp32 with --bf16), DeepSpeed's
+        # BF16_Optimizer (BLOOM) and Llama 3 ("FP32 gradient accumulation ... over multiple micro-batches",
+        # section 3.3.2): gradients accumulate in an fp32 buffer, 4 bytes per parameter.
+        Precision("megatron-bf16", 2, 4, 12, 2, 2, "bf16-mixed"),
     )
 }
-"""Precisions by name (``--precision``). "megatron-mixed" is what the published figures assume; a
-lightning-3d run has "32-true" or "bf16-mixed" (the same 16 bytes per parameter, split 4 + 4 + 8)."""
+"""Precisions by name (``--precision``). "megatron-mixed" is the ZeRO paper's accounting, "megatron-bf16"
+that of the published bf16 runs (docs/planner.md); a lightning-3d run has "32-true" or "bf16-mixed" (the
+same 16 bytes per parameter, split 4 + 4 + 8)."""
 
 INT64 = 8
 FP32 = 4
@@ -115,9 +121,15 @@ def rank_blocks(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, ..
 
 @functools.lru_cache(maxsize=4096)
 def _rank_blocks(num_layers: int, pp: int, virtual: int, pp_rank: int) -> tuple[int, ...]:
+    stages = _stage_blocks(num_layers, pp, virtual)
+    return tuple(b for s in stage_ids_of(pp_rank, pp, virtual) for b in stages[s])
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_blocks(num_layers: int, pp: int, virtual: int) -> tuple[tuple[int, ...], ...]:
     # Cached: a search asks for the same split many times per layout, and assign_blocks logs uneven ones.
-    stages = assign_blocks([str(i) for i in range(num_layers)], pp * virtual)
-    return tuple(int(b) for s in stage_ids_of(pp_rank, pp, virtual) for b in stages[s])
+    split = assign_blocks([str(i) for i in range(num_layers)], pp * virtual)
+    return tuple(tuple(int(b) for b in stage) for stage in split)
 
 
 def rank_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
@@ -205,30 +217,74 @@ def checkpointed_blocks(model: ModelSpec, layout: Layout) -> set[int]:
     return set()
 
 
-def microbatch_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
-    """Bytes one micro-batch leaves saved on pipeline rank ``pp_rank`` when its forward is done: its blocks,
-    plus the token and position ids on the first rank and the final norm and fp32 log-softmax of the loss
-    (vocabulary-parallel: V / t per token) on the last."""
+def chunk_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> list[float]:
+    """Bytes one micro-batch leaves saved in each of the rank's model chunks (``virtual_stages`` of them, in
+    the order the rank runs them) when its forward there is done: the chunk's blocks, plus the token and
+    position ids on the first stage, and the final norm and fp32 log-softmax of the loss (vocabulary-parallel:
+    V / t per token) on the last."""
     b, s, h, t = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp
     ckpt = checkpointed_blocks(model, layout)
-    total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt)
-                for i in rank_blocks(model, layout, pp_rank))
+    stages = _stage_blocks(model.num_layers, layout.pp, layout.virtual_stages)
     seq_split = t if layout.sequence_parallel else 1
-    if pp_rank == 0:
-        total += b * s * INT64 + s * INT64 * model.learned_positions + b * s * h * (model.dropout > 0) / seq_split
-    if pp_rank == layout.pp - 1:
-        stats = FP32 * (2 if model.norm == "layernorm" else 1)
-        total += (b * s * (h * precision.residual_bytes + stats) / seq_split  # final norm's input
-                  + b * s * h * precision.activation_bytes  # its output, gathered, into the head
-                  + b * s * model.vocab_size / t * FP32 + b * s * INT64)  # log-softmax, targets
-    return total
+    chunks = []
+    for stage in stage_ids_of(pp_rank, layout.pp, layout.virtual_stages):
+        total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt) for i in stages[stage])
+        if stage == 0:
+            total += b * s * INT64 + s * INT64 * model.learned_positions + b * s * h * (model.dropout > 0) / seq_split
+        if stage == len(stages) - 1:
+            stats = FP32 * (2 if model.norm == "layernorm" else 1)
+            total += (b * s * (h * precision.residual_bytes + stats) / seq_split  # final norm's input
+                      + b * s * h * precision.activation_bytes  # its output, gathered, into the head
+                      + b * s * model.vocab_size / t * FP32 + b * s * INT64)  # log-softmax, targets
+        chunks.append(total)
+    return chunks
+
+
+def microbatch_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
+    """Bytes one micro-batch leaves saved on pipeline rank ``pp_rank`` through all of its chunks."""
+    return sum(chunk_activation_bytes(model, layout, precision, pp_rank))
+
+
+def peak_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
+    """The most activation bytes the rank holds at once in a step, following its schedule's order of
+    forwards and backwards chunk by chunk: the embedding, the head and the chunks of an uneven split count as
+    often as they are in flight, not as an average chunk."""
+    chunks = chunk_activation_bytes(model, layout, precision, pp_rank)
+    if layout.pp == 1 or layout.schedule in ("gpipe", "1f1b"):
+        return microbatches_in_flight(layout, pp_rank) * sum(chunks)
+    return interleaved_peak(chunks, layout.num_microbatches, layout.pp, pp_rank,
+                            zero_bubble=layout.schedule == "zero_bubble")
+
+
+def interleaved_peak(chunk_bytes: list[float], num_microbatches: int, pp: int, pp_rank: int, *,
+                     zero_bubble: bool = False) -> float:
+    """The most bytes a rank of an interleaved schedule holds at once, when a micro-batch leaves
+    ``chunk_bytes[c]`` saved in its chunk c (in the order the rank runs them).
+
+    PyTorch's ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble (torch.distributed.pipelining:
+    _get_warmup_ops, _get_1f1b_rank_ops), as Megatron-LM's: micro-batches go in rounds of ``per_round``; the
+    warm-up runs (v - 1) per_round + k (p - 1 - rank) chunk forwards (k = 2; 1 for zero bubble), then each step
+    one forward and one backward. Forwards walk chunks 0 .. v - 1 round by round, backwards v - 1 .. 0; the
+    peak is right after a forward."""
+    m, p, v = num_microbatches, pp, len(chunk_bytes)
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - pp_rank), m * v)
+    live = peak = 0.0
+    for op in range(m * v):
+        live += chunk_bytes[(op // per_round) % v]
+        peak = max(peak, live)
+        if op >= warmup:
+            live -= chunk_bytes[v - 1 - ((op - warmup) // per_round) % v]
+    return peak
 
 
 def microbatches_in_flight(layout: Layout, pp_rank: int) -> float:
     """Micro-batches whose activations a rank holds at its peak, in units of one micro-batch through all of
-    the rank's blocks. GPipe: all m. 1F1B: pp - rank (at most m), the warm-up forwards plus the one that
-    starts the steady state. Interleaved (v chunks, PyTorch's and Megatron-LM's warm-up of
-    (v - 1) p + 2 (p - 1 - rank) chunk forwards, plus one): that many chunks, each 1/v of the rank's blocks."""
+    the rank's blocks, for chunks of equal size (``peak_activation_bytes`` follows the real chunks). GPipe:
+    all m. 1F1B: pp - rank (at most m), the warm-up forwards plus the one that starts the steady state.
+    Interleaved (v chunks, PyTorch's and Megatron-LM's warm-up of (v - 1) p + 2 (p - 1 - rank) chunk
+    forwards, plus one): that many chunks, each 1/v of the rank's blocks; on the first rank p + (p - 1) / v,
+    Korthikanti et al.'s L (1 + (p - 1) / (p v)) layers' worth (section 4.2.3)."""
     m, p, v = layout.num_microbatches, layout.pp, layout.virtual_stages
     if p == 1:
         return 1  # one forward and backward per micro-batch (gradient accumulation frees each graph)
@@ -259,7 +315,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
     if checkpointed_blocks(model, layout) & set(blocks):
         gathered += block_activation_bytes(model, layout, precision)  # one block rebuilt in backward
     gathered += autocast_weight_bytes(model, layout, precision, pp_rank)
-    activations = microbatch_activation_bytes(model, layout, precision, pp_rank) * microbatches_in_flight(layout, pp_rank)
+    activations = peak_activation_bytes(model, layout, precision, pp_rank)
     return MemoryEstimate(parameters=states["parameters"], gradients=states["gradients"],
                           optimizer_state=states["optimizer_state"], activations=activations, gathered=gathered)
 

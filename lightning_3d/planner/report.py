@@ -1,11 +1,14 @@
 """The planner's result (``LayoutPlan``: ranked ``Candidate`` layouts) and how people read it: the ranked
-table, and the YAML config of one layout for ``lightning-3d fit``."""
+table, a short summary of the top layouts with why the first won (for a log), and the YAML config of one
+layout for ``lightning-3d fit``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from lightning_3d.planner.cluster import GIB, Cluster
+from lightning_3d.planner.calibration import Calibration
+from lightning_3d.planner.cluster import GIB, Cluster, gib
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import MemoryEstimate, Precision
 from lightning_3d.planner.model import ModelSpec
@@ -21,8 +24,8 @@ class Candidate:
     """At the pipeline rank that needs the most."""
     time: StepTime
     tokens_per_second: float
-    mfu: float
-    """Model FLOPs (no recompute) per second over the cluster's peak."""
+    mfu: float | None
+    """Model FLOPs (no recompute) per second over the cluster's peak; None without a peak (CPU ranks)."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,38 @@ class LayoutPlan:
     candidates: list[Candidate]
     considered: int
     """Layouts estimated (fitting or not)."""
+    calibration: Calibration | None = None
+    """The measured speeds the step times come from; None: the cluster's datasheet figures."""
+    fastest_unfit: Candidate | None = None
+    """The fastest layout of all, when it does not fit (faster than ``best``); None when the best is it."""
 
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+    def top(self, k: int = 3) -> list[Candidate]:
+        """The ``k`` fastest layouts that fit."""
+        return self.candidates[:k]
+
+    def why(self) -> str:
+        """One line: why the best layout won (:func:`why_best`), and what faster layout did not fit."""
+        line = why_best(self.candidates)
+        if self.fastest_unfit is not None:
+            c = self.fastest_unfit
+            line += (f"; the fastest of all, {c.layout.describe()} ({c.time.total:.3g} s), needs"
+                     f" {c.memory.total / GIB:.3g} GiB per {self.cluster.rank_name}, over the"
+                     f" {self.cluster.usable_bytes / GIB:.3g} usable")
+        return line
+
+    def summary(self, k: int = 3) -> str:
+        """The top ``k`` layouts, one line each (predicted step time, memory per rank), and why the first won:
+        what the strategy logs."""
+        source = "calibrated on these devices" if self.calibration is not None else "datasheet speeds, not measured"
+        lines = [f"{len(self.candidates)} of {self.considered} layouts fit ({source}):"]
+        lines += [f"  {i}. {c.layout.describe()}: step {c.time.total:.4g} s, {c.memory.total / GIB:.3g} GiB per"
+                  f" {self.cluster.rank_name}" for i, c in enumerate(self.top(k), 1)]
+        lines.append(f"  why: {self.why()}")
+        return "\n".join(lines)
 
     def table(self, top: int = 10) -> str:
         return format_table(self, top)
@@ -47,6 +78,37 @@ class LayoutPlan:
     def to_yaml(self, candidate: Candidate | None = None) -> str:
         """A config for ``lightning-3d fit`` running ``candidate`` (default: the best)."""
         return to_yaml(self, candidate or self.best)
+
+
+STEP_TERMS = {"compute": "compute", "tp_communication": "tensor-parallel communication",
+              "pp_bubble": "pipeline bubble", "pp_communication": "pipeline sends",
+              "dp_communication": "exposed data-parallel communication", "optimizer": "optimizer step"}
+"""The parts of ``StepTime.total``, as a sentence names them."""
+
+
+def why_best(candidates: Sequence[Candidate]) -> str:
+    """One line on why ``candidates[0]`` ranks first: against the runner-up, the share it is faster by (per
+    token, so layouts of different batches compare) and the part of the step time that differs most.
+
+    Example: ``"dp4 tp1 pp2 1f1b m4 b1 is 18% faster per token than dp2 tp2 pp2 1f1b m8 b1 sp: 0.21 s less
+    tensor-parallel communication per step (0.02 vs 0.23 s)"``."""
+    if not candidates:
+        return "no layout fits"
+    winner = candidates[0]
+    if len(candidates) == 1:
+        return f"{winner.layout.describe()} is the only layout that fits"
+    runner = candidates[1]
+    # Each term scaled to the winner's tokens per step, so a runner-up of another batch compares fairly.
+    scale = (winner.tokens_per_second * winner.time.total) / (runner.tokens_per_second * runner.time.total)
+    gaps = {name: getattr(runner.time, name) * scale - getattr(winner.time, name) for name in STEP_TERMS}
+    name = max(gaps, key=lambda n: gaps[n])
+    share = winner.tokens_per_second / runner.tokens_per_second - 1  # time per token, runner-up over winner
+    if share <= 0:
+        return (f"{winner.layout.describe()} ties {runner.layout.describe()} on time per token and needs less memory"
+                f" ({winner.memory.total / GIB:.3g} vs {runner.memory.total / GIB:.3g} GiB)")
+    return (f"{winner.layout.describe()} is {share:.1%} faster per token than {runner.layout.describe()}:"
+            f" {gaps[name]:.3g} s less {STEP_TERMS[name]} per step ({getattr(winner.time, name):.3g} vs"
+            f" {getattr(runner.time, name) * scale:.3g} s)")
 
 
 COLUMNS = ("#", "layout", "params", "grads", "optim", "activ", "gather", "total GiB", "step s", "compute", "tp",
@@ -63,15 +125,17 @@ def format_table(plan: LayoutPlan, top: int = 10) -> str:
                      (m.parameters, m.gradients, m.optimizer_state, m.activations, m.gathered, m.total)),
                      *(f"{v:.3g}" for v in (t.total, t.compute, t.tp_communication, t.pp_bubble,
                                            t.pp_communication, t.dp_communication)),
-                     f"{c.tokens_per_second:,.0f}", f"{c.mfu:.1%}"))
+                     f"{c.tokens_per_second:,.0f}", "-" if c.mfu is None else f"{c.mfu:.1%}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     cluster = plan.cluster
+    source = "times from measured speeds" if plan.calibration is not None else "estimated, not measured"
     header = (f"{plan.model.name}: {plan.model.num_parameters() / 1e9:.3g}B parameters, seq {plan.model.seq_length},"
               f" global batch {plan.global_batch_size}, {plan.precision.name} on {cluster.nodes} x"
-              f" {cluster.gpus_per_node} GPUs ({cluster.memory_gib:g} GiB, {cluster.usable_bytes / GIB:.1f} usable)."
-              f" {len(plan.candidates)} of {plan.considered} layouts fit; estimated, not measured.")
+              f" {cluster.gpus_per_node} {cluster.rank_name}s ({cluster.memory_gib:g} GiB,"
+              f" {gib(cluster.usable_bytes)} usable). {len(plan.candidates)} of {plan.considered} layouts fit;"
+              f" {source}.")
     return "\n".join([header, *lines])
 
 
@@ -93,16 +157,18 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
     strategy["policy"] = "gpt" if gpt else "auto"
     lines = [
         f"# Planned by `lightning-3d plan` for {model.name} ({model.num_parameters() / 1e9:.3g}B parameters) on",
-        f"# {cluster.nodes} x {cluster.gpus_per_node} GPUs of {cluster.memory_gib:g} GiB: {layout.describe()}.",
-        f"# Estimated per GPU (not measured): {m.total / GIB:.1f} GiB (parameters {m.parameters / GIB:.1f},"
+        f"# {cluster.nodes} x {cluster.gpus_per_node} {cluster.rank_name}s of {cluster.memory_gib:.3g} GiB:"
+        f" {layout.describe()}.",
+        f"# Estimated per {cluster.rank_name} (not measured): {m.total / GIB:.1f} GiB (parameters {m.parameters / GIB:.1f},"
         f" gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer_state / GIB:.1f},",
         f"# activations {m.activations / GIB:.1f}, gathered {m.gathered / GIB:.1f}); step {t.total:.3g} s"
         f" (compute {t.compute:.3g}, tp {t.tp_communication:.3g}, bubble {t.pp_bubble:.3g},"
         f" dp {t.dp_communication:.3g}),",
-        f"# {candidate.tokens_per_second:,.0f} tokens/s, MFU {candidate.mfu:.1%}. See docs/planner.md.",
+        f"# {candidate.tokens_per_second:,.0f} tokens/s"
+        + ("" if candidate.mfu is None else f", MFU {candidate.mfu:.1%}") + ". See docs/planner.md.",
         "seed_everything: 1234",
         "trainer:",
-        "  accelerator: gpu",
+        f"  accelerator: {cluster.device}",
         f"  devices: {cluster.gpus_per_node}",
         f"  num_nodes: {cluster.nodes}",
         f"  precision: {plan.precision.lightning}",

@@ -19,21 +19,34 @@ ideal time (Narayanan et al. 2021, section 2.2); the zero-bubble schedule is tak
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": ZB-H1). Data-parallel gradient reduction (all-reduce,
 or reduce-scatter + all-gather under ZeRO) overlaps with the last micro-batch's backward; what does not fit
 in it is exposed. The optimizer step reads and writes the rank's Adam state at memory bandwidth.
+
+With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms take measured speeds instead:
+a block's forward + backward is its measured seconds per token at the micro-batch size, divided by tp (the
+tp split divides its matmuls), a recomputed block adds a forward (a third of that), the head its measured
+time / tp; every collective costs its link's latency + wire bytes / bandwidth, so latency counts once per
+call: two calls (reduce-scatter + all-gather) per tp region with sequence parallelism, one all-reduce
+without; one data-parallel call per FSDP unit (a block, or the rest of the stage) and per direction, or per
+25 MiB bucket of DDP.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
+from lightning_3d.planner.calibration import Calibration, wire_bytes
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import Precision, block_activation_bytes, checkpointed_blocks, rank_blocks, rank_parameters
-from lightning_3d.planner.model import ModelSpec
+from lightning_3d.planner.model import ModelSpec, PlannerError
 
 ELEMENTWISE_PASSES = 3
 """Memory traffic of a block's non-matmul work, in units of the activations it saves: each saved tensor is
 written in forward, read in backward, and its gradient written (an estimate; fused kernels move less)."""
+
+DDP_BUCKET_BYTES = 25 * 2**20
+"""``DistributedDataParallel``'s default bucket (25 MiB): one all-reduce call per bucket."""
 
 ZERO_BUBBLE_SHARE = 1 / 3
 """The share of 1F1B's bubble the zero-bubble schedule leaves (ZB-H1; an estimate for PyTorch's version)."""
@@ -85,69 +98,118 @@ def step_flops(model: ModelSpec, global_batch_size: int, recompute: str | None =
 
 
 def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision, *,
-                       dp_overlap: bool = True, dp_reduce_bytes: int | None = None) -> StepTime:
+                       dp_overlap: bool = True, dp_reduce_bytes: int | None = None,
+                       calibration: Calibration | None = None) -> StepTime:
     """Seconds of one optimizer step of ``layout`` (see the module docstring for the model).
 
     ``dp_overlap``: whether gradient reduction overlaps with backward (FSDP2 and DDP do; Megatron-LM of
     2021 reduced after backward). ``dp_reduce_bytes``: bytes per gradient element on the wire (default the
-    precision's gradient bytes; Megatron-LM reduces its fp32 main gradients: 4)."""
+    precision's gradient bytes; Megatron-LM reduces its fp32 main gradients: 4). ``calibration``: measured
+    speeds to use instead of the cluster's datasheet figures (needed when the cluster has no peak)."""
     t, p, d, m, v = layout.tp, layout.pp, layout.dp, layout.num_microbatches, layout.virtual_stages
     tokens = layout.micro_batch_size * model.seq_length
-    flops_rate = cluster.peak_tflops * 1e12 * cluster.gemm_efficiency
-    hbm = cluster.hbm_bandwidth_gbs * 1e9
+    speeds = _Speeds(model, layout, cluster, precision, calibration)
     ckpt = checkpointed_blocks(model, layout)
     message = tokens * model.hidden_size * precision.activation_bytes  # one b s h activation
-    tp_bw = cluster.bandwidth(t)
-    # pp is the outermost mesh dimension: neighbouring stages are t * d global ranks apart.
-    pp_bw = cluster.bandwidth(t * d + 1)
-    # dp sits inside pp: a dp group spans t * d consecutive ranks.
-    dp_bw = cluster.bandwidth(t * d)
+    sp = layout.sequence_parallel
 
-    def allreduce(nbytes: float, ranks: int, bandwidth: float) -> float:
-        return 2 * (ranks - 1) / ranks * nbytes / bandwidth if ranks > 1 else 0.0
+    def tp_collectives(regions: int) -> float:
+        # A region's all-reduce is, with SP, a reduce-scatter and an all-gather: the same bytes, two calls.
+        if sp:
+            return 2 * regions * speeds.collective("tp", "all_gather", message, t)
+        return regions * speeds.collective("tp", "all_reduce", message, t)
 
     per_rank = []  # (compute, tp comm, backward compute) of one micro-batch, per pipeline rank
     for rank in range(p):
         blocks = rank_blocks(model, layout, rank)
         recomputed = len(ckpt & set(blocks))
-        flops = (3 * len(blocks) + recomputed) * block_forward_flops(model, tokens)
-        if rank == p - 1:
-            flops += 3 * head_forward_flops(model, tokens)
-        elementwise = ELEMENTWISE_PASSES * len(blocks) * block_activation_bytes(model, layout, precision)
-        compute = flops / t / flops_rate + elementwise / hbm
-        collectives = (4 * len(blocks) + 2 * recomputed + (rank == 0) + (rank == p - 1))
-        per_rank.append((compute, collectives * allreduce(message, t, tp_bw), compute * 2 / 3))
+        compute = len(blocks) * speeds.block + recomputed * speeds.recompute + (rank == p - 1) * speeds.head
+        regions = 4 * len(blocks) + 2 * recomputed + (rank == 0) + (rank == p - 1)
+        per_rank.append((compute, tp_collectives(regions), compute * 2 / 3))
     slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1])
     compute, tp_comm, backward = per_rank[slowest]
     # Each of a rank's v model chunks receives its input and sends its output once per micro-batch, forward
     # and backward: interleaving multiplies the point-to-point traffic by v (Narayanan et al. 2021, 2.2.2).
-    send = 2 * v * message / (t if layout.sequence_parallel else 1) / pp_bw if p > 1 else 0.0
+    send = 2 * v * speeds.collective("pp", "send", message / (t if sp else 1), p)
     microbatch = compute + tp_comm + send
     bubble_share = (ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 1.0) * (p - 1) / v
 
     # Data parallel: gradients reduced once per step (all-reduce; reduce-scatter + all-gather of the new
     # parameters under ZeRO: the same bytes), overlapped with the last micro-batch's backward.
-    params = max(rank_parameters(model, layout, r) for r in range(p))
+    busiest = max(range(p), key=lambda r: rank_parameters(model, layout, r))
+    params = rank_parameters(model, layout, busiest)
+    units = len(rank_blocks(model, layout, busiest)) + 1  # FSDP units: each block, and the rest of the stage
     grads = params * (dp_reduce_bytes or precision.grad_bytes)
+    weights = params * precision.param_bytes
     zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
+
+    def dp_calls(collective: str, nbytes: float) -> float:
+        return units * speeds.collective("dp", collective, nbytes / units, d)
+
     if zero and p > 1 and layout.pipeline_reduce_grads == "per_microbatch":
         # A reduce-scatter of the stage's gradients in each micro-batch, each overlapping that backward.
-        scatter, gather = allreduce(grads, d, dp_bw) / 2, allreduce(params * precision.param_bytes, d, dp_bw) / 2
+        scatter, gather = dp_calls("reduce_scatter", grads), dp_calls("all_gather", weights)
         dp_time = m * scatter + gather
         exposed = m * max(0.0, scatter - backward) + max(0.0, gather - backward) if dp_overlap else dp_time
     else:
-        dp_time = allreduce(grads if zero == 0 else (grads + params * precision.param_bytes) / 2, d, dp_bw)
+        if zero:
+            dp_time = dp_calls("reduce_scatter", grads) + dp_calls("all_gather", weights)
+        elif t == 1 and p == 1:  # DistributedDataParallel: one all-reduce per bucket
+            buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+            dp_time = buckets * speeds.collective("dp", "all_reduce", grads / buckets, d)
+        else:  # FSDP2's replicate: one all-reduce per unit
+            dp_time = dp_calls("all_reduce", grads)
         exposed = max(0.0, dp_time - backward) if dp_overlap else dp_time
     if zero == 3 and d > 1:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
         # prefetched during the previous block's compute.
-        gathers = allreduce(params * precision.param_bytes, d, dp_bw)  # two all-gathers: one all-reduce's bytes
+        gathers = 2 * dp_calls("all_gather", weights)
         exposed += m * max(0.0, gathers - compute)
-    optimizer = 2 * params * (precision.param_bytes + precision.grad_bytes + precision.optimizer_bytes) / hbm
-    if zero:
-        optimizer /= d
+    optimizer = speeds.optimizer(params) / (d if zero else 1)
     return StepTime(
         compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble_share * microbatch,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
         model_flops=step_flops(model, layout.global_batch_size),
         hardware_flops=step_flops(model, layout.global_batch_size, layout.recompute))
+
+
+class _Speeds:
+    """Seconds of the pieces a step is made of, on one rank of ``layout``: from the cluster's datasheet
+    figures, or from a calibration's measurements."""
+
+    def __init__(self, model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision,
+                 calibration: Calibration | None) -> None:
+        self.cluster, self.precision, self.calibration, self.layout = cluster, precision, calibration, layout
+        t, tokens = layout.tp, layout.micro_batch_size * model.seq_length
+        if calibration is not None:
+            self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
+            self.recompute = self.block / 3  # a forward is a third of forward + backward (backward: 2 matmuls)
+            self.head = calibration.head_seconds_per_token * tokens / t
+            return
+        if cluster.peak_tflops is None:
+            raise PlannerError(f"The cluster has no peak ({cluster.device} ranks): give the planner a Calibration"
+                               " (measured block time and link speeds) to estimate step times.")
+        rate = cluster.peak_tflops * 1e12 * cluster.gemm_efficiency
+        forward = block_forward_flops(model, tokens) / t / rate
+        elementwise = ELEMENTWISE_PASSES * block_activation_bytes(model, layout, precision)
+        self.block = 3 * forward + elementwise / (cluster.hbm_bandwidth_gbs * 1e9)
+        self.recompute = forward
+        self.head = 3 * head_forward_flops(model, tokens) / t / rate
+
+    def collective(self, dimension: str, collective: str, nbytes: float, ranks: int) -> float:
+        """Seconds of one ``collective`` of an ``nbytes`` tensor over ``ranks`` ranks of ``dimension``'s group."""
+        wire = wire_bytes(collective, nbytes, ranks)
+        if self.calibration is not None:
+            return self.calibration.link(dimension).seconds(wire)
+        t, d = self.layout.tp, self.layout.dp
+        # Mesh order (pp, dp, tp): a tp group spans t consecutive ranks, a dp group t * d, and neighbouring
+        # pipeline stages lie t * d ranks apart.
+        span = {"tp": t, "dp": t * d, "pp": t * d + 1}[dimension]
+        return wire / self.cluster.bandwidth(span)
+
+    def optimizer(self, params: float) -> float:
+        """Seconds of the optimizer step over ``params`` parameters (before ZeRO's sharding)."""
+        if self.calibration is not None and self.calibration.optimizer_seconds_per_parameter is not None:
+            return params * self.calibration.optimizer_seconds_per_parameter
+        p = self.precision
+        return 2 * params * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) / (self.cluster.hbm_bandwidth_gbs * 1e9)
