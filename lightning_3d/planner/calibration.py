@@ -77,7 +77,7 @@ class LinkSpeed:
     def fit(cls, *, wire: tuple[float, float], seconds: tuple[float, float]) -> "LinkSpeed":
         """The line through two measurements (wire bytes, seconds). A pair that does not rise, as noise gives
         on a fast link, is read as all latency at the larger message's rate."""
-        (n1, n2), (t1, t2) = sorted(zip(wire, seconds))
+        (n1, t1), (n2, t2) = sorted(zip(wire, seconds))
         if t2 > t1 and n2 > n1:
             bandwidth = (n2 - n1) / (t2 - t1)
             return cls(latency_s=max(0.0, t1 - n1 / bandwidth), bandwidth_bytes_per_s=bandwidth)

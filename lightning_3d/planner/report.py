@@ -88,27 +88,42 @@ STEP_TERMS = {"compute": "compute", "tp_communication": "tensor-parallel communi
 
 def why_best(candidates: Sequence[Candidate]) -> str:
     """One line on why ``candidates[0]`` ranks first: against the runner-up, the share it is faster by (per
-    token, so layouts of different batches compare) and the part of the step time that differs most.
+    token, so layouts of different batches compare) and the part of the step time that differs most; when
+    the runner-up splits the ranks the same way, also against the best layout that splits them otherwise.
 
-    Example: ``"dp4 tp1 pp2 1f1b m4 b1 is 18% faster per token than dp2 tp2 pp2 1f1b m8 b1 sp: 0.21 s less
-    tensor-parallel communication per step (0.02 vs 0.23 s)"``."""
+    Example: ``"dp1 tp1 pp8 1f1b m8 b4 is 21.3% faster per token than dp1 tp1 pp8 1f1b m16 b2: 0.0109 s less
+    compute per step (0.0172 vs 0.0281 s); and 256x faster per token than dp1 tp2 pp4 ...: 8.27 s less
+    tensor-parallel communication per step (0 vs 8.27 s)"``."""
     if not candidates:
         return "no layout fits"
     winner = candidates[0]
     if len(candidates) == 1:
         return f"{winner.layout.describe()} is the only layout that fits"
-    runner = candidates[1]
-    # Each term scaled to the winner's tokens per step, so a runner-up of another batch compares fairly.
-    scale = (winner.tokens_per_second * winner.time.total) / (runner.tokens_per_second * runner.time.total)
-    gaps = {name: getattr(runner.time, name) * scale - getattr(winner.time, name) for name in STEP_TERMS}
+    line = f"{winner.layout.describe()} is {_against(winner, candidates[1])}"
+    other = next((c for c in candidates[1:] if _split(c) != _split(winner)), None)
+    if _split(candidates[1]) == _split(winner) and other is not None:
+        line += f"; and {_against(winner, other)}"
+    return line
+
+
+def _split(candidate: Candidate) -> tuple[int, int, int]:
+    return candidate.layout.dp, candidate.layout.tp, candidate.layout.pp
+
+
+def _against(winner: Candidate, other: Candidate) -> str:
+    """"x% faster per token than <other>: <the term that differs most>"."""
+    # Each term scaled to the winner's tokens per step, so a layout of another batch compares fairly.
+    scale = (winner.tokens_per_second * winner.time.total) / (other.tokens_per_second * other.time.total)
+    gaps = {name: getattr(other.time, name) * scale - getattr(winner.time, name) for name in STEP_TERMS}
     name = max(gaps, key=lambda n: gaps[n])
-    share = winner.tokens_per_second / runner.tokens_per_second - 1  # time per token, runner-up over winner
+    share = winner.tokens_per_second / other.tokens_per_second - 1  # time per token, other over winner
     if share <= 0:
-        return (f"{winner.layout.describe()} ties {runner.layout.describe()} on time per token and needs less memory"
-                f" ({winner.memory.total / GIB:.3g} vs {runner.memory.total / GIB:.3g} GiB)")
-    return (f"{winner.layout.describe()} is {share:.1%} faster per token than {runner.layout.describe()}:"
-            f" {gaps[name]:.3g} s less {STEP_TERMS[name]} per step ({getattr(winner.time, name):.3g} vs"
-            f" {getattr(runner.time, name) * scale:.3g} s)")
+        return (f"as fast per token as {other.layout.describe()} and needs less memory"
+                f" ({winner.memory.total / GIB:.3g} vs {other.memory.total / GIB:.3g} GiB)")
+    faster = f"{share:.1%} faster" if share < 1 else f"{1 + share:.3g}x faster"
+    return (f"{faster} per token than {other.layout.describe()}: {gaps[name]:.3g} s less"
+            f" {STEP_TERMS[name]} per step ({getattr(winner.time, name):.3g} vs"
+            f" {getattr(other.time, name) * scale:.3g} s)")
 
 
 COLUMNS = ("#", "layout", "params", "grads", "optim", "activ", "gather", "total GiB", "step s", "compute", "tp",
@@ -159,7 +174,8 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
         f"# Planned by `lightning-3d plan` for {model.name} ({model.num_parameters() / 1e9:.3g}B parameters) on",
         f"# {cluster.nodes} x {cluster.gpus_per_node} {cluster.rank_name}s of {cluster.memory_gib:.3g} GiB:"
         f" {layout.describe()}.",
-        f"# Estimated per {cluster.rank_name} (not measured): {m.total / GIB:.1f} GiB (parameters {m.parameters / GIB:.1f},"
+        f"# Estimated per {cluster.rank_name} (not measured): {m.total / GIB:.1f} GiB"
+        f" (parameters {m.parameters / GIB:.1f},"
         f" gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer_state / GIB:.1f},",
         f"# activations {m.activations / GIB:.1f}, gathered {m.gathered / GIB:.1f}); step {t.total:.3g} s"
         f" (compute {t.compute:.3g}, tp {t.tp_communication:.3g}, bubble {t.pp_bubble:.3g},"

@@ -69,7 +69,8 @@ def plan(model: ModelSpec, cluster: Cluster, *, global_batch_size: int, precisio
                       fastest_unfit=min(faster, key=lambda c: c.time.total, default=None))
 
 
-def _search(model, cluster, global_batch_size, precision, options, calibration) -> tuple[list[Candidate], list[Candidate]]:
+def _search(model, cluster, global_batch_size, precision, options,
+            calibration) -> tuple[list[Candidate], list[Candidate]]:
     """Every layout's estimates, and those that fit, fastest first."""
     results = [evaluate(model, layout, cluster, precision, calibration=calibration)
                for layout in enumerate_layouts(model, cluster.world_size, cluster.gpus_per_node, global_batch_size,
@@ -91,7 +92,8 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
         return [fixed[name]] if name in fixed else list(choices)
 
     for tp in options("tp", divisors(world_size)):
-        if world_size % tp or tp > gpus_per_node or model.num_heads % tp or model.kv_heads % tp or model.vocab_size % tp:
+        if (world_size % tp or tp > gpus_per_node or model.num_heads % tp or model.kv_heads % tp
+                or model.vocab_size % tp):
             continue
         for pp in options("pp", divisors(world_size // tp)):
             dp = world_size // (tp * pp)

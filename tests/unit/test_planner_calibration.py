@@ -1,0 +1,221 @@
+"""The planner with measured speeds (issue 31): the Calibration type, the step time it gives, and the layout
+decisions it leads to on CPU ranks, with fixed calibration numbers."""
+
+import json
+
+import pytest
+
+from lightning_3d.planner import (
+    PRECISIONS,
+    Calibration,
+    Cluster,
+    Layout,
+    LinkSpeed,
+    ModelSpec,
+    NoLayoutFits,
+    PlannerError,
+    estimate_step_time,
+    plan,
+    wire_bytes,
+)
+from lightning_3d.planner.cluster import GIB
+from lightning_3d.planner.search import enumerate_layouts, evaluate
+
+FP32 = PRECISIONS["32-true"]
+FAST = LinkSpeed(latency_s=1e-6, bandwidth_bytes_per_s=1e12)
+SLOW = LinkSpeed(latency_s=1e-3, bandwidth_bytes_per_s=1e8)
+GLOO = LinkSpeed(latency_s=2e-4, bandwidth_bytes_per_s=2e9)
+"""About what gloo gives between processes of one host."""
+
+
+def calibration(*, tp=FAST, pp=FAST, dp=FAST, block=None, head=1e-7, optimizer=None) -> Calibration:
+    return Calibration(block_seconds_per_token=block or {1: 4e-6, 4: 2e-6}, head_seconds_per_token=head,
+                       tp=tp, pp=pp, dp=dp, optimizer_seconds_per_parameter=optimizer)
+
+
+# A GPT of 8 blocks, 256 wide (about 7M parameters, 0.1 GiB of fp32 Adam states), on 8 CPU ranks.
+MODEL = ModelSpec(num_layers=8, hidden_size=256, num_heads=8, vocab_size=4096, seq_length=256, name="gpt-8x256")
+
+
+def cpu(memory_gib=8.0) -> Cluster:
+    return Cluster.cpu(ranks_per_node=8, memory_bytes_per_rank=memory_gib * GIB)
+
+
+# ------------------------------------------------------------------------------------------------- the type
+
+
+def test_calibration_goes_through_a_plain_dict_and_json_unchanged():
+    original = Calibration(block_seconds_per_token={4: 2e-6, 1: 4e-6}, head_seconds_per_token=1e-7, tp=FAST,
+                           pp=SLOW, dp=LinkSpeed(latency_s=2e-5, bandwidth_bytes_per_s=3e9),
+                           optimizer_seconds_per_parameter=1e-9)
+    values = original.to_dict()
+    assert json.loads(json.dumps(values)) != values  # JSON turns the micro-batch keys into strings ...
+    assert Calibration.from_dict(json.loads(json.dumps(values))) == original  # ... which come back as ints
+    assert list(original.block_seconds_per_token) == [1, 4]
+
+
+def test_calibration_takes_the_strategys_measurements_in_any_link_form():
+    class Measured:  # what strategies/calibrate.py hands over: two attributes
+        latency_s, bandwidth_bytes_per_s = 1e-5, 2e9
+
+    made = Calibration.from_measurements({1: 3e-6}, 1e-7, {"tp": Measured(), "pp": (2e-5, 1e9),
+                                                            "dp": {"latency_s": 3e-5, "bandwidth_bytes_per_s": 5e8}})
+    assert made.tp == LinkSpeed(latency_s=1e-5, bandwidth_bytes_per_s=2e9)
+    assert made.pp.seconds(1e9) == pytest.approx(2e-5 + 1.0)
+    with pytest.raises(PlannerError, match=r"missing \['dp'\]"):
+        Calibration.from_measurements({1: 3e-6}, 1e-7, {"tp": FAST, "pp": FAST})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_seconds_per_token={}), "is empty"),
+    (dict(block_seconds_per_token={0: 1e-6}), "micro-batch sizes >= 1"),
+    (dict(head_seconds_per_token=-1.0), "head_seconds_per_token"),
+])
+def test_a_calibration_with_impossible_numbers_is_refused(kwargs, message):
+    values = dict(block_seconds_per_token={1: 1e-6}, head_seconds_per_token=1e-7, tp=FAST, pp=FAST, dp=FAST)
+    with pytest.raises(PlannerError, match=message):
+        Calibration(**{**values, **kwargs})
+
+
+def test_two_message_sizes_give_latency_and_bandwidth():
+    link = LinkSpeed.fit(wire=(2**16, 2**22), seconds=(1e-4 + 2**16 / 1e9, 1e-4 + 2**22 / 1e9))
+    assert link.latency_s == pytest.approx(1e-4) and link.bandwidth_bytes_per_s == pytest.approx(1e9)
+    noisy = LinkSpeed.fit(wire=(2**16, 2**22), seconds=(3e-4, 2e-4))  # the larger message came back faster
+    assert noisy.latency_s == 3e-4 and noisy.bandwidth_bytes_per_s == pytest.approx(2**22 / 2e-4)
+
+
+def test_block_time_is_interpolated_between_measured_sizes_and_clamped_outside():
+    cal = calibration(block={2: 4e-6, 8: 1e-6})
+    assert [cal.block_seconds(b) for b in (1, 2, 4, 8, 16)] == pytest.approx([4e-6, 4e-6, 3e-6, 1e-6, 1e-6])
+
+
+def test_wire_bytes_are_the_ring_algorithms():
+    assert wire_bytes("all_reduce", 100, 4) == 150 and wire_bytes("all_gather", 100, 4) == 75
+    assert wire_bytes("send", 100, 2) == 100 and wire_bytes("all_reduce", 100, 1) == 0
+
+
+# --------------------------------------------------------------------------------------------- step time
+
+
+def test_calibrated_step_time_is_the_measured_block_time_split_over_tp_plus_the_links_latency_and_bytes():
+    tp_link = LinkSpeed(latency_s=1e-4, bandwidth_bytes_per_s=1e9)
+    cal = calibration(tp=tp_link, block={2: 3e-6}, head=6e-7)
+    layout = Layout(tp=2, micro_batch_size=2, num_microbatches=3, recompute="full")
+    time = estimate_step_time(MODEL, layout, cpu(), FP32, calibration=cal)
+    tokens = 2 * MODEL.seq_length
+    block = 3e-6 * tokens / 2
+    per_microbatch = MODEL.num_layers * block * (1 + 1 / 3) + 6e-7 * tokens / 2  # recompute: one more forward
+    assert time.compute == pytest.approx(3 * per_microbatch)
+    # Without sequence parallelism: one all-reduce per region, 4 per block, 2 per recomputed block, and one
+    # each for the embedding and the head, of a b s h fp32 activation.
+    calls = 6 * MODEL.num_layers + 2
+    message = tokens * MODEL.hidden_size * 4
+    assert time.tp_communication == pytest.approx(3 * calls * tp_link.seconds(wire_bytes("all_reduce", message, 2)))
+    # With it, each all-reduce is a reduce-scatter and an all-gather: the same bytes, twice the latency.
+    sp = estimate_step_time(MODEL, Layout(tp=2, micro_batch_size=2, num_microbatches=3, recompute="full",
+                                          sequence_parallel=True), cpu(), FP32, calibration=cal)
+    assert sp.tp_communication - time.tp_communication == pytest.approx(3 * calls * tp_link.latency_s)
+
+
+def test_without_a_calibration_a_cluster_with_no_peak_cannot_be_timed():
+    with pytest.raises(PlannerError, match="give the planner a Calibration"):
+        estimate_step_time(MODEL, Layout(dp=8), cpu(), FP32)
+
+
+def test_without_a_calibration_step_times_are_the_datasheets_as_before():
+    gpu = Cluster.preset("a100-40gb")
+    layout = Layout(dp=2, tp=2, pp=2, num_microbatches=4, zero_stage=2, sequence_parallel=True)
+    assert estimate_step_time(MODEL, layout, gpu, FP32) == estimate_step_time(MODEL, layout, gpu, FP32,
+                                                                              calibration=None)
+    assert evaluate(MODEL, layout, gpu, FP32).mfu > 0 and evaluate(MODEL, layout, cpu(), FP32,
+                                                                   calibration=calibration()).mfu is None
+
+
+# ----------------------------------------------------------------------------------------------- decisions
+
+
+def best_layout(cluster=None, **kwargs):
+    return plan(MODEL, cluster or cpu(), global_batch_size=32, precision=FP32, **kwargs).best.layout
+
+
+def test_with_fast_links_a_small_model_trains_pure_data_parallel():
+    layout = best_layout(calibration=calibration())
+    assert (layout.dp, layout.tp, layout.pp, layout.recompute) == (8, 1, 1, None)
+
+
+def test_a_slow_tensor_parallel_link_makes_the_planner_split_by_pipeline_and_a_slow_pipeline_link_by_tp():
+    # Model parallel over all 8 ranks (dp held at 1): which of tp and pp carries the split depends on the links.
+    slow_tp = plan(MODEL, cpu(), global_batch_size=32, precision=FP32, calibration=calibration(tp=SLOW),
+                   fixed={"dp": 1})
+    slow_pp = plan(MODEL, cpu(), global_batch_size=32, precision=FP32, calibration=calibration(pp=SLOW),
+                   fixed={"dp": 1})
+    assert (slow_tp.best.layout.tp, slow_tp.best.layout.pp) == (1, 8)
+    assert (slow_pp.best.layout.tp, slow_pp.best.layout.pp) == (8, 1)
+    # Why: against the best layout that splits the ranks otherwise, the link that is slow.
+    assert "less tensor-parallel communication" in slow_tp.why()
+    assert "less pipeline sends" in slow_pp.why()
+
+
+# The two ways memory runs out, on one host's 8 ranks. The data-parallel link is fast but each call costs
+# 1 ms (ZeRO makes two per block, DDP one per 25 MiB), and the optimizer step little, so that with room to
+# spare plain data parallelism is the fastest.
+STATES_HEAVY = ModelSpec(num_layers=8, hidden_size=512, num_heads=8, vocab_size=4096, seq_length=64)
+"""27M parameters: 0.4 GiB of fp32 Adam states against a few MiB of activations."""
+ACTIVATIONS_HEAVY = ModelSpec(num_layers=8, hidden_size=128, num_heads=4, vocab_size=4096, seq_length=2048)
+"""2M parameters, 2048 tokens a sequence: the activations dominate."""
+
+
+@pytest.mark.parametrize("model", [STATES_HEAVY, ACTIVATIONS_HEAVY], ids=["states", "activations"])
+def test_a_tight_memory_budget_makes_the_planner_shard_or_recompute_and_stay_within_it(model):
+    cal = calibration(dp=LinkSpeed(latency_s=1e-3, bandwidth_bytes_per_s=1e11), optimizer=1e-11, block={1: 2e-5})
+    fixed = {"micro_batch_size": 1}  # one lever less: smaller micro-batches would also save activations
+    generous = plan(model, cpu(8.0), global_batch_size=32, precision=FP32, calibration=cal, fixed=fixed)
+    fastest = generous.best.layout
+    assert (fastest.dp, fastest.recompute) == (8, None)
+    budget = 0.6 * generous.best.memory.total  # the fastest layout no longer fits
+    tight = plan(model, cpu(budget / GIB), global_batch_size=32, precision=FP32, calibration=cal, fixed=fixed)
+    chosen = tight.best.layout
+    assert tight.best.memory.total <= budget
+    if model is STATES_HEAVY:  # shard the model states: ZeRO, or the model over tp or pp
+        assert fastest.zero_stage == 0 and (chosen.zero_stage > 0 or chosen.tp > 1 or chosen.pp > 1)
+    else:  # fewer activations per rank: recompute them, or split the blocks over pp or tp
+        assert chosen.recompute or chosen.pp > 1 or chosen.tp > 1
+    unfit = tight.fastest_unfit  # named in the why line: the faster layout that did not fit
+    assert unfit.time.total == pytest.approx(generous.best.time.total) and unfit.memory.total > budget
+    assert f"{unfit.layout.describe()} (" in tight.why() and "usable" in tight.why()
+
+
+def test_a_budget_nothing_fits_raises_with_the_smallest_memory_any_layout_needs():
+    every = [evaluate(MODEL, layout, cpu(), FP32, calibration=calibration())
+             for layout in enumerate_layouts(MODEL, 8, 8, 32)]
+    with pytest.raises(NoLayoutFits) as error:
+        plan(MODEL, cpu(0.001), global_batch_size=32, precision=FP32, calibration=calibration())
+    assert error.value.smallest_bytes == min(c.memory.total for c in every)
+    assert f"The smallest need is {error.value.smallest_bytes / GIB:.3g} GiB per rank" in str(error.value)
+    # Held settings are named, and the smallest need is that of the layouts they allow.
+    with pytest.raises(NoLayoutFits, match="with tp=1, zero_stage=0") as held:
+        plan(MODEL, cpu(0.001), global_batch_size=32, precision=FP32, calibration=calibration(),
+             fixed={"tp": 1, "zero_stage": 0})
+    assert held.value.smallest_bytes > error.value.smallest_bytes
+
+
+def test_fixed_fields_are_held_and_unknown_ones_refused():
+    result = plan(MODEL, cpu(), global_batch_size=32, precision=FP32, calibration=calibration(),
+                  fixed={"tp": 2, "recompute": "full", "sequence_parallel": False})
+    assert {(c.layout.tp, c.layout.recompute, c.layout.sequence_parallel) for c in result.candidates} == {
+        (2, "full", False)}
+    with pytest.raises(PlannerError, match=r"\['tensor_parallel_size'\], which are not Layout fields"):
+        plan(MODEL, cpu(), global_batch_size=32, calibration=calibration(), fixed={"tensor_parallel_size": 2})
+
+
+def test_summary_lists_the_top_layouts_and_why_the_first_won():
+    result = plan(MODEL, cpu(), global_batch_size=32, precision=FP32, calibration=calibration(dp=SLOW))
+    lines = result.summary(3).splitlines()
+    assert "calibrated on these devices" in lines[0] and len(lines) == 5
+    assert lines[1].startswith(f"  1. {result.best.layout.describe()}: step")
+    assert lines[4].startswith(f"  why: {result.best.layout.describe()} is ") and "faster per token than" in lines[4]
+    assert result.top(2) == result.candidates[:2]
+    table = result.table(3)
+    assert "8 ranks" in table and "times from measured speeds" in table and table.splitlines()[1].endswith("MFU")
+    assert table.splitlines()[2].endswith(" -")  # no peak, no MFU
+    assert "accelerator: cpu" in result.to_yaml()
