@@ -154,6 +154,9 @@ PRIVATE_NAMES: dict[str, Private] = {
     "lightning.pytorch.strategies.Strategy._forward_redirection": Private(
         "where Lightning's strategies keep their forward redirection (_DDPForwardRedirection here)", _NO_HOOK,
         attribute=True),
+    "lightning.pytorch.loops.fit_loop._FitLoop._data_source": Private(
+        "read the first training batch at set-up, for layout='auto' (the batch size and sequence length)",
+        "no public call returns the training loader before the fit loop sets it up", attribute=True),
     "lightning.pytorch.LightningModule._device_mesh": Private(
         "what LightningModule.device_mesh returns; the strategy sets it",
         "no public setter (Lightning's ModelParallelStrategy sets it the same way)", attribute=True),

@@ -31,7 +31,7 @@ from lightning_3d.pipeline.microbatches import split_batch
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, split_options
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, estimate_memory
-from lightning_3d.planner.model import ModelSpec, PlannerError
+from lightning_3d.planner.model import model_spec
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan
 from lightning_3d.strategies.checks import check_backend, check_model
@@ -167,22 +167,6 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
         notes.append(f"the estimate ({max(e.total for e in estimates) / MIB:,.0f} MiB on the fullest rank) exceeds"
                      f" the {capacity / MIB:,.0f} MiB each of the {per_node} ranks per node has on this machine")
     return lines
-
-
-def model_spec(module: nn.Module, seq_length: Optional[int] = None) -> Optional[ModelSpec]:
-    """The planner's description of ``module``'s model: the reference GPT or a Hugging Face model; else None."""
-    from lightning_3d.models import GPTConfig
-
-    config = getattr(module, "config", None)
-    if isinstance(config, GPTConfig):
-        return ModelSpec.from_gpt_config(config, seq_length=seq_length)
-    hf = getattr(module, "model_config", None) or getattr(getattr(module, "model", None), "config", None)
-    if hf is not None and hasattr(hf, "to_dict"):
-        try:
-            return ModelSpec.from_hf_config(hf, seq_length=seq_length)
-        except PlannerError:
-            return None
-    return None
 
 
 def _columns(e: MemoryEstimate) -> tuple[float, ...]:

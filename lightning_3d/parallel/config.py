@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, is_positive_int
 from lightning_3d.errors import ParallelConfigError
@@ -11,6 +11,12 @@ from lightning_3d.errors import ParallelConfigError
 ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
 MODEL_INIT = ("auto", "exact", "meta", "fast")
+AUTO_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_schedule", "num_microbatches", "zero_stage",
+               "activation_checkpointing")
+"""The settings ``layout="auto"`` decides at launch (``lightning_3d.strategies.auto_layout``); each may also be
+"auto" alone, the others fixed."""
+_DEFAULTS_OF_AUTO = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "pipeline_schedule": "1f1b",
+                     "num_microbatches": None, "zero_stage": 0, "activation_checkpointing": None}
 PIPELINE_REDUCE_GRADS = ("per_step", "per_microbatch")
 
 
@@ -27,9 +33,9 @@ class ParallelConfig:
         ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)  # dp = world // 4
     """
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Union[int, Literal["auto"]] = 1
     """Ranks that split each layer's matrices (the "tp" mesh dimension, innermost: keep it within a node)."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: Union[int, Literal["auto"]] = 1
     """Ranks that hold consecutive groups of layers (the "pp" mesh dimension, outermost)."""
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
     """Model replicas or shards that see different data; "auto" takes world // (tp * pp)."""
@@ -37,7 +43,7 @@ class ParallelConfig:
     """How to parallelize the model: a registered name, a ``Policy`` instance or a dotted class path."""
     pipeline_schedule: str = "1f1b"
     """Micro-batch schedule under pipeline parallelism: one of ``PIPELINE_SCHEDULES``."""
-    num_microbatches: int | None = None
+    num_microbatches: Union[int, None, Literal["auto"]] = None
     """Micro-batches per step under pipeline parallelism; None takes pp (the fewest that fill the pipeline)."""
     pipeline_split: Union[str, list[list[str]]] = "blocks"
     """How blocks are cut into stages: "blocks" (even by count), "params" (even by parameter count, the first
@@ -46,7 +52,7 @@ class ParallelConfig:
     """Model chunks per pipeline rank; above 1 only with the interleaved and zero-bubble schedules."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence over "tp" (saves activation memory; needs tp > 1)."""
-    zero_stage: int = 0
+    zero_stage: Union[int, Literal["auto"]] = 0
     """0 replicates over "dp"; 1, 2, 3 shard optimizer state, then gradients, then parameters (FSDP2; stage 1
     runs as stage 2, see ``lightning_3d.parallel.data_parallel.apply_zero``)."""
     pipeline_reduce_grads: str = "per_step"
@@ -76,11 +82,29 @@ class ParallelConfig:
     vocab_parallel_loss: bool = True
     """Under tp > 1, keep the logits sharded over the vocabulary and compute ``F.cross_entropy`` on the shards
     (the full logits never exist on one rank); False gathers full logits, as plain tensors, on every rank."""
+    layout: Optional[Literal["auto"]] = None
+    """"auto": decide every one of ``AUTO_FIELDS`` left at its default at launch, for this model, these devices
+    and this batch: the strategy times one block and the links, and the planner picks the fastest layout that
+    fits (``lightning_3d.strategies.auto_layout``). Any one of those fields may also be "auto" alone."""
+    max_memory_per_device: Optional[int] = None
+    """Bytes one rank may fill, for ``layout="auto"``: by default the device's free memory on CUDA, the host's
+    available memory divided among its ranks on CPU."""
+    layout_check_steps: int = 20
+    """Under ``layout="auto"``: after this many optimizer steps, the measured step time is logged against the
+    planner's prediction, with a warning when they differ by more than 25%."""
     allow_replicated: bool = False
     """Under tp > 1, let ``policy="auto"`` train a model of which it leaves more than 10% of the block
     parameters whole on every tp rank (by default it refuses, naming what it did not understand)."""
 
     def __post_init__(self) -> None:
+        _require_choice("layout", self.layout, (None, "auto"))
+        if self.layout == "auto":  # every decidable field still at its default is decided at launch
+            for name, default in _DEFAULTS_OF_AUTO.items():
+                if getattr(self, name) == default and type(getattr(self, name)) is type(default):
+                    setattr(self, name, "auto")
+        if self.is_auto:
+            _check_auto(self)
+            return  # the rest is checked on the decided config (ParallelConfig.decided)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size"):
             _require_positive_int(name, getattr(self, name))
         if self.data_parallel_size != "auto":
@@ -131,6 +155,28 @@ class ParallelConfig:
             )
 
     @property
+    def auto_fields(self) -> tuple[str, ...]:
+        """The fields left to the launch-time decision ("auto")."""
+        return tuple(name for name in AUTO_FIELDS if getattr(self, name) == "auto")
+
+    @property
+    def is_auto(self) -> bool:
+        return bool(self.auto_fields)
+
+    def decided(self, **values: Any) -> "ParallelConfig":
+        """This config with the auto fields set to ``values`` (the launch-time decision), checked as any config.
+
+        Example::
+
+            config.decided(tensor_parallel_size=2, pipeline_parallel_size=1, ...)
+        """
+        missing = [name for name in self.auto_fields if name not in values]
+        if missing:
+            raise ParallelConfigError(f"The layout decision left {missing} undecided.")
+        fields = {**asdict(self), **values, "layout": None, "policy": self.policy}
+        return ParallelConfig(**fields)
+
+    @property
     def microbatches(self) -> int:
         """Micro-batches per pipelined step: ``num_microbatches``, by default one per pipeline stage."""
         return self.num_microbatches or self.pipeline_parallel_size
@@ -142,6 +188,23 @@ class ParallelConfig:
             cls = self.policy if isinstance(self.policy, type) else type(self.policy)
             values["policy"] = f"{cls.__module__}.{cls.__qualname__}"
         return values
+
+
+def _check_auto(config: ParallelConfig) -> None:
+    """What can be checked before the decision: the fixed fields' own values, and that the rest of the config
+    leaves the planner something to decide among."""
+    fixed = {name: getattr(config, name) for name in AUTO_FIELDS if getattr(config, name) != "auto"}
+    probe = {**_DEFAULTS_OF_AUTO, **fixed}
+    ParallelConfig(**{**asdict(config), **probe, "layout": None, "policy": config.policy,
+                      "virtual_pipeline_size": 1 if "pipeline_schedule" in config.auto_fields else config.virtual_pipeline_size,
+                      "offload": False, "pipeline_reduce_grads": "per_step", "sequence_parallel": False})
+    if config.virtual_pipeline_size != 1 and "pipeline_schedule" in config.auto_fields:
+        raise ParallelConfigError(
+            f"virtual_pipeline_size={config.virtual_pipeline_size} with pipeline_schedule='auto': the planner picks the"
+            " schedule and its chunks per rank together. Leave virtual_pipeline_size=1, or fix pipeline_schedule.")
+    if config.max_memory_per_device is not None:
+        _require_positive_int("max_memory_per_device", config.max_memory_per_device)
+    _require_positive_int("layout_check_steps", config.layout_check_steps)
 
 
 def _check_reduce_per_microbatch(config: ParallelConfig) -> None:

@@ -224,3 +224,19 @@ def _hf_values(config: Any) -> dict:
 def _require_positive(name: str, value: Any) -> None:
     if not is_positive_int(value):
         raise PlannerError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def model_spec(module: Any, seq_length: int | None = None) -> ModelSpec | None:
+    """The planner's description of ``module``'s model: the reference GPT or a Hugging Face model; else None."""
+    from lightning_3d.models import GPTConfig
+
+    config = getattr(module, "config", None)
+    if isinstance(config, GPTConfig):
+        return ModelSpec.from_gpt_config(config, seq_length=seq_length)
+    hf = getattr(module, "model_config", None) or getattr(getattr(module, "model", None), "config", None)
+    if hf is not None and hasattr(hf, "to_dict"):
+        try:
+            return ModelSpec.from_hf_config(hf, seq_length=seq_length)
+        except PlannerError:
+            return None
+    return None

@@ -46,6 +46,7 @@ from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.strategies import processes
+from lightning_3d.strategies.auto_layout import PredictionCheck, decide_layout
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints, resumable, sharding_of
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
@@ -93,16 +94,16 @@ class ThreeDStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: Union[int, Literal["auto"]] = 1,
+        pipeline_parallel_size: Union[int, Literal["auto"]] = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
         policy: Any = "auto",
         pipeline_schedule: str = "1f1b",
-        num_microbatches: Optional[int] = None,
+        num_microbatches: Union[int, None, Literal["auto"]] = None,
         pipeline_split: Union[str, list[list[str]]] = "blocks",
         virtual_pipeline_size: int = 1,
         sequence_parallel: bool = False,
-        zero_stage: int = 0,
+        zero_stage: Union[int, Literal["auto"]] = 0,
         pipeline_reduce_grads: str = "per_step",
         activation_checkpointing: Optional[str] = None,
         offload: bool = False,
@@ -110,6 +111,9 @@ class ThreeDStrategy(ParallelStrategy):
         model_init: str = "auto",
         vocab_parallel_loss: bool = True,
         allow_replicated: bool = False,
+        layout: Optional[Literal["auto"]] = None,
+        max_memory_per_device: Optional[int] = None,
+        layout_check_steps: int = 20,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -148,6 +152,9 @@ class ThreeDStrategy(ParallelStrategy):
             model_init=model_init,
             vocab_parallel_loss=vocab_parallel_loss,
             allow_replicated=allow_replicated,
+            layout=layout,
+            max_memory_per_device=max_memory_per_device,
+            layout_check_steps=layout_check_steps,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -163,6 +170,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._parallel: Optional[ParallelModel] = None  # set up once per LightningModule (setup)
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         self._memory_logged = False
+        self._prediction: Optional[PredictionCheck] = None  # layout="auto": measured vs predicted step time
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
 
@@ -232,8 +240,10 @@ class ThreeDStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             # About to start num_nodes * devices processes: a layout that cannot be cut from them fails here,
             # at Trainer(...), in seconds, instead of in every process started (minutes for 64 of them).
-            # Under torchrun / srun the processes exist already; each checks in setup_environment.
-            ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
+            # Under torchrun / srun the processes exist already; each checks in setup_environment. (A layout
+            # left to "auto" is decided in the processes, among the ones their number allows.)
+            if not self.parallel_config.is_auto:
+                ParallelDims.from_config(self.parallel_config, self.num_nodes * self.num_processes)
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
@@ -244,13 +254,14 @@ class ThreeDStrategy(ParallelStrategy):
         quiet_ranks()  # known third-party warnings off, Lightning's per-rank set-up lines from rank 0 (output.py)
         set_threads_per_rank(self.num_processes)  # ranks on one host share its CPUs (strategies/threads.py)
         # Every check that a user can fail runs here, identically on every rank, before the first collective.
-        dims = self._parallel_dims = ParallelDims.from_config(self.parallel_config, self.world_size)
-        if self.parallel_config.init_from:
-            check_init_from(self.parallel_config.init_from)
-        check_precision(self.precision_plugin, self.root_device, dims, self.parallel_config)
-        warn_about_no_ops(self.parallel_config, dims, self.root_device)
-        self._policy = resolve_policy(self.parallel_config.policy)
-        check_model(self.lightning_module, self.parallel_config)
+        # (Under layout="auto" the layout's own checks run once it is decided, in setup(), still before any
+        # collective of the model: the decision's collectives are the strategy's own, on every rank alike.)
+        config = self.parallel_config
+        if config.init_from:
+            check_init_from(config.init_from)
+        self._policy = resolve_policy(config.policy)
+        if not config.is_auto:
+            self._check_layout(config)
 
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         check_backend(backend, self.root_device)
@@ -258,6 +269,18 @@ class ThreeDStrategy(ParallelStrategy):
         processes.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout,
                                      self.root_device)
         self._phases.start(self._process_group_backend, self.global_rank, self.world_size, self._describe_rank)
+        if not config.is_auto:
+            self._build_mesh()
+
+    def _check_layout(self, config: ParallelConfig) -> None:
+        """The checks of a decided layout against this world, model and precision (no collective)."""
+        dims = self._parallel_dims = ParallelDims.from_config(config, self.world_size)
+        check_precision(self.precision_plugin, self.root_device, dims, config)
+        warn_about_no_ops(config, dims, self.root_device)
+        check_model(self.lightning_module, config)
+
+    def _build_mesh(self) -> None:
+        dims = self.parallel_dims
         self._device_mesh = dims.build_mesh(self.root_device.type)
         self._dp_group = self._device_mesh["dp"].get_group()  # slicing a mesh takes ~1 ms; reduce() runs per log
         # LightningModule.device_mesh reads this attribute; Lightning has no public setter for it.
@@ -268,6 +291,18 @@ class ThreeDStrategy(ParallelStrategy):
         if runs != zero and dims.dp > 1:  # (dp = 1: warn_about_no_ops says zero does nothing)
             rank_zero_info(f"lightning_3d: zero_stage={zero} runs as ZeRO-{runs}: {why}"
                            " (lightning_3d.parallel.data_parallel.apply_zero)")
+
+    def _decide_layout(self, trainer: "pl.Trainer") -> None:
+        """layout="auto": calibrate, let the planner choose on rank 0, and go on with the chosen config on every
+        rank (``strategies/auto_layout.py``)."""
+        with self._phases.phase("set-up: choosing the layout (layout='auto')", "setup_timeout"):
+            decision = decide_layout(self.parallel_config, self.lightning_module, self._policy, trainer,
+                                     world_size=self.world_size, per_node=self.num_processes, device=self.root_device)
+        rank_zero_info(decision.report)
+        self.parallel_config = self.parallel_config.decided(**decision.values)
+        self._prediction = PredictionCheck(decision.predicted_step_s, self.parallel_config.layout_check_steps)
+        self._check_layout(self.parallel_config)
+        self._build_mesh()
 
     def set_world_ranks(self) -> None:
         processes.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_nodes,
@@ -298,6 +333,8 @@ class ThreeDStrategy(ParallelStrategy):
         return bool(count == self.world_size) if all else bool(count)
 
     def _describe_rank(self, rank: int) -> str:
+        if self._parallel_dims is None:  # layout="auto", not decided yet
+            return f"rank {rank}"
         c = self.parallel_dims.coords(rank)
         return f"rank {rank} (dp={c.dp}, pp={c.pp}, tp={c.tp})"
 
@@ -316,6 +353,8 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        if self._parallel_dims is None:  # layout="auto": decided now that the model exists (on meta)
+            self._decide_layout(trainer)
         if self._parallel is None or self._parallel.module is not module:  # (setup() runs again for validate()
             self._parallel = self._parallelize(module)                    #  and test() after fit())
         self.model = self._parallel.called
@@ -412,6 +451,8 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._prediction is not None:
+            self._prediction.on_step(self.lightning_module.trainer.global_step)
         # Once, when the first optimizer step has created gradients and optimizer state: what each rank holds.
         if not self._memory_logged and self.lightning_module.trainer.global_step == 1:
             self._memory_logged = True

@@ -1,0 +1,313 @@
+"""``layout="auto"``: the strategy picks tp, pp, schedule, micro-batches, ZeRO and recompute at launch (issue 31).
+
+At set-up, after ``configure_model()`` built the model on the meta device and before any collective of the
+model, every rank:
+
+1. describes the model for the planner (``ModelSpec``: the reference GPT or a Hugging Face config) and reads
+   the first training batch (the per-replica batch size and the sequence length, as Lightning's loader
+   gives them);
+2. calibrates (``strategies/calibrate.py``): one of the model's blocks forward and backward at the candidate
+   micro-batch sizes, the output head, and the links (all-reduce, point-to-point) at two message sizes,
+   keeping the slowest rank's numbers;
+3. takes its memory budget (free device memory on CUDA; on CPU ``max_memory_per_device`` or the host's
+   available memory divided among its ranks), the smallest over the ranks.
+
+Global rank 0 then asks the planner for every layout that fits (:func:`ranked`), the fixed settings kept as
+given, and broadcasts the fastest -- by time per token, since the batch is per replica: a layout with more
+data-parallel replicas trains more tokens per step. Every rank goes on with that one config. The strategy
+logs the top three with their predicted step time and memory, and why the winner won; after
+``layout_check_steps`` it logs the measured step time against the prediction (:class:`PredictionCheck`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, divisors
+from lightning_3d.errors import NoLayoutFits, ParallelConfigError
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.memory import host_memory_available
+from lightning_3d.planner.cluster import GIB, Cluster
+from lightning_3d.planner.layout import Layout
+from lightning_3d.planner.memory import PRECISIONS, Precision
+from lightning_3d.planner.model import ModelSpec, model_spec
+from lightning_3d.planner.report import Candidate, why_best
+from lightning_3d.planner.search import evaluate
+from lightning_3d.strategies import calibrate
+
+if TYPE_CHECKING:
+    from lightning_3d.planner.calibration import Calibration
+
+MISMATCH = 0.25
+"""Measured and predicted step time may differ by this share before the strategy warns."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What global rank 0 chose, as every rank receives it."""
+
+    values: dict
+    """The auto fields' values (``ParallelConfig.decided(**values)``)."""
+    predicted_step_s: float
+    report: str
+    """Top three and why, for the log."""
+
+
+def ranked(spec: ModelSpec, config: ParallelConfig, *, world_size: int, per_node: int, batch_size: int,
+           precision: Precision, memory_per_rank: float, calibration: Optional[Calibration],
+           cluster: Optional[Cluster] = None) -> list[Candidate]:
+    """Every layout the config leaves open that fits ``memory_per_rank`` bytes, fastest per token first.
+
+    Raises :class:`NoLayoutFits` with the smallest memory any of them needs when none fits, naming the fixed
+    settings when they are why."""
+    cluster = cluster or host_cluster(world_size, per_node, memory_per_rank)
+    results = [evaluate(spec, layout, cluster, precision, calibration=calibration)
+               for layout in candidate_layouts(spec, config, world_size, per_node, batch_size)]
+    if not results:
+        raise ParallelConfigError(
+            f"layout='auto' found no layout of {world_size} ranks for this model and batch: tp must divide the"
+            f" heads ({spec.num_heads}), kv heads ({spec.kv_heads}) and vocabulary ({spec.vocab_size}), pp at most"
+            f" the {spec.num_layers} blocks, micro-batches the per-replica batch ({batch_size}); fixed settings:"
+            f" {_fixed(config) or 'none'}.")
+    fitting = [c for c in results if c.memory.total <= memory_per_rank]
+    if not fitting:
+        smallest = min(results, key=lambda c: c.memory.total)
+        raise NoLayoutFits(
+            f"No layout of {world_size} ranks fits {_size(memory_per_rank)} per rank (fixed settings:"
+            f" {_fixed(config) or 'none'}). The smallest need is {_size(smallest.memory.total)} per rank, with"
+            f" {smallest.layout.describe()}. Give each rank more memory (max_memory_per_device), more ranks, a"
+            " smaller batch or sequence, or leave more settings to 'auto'.")
+    return sorted(fitting, key=lambda c: (seconds_per_token(c, spec), c.memory.total))
+
+
+def seconds_per_token(candidate: Candidate, spec: ModelSpec) -> float:
+    return candidate.time.total / (candidate.layout.global_batch_size * spec.seq_length)
+
+
+def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, per_node: int,
+                      batch_size: int) -> Iterator[Layout]:
+    """The layouts of ``world_size`` ranks that keep the config's fixed settings: each replica takes the
+    loader's ``batch_size`` sequences per step, as ``num_microbatches`` micro-batches under a pipeline (one
+    batch without: Lightning's own accumulation stays the user's)."""
+    auto = set(config.auto_fields)
+
+    def options(name: str, choices) -> list:
+        return list(choices) if name in auto else [getattr(config, name)]
+
+    for tp in options("tensor_parallel_size", divisors(world_size)):
+        if tp > per_node or world_size % tp or spec.num_heads % tp or spec.kv_heads % tp or spec.vocab_size % tp:
+            continue
+        for pp in options("pipeline_parallel_size", divisors(world_size // tp)):
+            dp = world_size // (tp * pp)
+            if pp > spec.num_layers or world_size % (tp * pp):
+                continue
+            if config.data_parallel_size != "auto" and dp != config.data_parallel_size:
+                continue
+            for schedule, virtual, m in _pipelines(pp, spec.num_layers, batch_size, config, auto):
+                for zero in options("zero_stage", (0, 2, 3) if dp > 1 else (0,)):
+                    for recompute in options("activation_checkpointing", (None, "selective", "full")):
+                        if recompute and spec.dropout > 0 and tp > 1:
+                            continue  # refused by lightning-3d: recompute would redraw dropout masks
+                        try:
+                            yield Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=batch_size // m, num_microbatches=m,
+                                         schedule=schedule, virtual_stages=virtual, zero_stage=zero,
+                                         recompute=recompute, sequence_parallel=config.sequence_parallel and tp > 1)
+                        except ParallelConfigError:
+                            continue
+
+
+def _pipelines(pp: int, layers: int, batch_size: int, config: ParallelConfig, auto: set) -> Iterator[tuple]:
+    """(schedule, chunks per rank, micro-batches) for ``pp`` stages."""
+    if pp == 1:
+        yield "1f1b", 1, 1
+        return
+    schedules = PIPELINE_SCHEDULES if "pipeline_schedule" in auto else (config.pipeline_schedule,)
+    counts = [m for m in divisors(batch_size) if m >= pp] if "num_microbatches" in auto else \
+        [config.num_microbatches or pp]
+    for schedule in schedules:
+        virtual = (2 if layers >= 2 * pp else 0) if "pipeline_schedule" in auto and schedule in MULTI_STAGE_SCHEDULES \
+            else config.virtual_pipeline_size
+        if virtual == 0 or batch_size % min(counts, default=1):
+            continue
+        for m in counts:
+            if batch_size % m == 0:
+                yield schedule, virtual, m
+
+
+def values_of(layout: Layout, config: ParallelConfig) -> dict:
+    """The auto fields' values for ``layout`` (what :meth:`ParallelConfig.decided` takes)."""
+    chosen = {"tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp,
+              "pipeline_schedule": layout.schedule, "num_microbatches": layout.num_microbatches if layout.pp > 1 else None,
+              "zero_stage": layout.zero_stage, "activation_checkpointing": layout.recompute}
+    values = {name: chosen[name] for name in config.auto_fields}
+    if "pipeline_schedule" in config.auto_fields:
+        values["virtual_pipeline_size"] = layout.virtual_stages
+    return values
+
+
+def report(candidates: list[Candidate], spec: ModelSpec, calibrated: bool) -> str:
+    """The top three, each with its predicted step time and memory, and why the first won."""
+    lines = [f"lightning_3d: layout='auto' chose {candidates[0].layout.describe()} of {len(candidates)} layouts"
+             f" that fit ({'calibrated on these devices' if calibrated else 'not calibrated: assumed speeds'}):"]
+    for index, c in enumerate(candidates[:3], 1):
+        lines.append(f"  {index}. {c.layout.describe():<40} step {c.time.total * 1e3:9.1f} ms predicted,"
+                     f" {seconds_per_token(c, spec) * 1e6:8.2f} us/token, {c.memory.total / 2**20:9.1f} MiB per rank")
+    lines.append(f"  why: {why_best(candidates)}")
+    return "\n".join(lines)
+
+
+def host_cluster(world_size: int, per_node: int, memory_per_rank: float, device_type: str = "cpu") -> Cluster:
+    """The planner's cluster for these ranks and their memory budget; the speeds come from the calibration."""
+    per_node = min(per_node, world_size)
+    nodes = max(1, world_size // per_node)
+    if device_type == "cpu":
+        return Cluster.cpu(ranks_per_node=per_node, nodes=nodes, memory_bytes_per_rank=memory_per_rank)
+    return Cluster(gpus_per_node=per_node, nodes=nodes, memory_gib=memory_per_rank / GIB, usable_fraction=1.0)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _fixed(config: ParallelConfig) -> str:
+    from lightning_3d.parallel.config import AUTO_FIELDS
+
+    return ", ".join(f"{name}={getattr(config, name)!r}" for name in AUTO_FIELDS if name not in config.auto_fields)
+
+
+# ---------------------------------------------------------------------------------------------- on the ranks
+
+
+def decide_layout(config: ParallelConfig, module, policy, trainer, *, world_size: int, per_node: int,
+                  device: torch.device) -> Decision:
+    """What :func:`decide` needs, from the strategy's objects: the planner's description of the model, its first
+    block (the policy's plan), the first training batch and the precision. Collective."""
+    from lightning_3d.parallel.parallelize import plan_model
+
+    batch = first_training_batch(trainer)
+    probe = config.decided(tensor_parallel_size=1, pipeline_parallel_size=1, pipeline_schedule="1f1b",
+                           num_microbatches=None, zero_stage=0, activation_checkpointing=None)
+    blocks = plan_model(policy, module, probe, 1).blocks
+    seq = _sequence_length(batch)
+    spec = model_spec(module, seq)
+    precision = str(trainer.precision)
+    if spec is None or precision not in PRECISIONS or not blocks:
+        why = (f"it models the reference GPT and Hugging Face configs, not {type(module).__name__}" if spec is None
+               else f"it models precision {sorted(PRECISIONS)}, not {precision!r}" if precision not in PRECISIONS
+               else "the policy names no blocks")
+        raise ParallelConfigError(f"layout='auto' needs the planner's model of this run, but {why}. Set the layout"
+                                  f" ({', '.join(config.auto_fields)}) explicitly.")
+    return decide(config, module=module, spec=spec, block=module.get_submodule(blocks[0]), batch=batch,
+                  precision_name=precision, world_size=world_size, per_node=per_node, device=device)
+
+
+def first_training_batch(trainer) -> Any:
+    """The first batch of the training data, read from a fresh loader (the run's own is made later)."""
+    # Lightning keeps where the training data comes from (datamodule, module hook or the loaders given to
+    # fit) in this private source; no public call returns the loader before the fit loop sets it up.
+    loader = trainer.fit_loop._data_source.dataloader()
+    return next(iter(loader))
+
+
+def _sequence_length(batch: Any) -> Optional[int]:
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.ndim >= 2]
+    return int(tensors[0].shape[1]) if tensors else None
+
+
+def decide(config: ParallelConfig, *, module, spec: ModelSpec, block, batch: Any, precision_name: str,
+           world_size: int, per_node: int, device: torch.device) -> Decision:
+    """The launch-time decision on every rank (collective: calibration, then rank 0's choice broadcast)."""
+    precision = PRECISIONS[precision_name]
+    call = calibrate.capture_block_call(module, block, batch, module.training_step)
+    batch_size = _batch_size(batch)
+    sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
+    block_s = calibrate.slowest_rank(calibrate.block_seconds_per_token(block, call, batch_size, sizes, device),
+                                     device)
+    head_s = calibrate.slowest_rank({0: calibrate.head_seconds_per_token(
+        spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device)}, device)[0]
+    links = calibrate.link_speeds(world_size, per_node, device)
+    from lightning_3d.planner.calibration import Calibration
+
+    calibration = Calibration.from_measurements(block_s, head_s, links)
+    memory = memory_per_rank(config, device, per_node)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            cluster = host_cluster(world_size, per_node, memory, device.type)
+            candidates = ranked(spec, config, world_size=world_size, per_node=per_node, batch_size=batch_size,
+                                precision=precision, memory_per_rank=memory, calibration=calibration,
+                                cluster=cluster)
+            best = candidates[0]
+            box[0] = {"values": values_of(best.layout, config), "predicted_step_s": best.time.total,
+                      "report": report(candidates, spec, calibrated=True)}
+        except (NoLayoutFits, ParallelConfigError) as error:  # every rank raises it, after the broadcast
+            box[0] = {"error": f"{type(error).__name__}: {error}"}
+    dist.broadcast_object_list(box, src=0, device=torch.device("cpu") if _host_ok() else device)
+    if "error" in box[0]:
+        kind, _, message = box[0]["error"].partition(": ")
+        raise (NoLayoutFits if kind == "NoLayoutFits" else ParallelConfigError)(message)
+    return Decision(**box[0])
+
+
+def memory_per_rank(config: ParallelConfig, device: torch.device, per_node: int) -> float:
+    """What one rank may fill: ``max_memory_per_device``, else free device memory (CUDA) or the host's
+    available memory over its ranks (CPU); the smallest over the ranks."""
+    if config.max_memory_per_device is not None:
+        return float(config.max_memory_per_device)
+    if device.type == "cuda":
+        mine = float(torch.cuda.mem_get_info(device)[0])
+    else:
+        mine = float((host_memory_available() or 0) // max(1, per_node))
+    value = torch.tensor([mine], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value.item())
+
+
+def _batch_size(batch: Any) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.ndim]
+    if not tensors:
+        raise ParallelConfigError("layout='auto' reads the batch size from the first training batch, but it holds"
+                                  " no tensor.")
+    return int(tensors[0].shape[0])
+
+
+def _host_ok() -> bool:
+    return "gloo" in (dist.get_backend() or "")
+
+
+class PredictionCheck:
+    """Measured against predicted step time, once, after ``steps`` optimizer steps (the first two left out:
+    they build schedules and allocate)."""
+
+    def __init__(self, predicted_step_s: float, steps: int) -> None:
+        self.predicted_step_s, self.steps = predicted_step_s, steps
+        self._start: Optional[float] = None
+        self.measured_step_s: Optional[float] = None
+
+    def on_step(self, global_step: int) -> None:
+        """Called at the start of each training batch with the optimizer steps done so far."""
+        if self.measured_step_s is not None:
+            return
+        if global_step == 2:
+            self._start = time.perf_counter()
+        elif self._start is not None and global_step == 2 + self.steps:
+            self.measured_step_s = (time.perf_counter() - self._start) / self.steps
+            ratio = self.measured_step_s / self.predicted_step_s
+            line = (f"lightning_3d: layout='auto' measured {self.measured_step_s * 1e3:.1f} ms per step over"
+                    f" {self.steps} steps, predicted {self.predicted_step_s * 1e3:.1f} ms (x{ratio:.2f})")
+            if abs(ratio - 1) > MISMATCH:
+                rank_zero_warn(line + f": more than {MISMATCH:.0%} apart. The planner's model of this run is off;"
+                               " the chosen layout may not be the fastest (compare with `lightning-3d plan`).")
+            else:
+                rank_zero_info(line)

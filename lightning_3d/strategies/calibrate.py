@@ -1,0 +1,218 @@
+"""How fast these devices and links are, measured in seconds at launch, for ``layout="auto"`` (issue 31).
+
+Two measurements, both on the real ranks, before the model is sharded:
+
+* **compute**: one of the model's own blocks, copied from the meta build, materialized with random weights on
+  this rank's device, run forward and backward on inputs shaped as the model really calls it (the call is
+  taken from the user's ``training_step`` run on the meta device up to that block, so a block that takes
+  masks or rotary tables gets them), at each candidate micro-batch size; and the output head as a matrix
+  multiply of its size. Seconds per token.
+* **communication**: all-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point
+  sends between the two halves of the world (as pipeline neighbours lie), each at two message sizes, so that
+  ``time = latency + bytes / bandwidth`` gives both numbers.
+
+Every rank takes part (collectives), each measures its own, and the slowest rank's numbers are kept (a step
+runs at the pace of its slowest rank). The random generators are left as they were found.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_3d.planner.calibration import LinkSpeed, wire_bytes
+
+MESSAGE_BYTES = (2**16, 2**22)
+"""The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
+the second."""
+REPEATS = 3
+"""Timed repetitions of each measurement after one warm-up; the median is kept."""
+
+
+class _Captured(Exception):
+    """Raised by the hook that took a block's call: the rest of the step is not needed."""
+
+
+def capture_block_call(module: nn.Module, block: nn.Module, batch: Any, step: Callable[[Any, int], Any]) -> tuple:
+    """``(args, kwargs)`` of ``block``'s first call when ``step(batch, 0)`` runs: the user's ``training_step``,
+    stopped at that call. ``module`` is on the meta device (or wherever it was built); the batch goes there."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    taken: dict[str, Any] = {}
+
+    def hook(_module, args, kwargs):
+        taken["call"] = tree_map(lambda v: v.detach().to("meta") if isinstance(v, Tensor) else v, (args, kwargs))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            step(tree_map(lambda v: v.to(device) if isinstance(v, Tensor) else v, batch), 0)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if "call" not in taken:
+        raise RuntimeError(f"layout='auto' times one block of the model, but {type(block).__name__} was not"
+                           " called by training_step on a batch of the training data.")
+    return taken["call"]
+
+
+def block_seconds_per_token(block: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
+                            device: torch.device) -> dict[int, float]:
+    """Forward + backward seconds per token of ``block`` (a meta copy is fine) at each micro-batch size, the
+    call's batch dimension (size ``batch_size``) resized to it."""
+    timed = _materialized(block, device)
+    result = {}
+    for b in micro_batch_sizes:
+        args, kwargs = _inputs(call, batch_size, b, device)
+        hidden = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad)
+        tokens = hidden.shape[0] * hidden.shape[1] if hidden.ndim >= 3 else hidden.shape[0]
+
+        def run() -> None:
+            output = timed(*args, **kwargs)
+            out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
+            out.backward(torch.ones_like(out))
+
+        result[b] = _median_seconds(run, device) / tokens
+    return result
+
+
+def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, dtype: torch.dtype,
+                           device: torch.device) -> float:
+    """Forward + backward seconds per token of the output head, a ``hidden_size x vocab_size`` matrix multiply."""
+    x = torch.randn(micro_tokens, hidden_size, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab_size, hidden_size, device=device, dtype=dtype, requires_grad=True) * 0.02
+
+    def run() -> None:
+        torch.nn.functional.linear(x, weight).sum().backward(retain_graph=True)
+
+    return _median_seconds(run, device) / micro_tokens
+
+
+def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:
+    """All-reduce inside groups of consecutive ranks ("tp": within a node) and across nodes ("dp": ranks of
+    equal local rank; within the node on one node), and point-to-point between the world's two halves ("pp").
+    Collective: every rank of the world calls it."""
+    if world_size == 1:
+        return {dim: LinkSpeed(latency_s=0.0, bandwidth_bytes_per_s=float("inf")) for dim in ("tp", "pp", "dp")}
+    inside = min(per_node, world_size)
+    tp_group, _ = dist.new_subgroups(group_size=inside)
+    if world_size > per_node:
+        across = [list(range(local, world_size, per_node)) for local in range(per_node)]
+        dp_group, _ = dist.new_subgroups_by_enumeration(across)
+    else:
+        dp_group = tp_group
+    speeds = {"tp": _allreduce_speed(tp_group, device), "dp": _allreduce_speed(dp_group, device),
+              "pp": _p2p_speed(world_size, device)}
+    return {dim: _slowest(speed, device) for dim, speed in speeds.items()}
+
+
+def _allreduce_speed(group, device: torch.device) -> LinkSpeed:
+    k = dist.get_world_size(group)
+    times = []
+    for nbytes in MESSAGE_BYTES:
+        buffer = torch.zeros(nbytes // 4, device=device)
+        times.append(_median_seconds(lambda: dist.all_reduce(buffer, group=group), device, barrier=True))
+    return LinkSpeed.fit(wire=tuple(wire_bytes("all_reduce", n, k) for n in MESSAGE_BYTES), seconds=tuple(times))
+
+
+def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
+    rank, half = dist.get_rank(), world_size // 2
+    peer = (rank + half) % world_size if rank < 2 * half else None
+    times = []
+    for nbytes in MESSAGE_BYTES:
+        buffer = torch.zeros(nbytes // 4, device=device)
+
+        def exchange() -> None:  # the lower half sends first, the upper receives first: no deadlock
+            if peer is None:
+                return
+            first, second = (dist.send, dist.recv) if rank < half else (dist.recv, dist.send)
+            first(buffer, peer)
+            second(buffer, peer)
+
+        times.append(_median_seconds(exchange, device, barrier=True) / 2)  # one way
+    return LinkSpeed.fit(wire=MESSAGE_BYTES, seconds=tuple(times))
+
+
+def _slowest(speed: LinkSpeed, device: torch.device) -> LinkSpeed:
+    """The world's slowest: the largest latency and the smallest bandwidth over the ranks (one all-reduce)."""
+    values = torch.tensor([speed.latency_s, -speed.bandwidth_bytes_per_s], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    latency, negative_bandwidth = values.tolist()
+    return LinkSpeed(latency_s=latency, bandwidth_bytes_per_s=-negative_bandwidth)
+
+
+def slowest_rank(seconds: dict[int, float], device: torch.device) -> dict[int, float]:
+    """Per micro-batch size, the largest of the ranks' times (one all-reduce; every rank calls it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return seconds
+    keys = sorted(seconds)
+    values = torch.tensor([seconds[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, values.tolist()))
+
+
+def _median_seconds(run: Callable[[], None], device: torch.device, barrier: bool = False) -> float:
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()  # warm-up: first-call allocations, kernel selection
+    synchronize()
+    times = []
+    for _ in range(REPEATS):
+        if barrier:
+            dist.barrier()
+        start = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _materialized(block: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``block`` on ``device`` with random weights: values do not matter for timing, only that they
+    are ordinary numbers (uninitialized memory can hold NaNs or denormals, which run slower on CPUs)."""
+    timed = copy.deepcopy(block).to_empty(device=device)
+    with torch.no_grad():
+        for param in timed.parameters():
+            param.normal_(0.0, 0.02)
+        for buffer in timed.buffers():
+            if buffer.is_floating_point():
+                buffer.fill_(1.0)
+            else:
+                buffer.zero_()
+    return timed.train()
+
+
+def _inputs(call: tuple, batch_size: int, micro_batch_size: int, device: torch.device) -> tuple:
+    """The captured call's tensors made real on ``device``, the batch dimension resized: the first floating
+    tensor of the call's shape (b, s, h) is the hidden state (it needs a gradient), the rest random
+    (floating), zeros (integers) or True (masks)."""
+    first = True
+
+    def real(value: Any) -> Any:
+        nonlocal first
+        if not isinstance(value, Tensor):
+            return value
+        shape = list(value.shape)
+        if shape and shape[0] == batch_size:
+            shape[0] = micro_batch_size
+        if value.is_floating_point():
+            tensor = torch.randn(shape, dtype=value.dtype, device=device)
+            if first:
+                first = False
+                tensor.requires_grad_(True)
+            return tensor
+        if value.dtype == torch.bool:
+            return torch.ones(shape, dtype=torch.bool, device=device)
+        return torch.zeros(shape, dtype=value.dtype, device=device)
+
+    return tree_map(real, call)

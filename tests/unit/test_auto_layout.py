@@ -1,0 +1,110 @@
+"""layout="auto" decided from fixed calibration numbers (lightning_3d.strategies.auto_layout): which settings
+it may change, what it picks, what it refuses, and the measured-against-predicted warning. On ranks:
+parity/test_auto_layout_on_ranks.py."""
+
+import pytest
+
+from lightning_3d.errors import NoLayoutFits, ParallelConfigError
+from lightning_3d.models import GPTConfig
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.planner.calibration import Calibration, LinkSpeed
+from lightning_3d.planner.memory import PRECISIONS
+from lightning_3d.planner.model import ModelSpec
+from lightning_3d.strategies.auto_layout import PredictionCheck, candidate_layouts, ranked, report, values_of
+
+SPEC = ModelSpec.from_gpt_config(GPTConfig(n_layer=8, n_embd=128, n_head=4, block_size=64, vocab_size=256),
+                                 seq_length=64)
+FP32 = PRECISIONS["32-true"]
+GIB = 2**30
+
+
+def calibration(tp=1e9, pp=1e9, dp=1e9, latency=1e-5) -> Calibration:
+    return Calibration(block_seconds_per_token={1: 2e-6, 8: 1e-6}, head_seconds_per_token=1e-6,
+                       tp=LinkSpeed(latency_s=latency, bandwidth_bytes_per_s=tp),
+                       pp=LinkSpeed(latency_s=latency, bandwidth_bytes_per_s=pp),
+                       dp=LinkSpeed(latency_s=latency, bandwidth_bytes_per_s=dp))
+
+
+def choose(config, memory=GIB, **speeds):
+    return ranked(SPEC, config, world_size=8, per_node=8, batch_size=8, precision=FP32, memory_per_rank=memory,
+                  calibration=calibration(**speeds))
+
+
+def test_layout_auto_leaves_to_the_decision_only_what_the_user_did_not_set():
+    config = ParallelConfig(layout="auto", tensor_parallel_size=2, activation_checkpointing="full")
+    assert config.auto_fields == ("pipeline_parallel_size", "pipeline_schedule", "num_microbatches", "zero_stage")
+    layouts = list(candidate_layouts(SPEC, config, 8, 8, 8))
+    assert layouts and all(layout.tp == 2 and layout.recompute == "full" for layout in layouts)
+    assert {layout.pp for layout in layouts} == {1, 2, 4}
+    assert ParallelConfig(zero_stage="auto").auto_fields == ("zero_stage",)
+
+
+def test_a_decided_config_is_checked_as_any_config():
+    config = ParallelConfig(layout="auto")
+    with pytest.raises(ParallelConfigError, match="needs at least one micro-batch per stage"):
+        config.decided(tensor_parallel_size=1, pipeline_parallel_size=4, pipeline_schedule="1f1b",
+                       num_microbatches=2, zero_stage=0, activation_checkpointing=None)
+    with pytest.raises(ParallelConfigError, match="left .*'zero_stage'.* undecided"):
+        config.decided(tensor_parallel_size=1, pipeline_parallel_size=1, pipeline_schedule="1f1b",
+                       num_microbatches=None, activation_checkpointing=None)
+
+
+def test_fast_links_pick_pure_data_parallel_for_a_small_model():
+    best = choose(ParallelConfig(layout="auto"))[0].layout
+    assert (best.dp, best.tp, best.pp) == (8, 1, 1)
+
+
+def test_a_slow_data_parallel_link_moves_the_ranks_to_the_model():
+    best = choose(ParallelConfig(layout="auto"), dp=1e5)[0].layout
+    assert best.dp < 8
+
+
+def test_a_memory_budget_that_rules_out_the_fastest_gives_a_layout_within_it():
+    config = ParallelConfig(layout="auto")
+    unlimited = choose(config, memory=64 * GIB)[0]
+    budget = 0.6 * unlimited.memory.total
+    within = choose(config, memory=budget)
+    assert within[0].layout != unlimited.layout and all(c.memory.total <= budget for c in within)
+
+
+def test_a_fixed_setting_that_cannot_fit_is_refused_with_the_smallest_memory_it_needs():
+    # (layout="auto" decides what is left at its default; one field at a time names what it decides)
+    config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches="auto")
+    with pytest.raises(NoLayoutFits, match=r"fits 1.0 MiB per rank \(fixed settings: tensor_parallel_size=2,"
+                                           r" pipeline_parallel_size=2, pipeline_schedule='1f1b', zero_stage=0,"
+                                           r" activation_checkpointing=None\)\. The smallest need is \d+\.\d MiB"):
+        choose(config, memory=2**20)
+
+
+def test_the_choice_maps_back_to_the_auto_fields_and_the_report_names_three_and_why():
+    config = ParallelConfig(layout="auto", zero_stage=0)
+    candidates = choose(config, dp=1e5)
+    values = values_of(candidates[0].layout, config)
+    assert set(values) == {*config.auto_fields, "virtual_pipeline_size"}
+    decided = config.decided(**values)
+    assert not decided.is_auto and decided.zero_stage == 0
+    text = report(candidates, SPEC, calibrated=True)
+    assert text.count("ms predicted") == 3 and "why: " in text and "calibrated on these devices" in text
+
+
+def test_a_measured_step_time_far_from_the_prediction_warns_once(monkeypatch):
+    import lightning_3d.strategies.auto_layout as auto_layout
+
+    clock = iter([10.0, 10.0 + 4 * 0.2])  # 4 steps of 200 ms against 100 ms predicted
+    monkeypatch.setattr(auto_layout.time, "perf_counter", lambda: next(clock))
+    check = PredictionCheck(predicted_step_s=0.1, steps=4)
+    with pytest.warns(UserWarning, match=r"measured 200.0 ms per step over 4 steps, predicted 100.0 ms \(x2.00\)"):
+        for step in range(0, 8):
+            check.on_step(step)
+    assert check.measured_step_s == pytest.approx(0.2)
+
+
+def test_a_measured_step_time_close_to_the_prediction_does_not_warn(monkeypatch, recwarn):
+    import lightning_3d.strategies.auto_layout as auto_layout
+
+    clock = iter([0.0, 4 * 0.11])
+    monkeypatch.setattr(auto_layout.time, "perf_counter", lambda: next(clock))
+    check = PredictionCheck(predicted_step_s=0.1, steps=4)
+    for step in range(0, 8):
+        check.on_step(step)
+    assert check.measured_step_s == pytest.approx(0.11) and not [w for w in recwarn if "layout='auto'" in str(w.message)]
