@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_3d.checkpoint.pretrained import check_init_from
 from lightning_3d.common import parent_fqn
-from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.parallel.precision import check_precision, warn_about_no_ops
@@ -31,6 +31,7 @@ from lightning_3d.pipeline.microbatches import split_batch
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, split_options
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, estimate_memory
+from lightning_3d.planner.cluster import GIB, Cluster
 from lightning_3d.planner.model import model_spec
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan
@@ -49,11 +50,16 @@ def dry_run(trainer: pl.Trainer, module: pl.LightningModule, datamodule: Optiona
     strategy = trainer.strategy
     if not isinstance(strategy, ThreeDStrategy):
         return f"dry run: the strategy is {type(strategy).__name__}, not ThreeDStrategy; there is no layout to show."
-    config, per_node = strategy.parallel_config, strategy.num_processes
+    per_node, device = strategy.num_processes, strategy.parallel_devices[0]
+    chosen = []
+    if strategy.parallel_config.is_auto:  # the planner's choice on assumed speeds; the run calibrates first
+        strategy.parallel_config, chosen = _assumed_choice(trainer, module, datamodule, strategy.parallel_config,
+                                                           per_node, device)
+    config = strategy.parallel_config
     dims = ParallelDims.from_config(config, per_node * trainer.num_nodes)
-    device = strategy.parallel_devices[0]
     lines = [f"lightning-3d dry run (no process started): dp={dims.dp} x pp={dims.pp} x tp={dims.tp}"
-             f" = {dims.world_size} ranks, {per_node} per node x {trainer.num_nodes} node(s), on {device.type}"]
+             f" = {dims.world_size} ranks, {per_node} per node x {trainer.num_nodes} node(s), on {device.type}",
+             *chosen]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         policy, notes = _rank_checks(strategy, module, dims, device)
@@ -67,6 +73,35 @@ def dry_run(trainer: pl.Trainer, module: pl.LightningModule, datamodule: Optiona
     lines += ["what a run would also say:" if notes or warned else "no warnings."]
     lines += [f"  {line}" for line in [*notes, *warned]]
     return "\n".join(lines)
+
+
+def _assumed_choice(trainer, module, datamodule, config: ParallelConfig, per_node: int,
+                    device: torch.device) -> tuple[ParallelConfig, list[str]]:
+    """layout="auto" in a dry run: the planner's choice without calibration (a run times its devices first, so
+    it may choose otherwise), on the datasheet figures of an H100 for GPUs or assumed speeds for CPU ranks."""
+    from lightning_3d.strategies.auto_layout import assumed_calibration, host_cluster, ranked, report, values_of
+
+    with torch.device("meta"):
+        module.configure_model()
+    spec = model_spec(module, _hparam(datamodule, "seq_len"))
+    precision = PRECISIONS.get(str(trainer.precision))
+    batch = _hparam(datamodule, "batch_size")
+    if spec is None or precision is None or batch is None:
+        raise ParallelConfigError("layout='auto' needs the planner's model of this run (the reference GPT or a"
+                                  " Hugging Face config, a known precision, a data module with batch_size); the dry"
+                                  " run has none here, a run reads the first batch. Set the layout explicitly.")
+    world = per_node * trainer.num_nodes
+    memory = config.max_memory_per_device or _memory_per_rank(device, per_node) or float(2**40)
+    cluster, calibration = host_cluster(world, per_node, memory, device.type), None
+    if device.type == "cpu":
+        calibration = assumed_calibration(spec)
+    else:
+        cluster = Cluster.preset("h100", gpus_per_node=min(per_node, world), nodes=max(1, world // per_node),
+                                 memory_gib=memory / GIB, usable_fraction=1.0)
+    candidates = ranked(spec, config, world_size=world, per_node=per_node, batch_size=batch, precision=precision,
+                        memory_per_rank=memory, calibration=calibration, cluster=cluster)
+    text = report(candidates, spec, calibrated=False).replace("lightning_3d: ", "")
+    return config.decided(**values_of(candidates[0].layout, config)), text.splitlines()
 
 
 def _rank_checks(strategy, module: pl.LightningModule, dims: ParallelDims,

@@ -54,9 +54,18 @@ class Decision:
 
     values: dict
     """The auto fields' values (``ParallelConfig.decided(**values)``)."""
+    layout: Layout
+    """The chosen layout as the planner sees it."""
     predicted_step_s: float
+    predicted_memory_bytes: float
+    """The planner's peak bytes per rank for the chosen layout."""
+    memory_per_rank: float
+    """The budget it had to fit (``max_memory_per_device`` or what the devices have free)."""
     report: str
     """Top three and why, for the log."""
+    calibration: Optional[Calibration] = None
+    """The speeds measured at launch (every rank measured them; the slowest rank's are kept), to predict other
+    layouts with: ``evaluate(spec, layout, host_cluster(...), precision, calibration=decision.calibration)``."""
 
 
 def ranked(spec: ModelSpec, config: ParallelConfig, *, world_size: int, per_node: int, batch_size: int,
@@ -171,6 +180,24 @@ def host_cluster(world_size: int, per_node: int, memory_per_rank: float, device_
     return Cluster(gpus_per_node=per_node, nodes=nodes, memory_gib=memory_per_rank / GIB, usable_fraction=1.0)
 
 
+ASSUMED_CPU_FLOPS = 20e9
+"""FLOP/s one CPU rank is assumed to reach in a dry run (no calibration): a few cores' worth of fp32."""
+ASSUMED_CPU_LINK = (50e-6, 1e9)
+"""Latency (s) and bandwidth (bytes/s) assumed for every link between CPU ranks in a dry run (gloo on one host)."""
+
+
+def assumed_calibration(spec: ModelSpec) -> "Calibration":
+    """What a dry run plans CPU ranks with: a block's and the head's FLOPs at :data:`ASSUMED_CPU_FLOPS`, links
+    at :data:`ASSUMED_CPU_LINK`. Assumed, not measured: a run calibrates before it chooses."""
+    from lightning_3d.planner.calibration import Calibration, LinkSpeed
+    from lightning_3d.planner.time import block_forward_flops, head_forward_flops
+
+    link = LinkSpeed(latency_s=ASSUMED_CPU_LINK[0], bandwidth_bytes_per_s=ASSUMED_CPU_LINK[1])
+    per_token = 3 * block_forward_flops(spec, spec.seq_length) / spec.seq_length / ASSUMED_CPU_FLOPS
+    head = 3 * head_forward_flops(spec, 1) / ASSUMED_CPU_FLOPS
+    return Calibration(block_seconds_per_token={1: per_token}, head_seconds_per_token=head, tp=link, pp=link, dp=link)
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
@@ -246,15 +273,16 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block, batch: Any
                                 precision=precision, memory_per_rank=memory, calibration=calibration,
                                 cluster=cluster)
             best = candidates[0]
-            box[0] = {"values": values_of(best.layout, config), "predicted_step_s": best.time.total,
-                      "report": report(candidates, spec, calibrated=True)}
+            box[0] = {"values": values_of(best.layout, config), "layout": best.layout,
+                      "predicted_step_s": best.time.total, "predicted_memory_bytes": best.memory.total,
+                      "memory_per_rank": memory, "report": report(candidates, spec, calibrated=True)}
         except (NoLayoutFits, ParallelConfigError) as error:  # every rank raises it, after the broadcast
             box[0] = {"error": f"{type(error).__name__}: {error}"}
     dist.broadcast_object_list(box, src=0, device=torch.device("cpu") if _host_ok() else device)
     if "error" in box[0]:
         kind, _, message = box[0]["error"].partition(": ")
         raise (NoLayoutFits if kind == "NoLayoutFits" else ParallelConfigError)(message)
-    return Decision(**box[0])
+    return Decision(**box[0], calibration=calibration)
 
 
 def memory_per_rank(config: ParallelConfig, device: torch.device, per_node: int) -> float:

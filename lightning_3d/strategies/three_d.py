@@ -46,7 +46,7 @@ from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.strategies import processes
-from lightning_3d.strategies.auto_layout import PredictionCheck, decide_layout
+from lightning_3d.strategies.auto_layout import Decision, PredictionCheck, decide_layout
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints, resumable, sharding_of
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
@@ -171,6 +171,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         self._memory_logged = False
         self._prediction: Optional[PredictionCheck] = None  # layout="auto": measured vs predicted step time
+        self.layout_decision: Optional[Decision] = None
+        """layout="auto": what was chosen, its predicted step time and memory, and the calibration it used."""
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
         self._forward_redirection = _DDPForwardRedirection()
 
@@ -299,6 +301,7 @@ class ThreeDStrategy(ParallelStrategy):
             decision = decide_layout(self.parallel_config, self.lightning_module, self._policy, trainer,
                                      world_size=self.world_size, per_node=self.num_processes, device=self.root_device)
         rank_zero_info(decision.report)
+        self.layout_decision = decision
         self.parallel_config = self.parallel_config.decided(**decision.values)
         self._prediction = PredictionCheck(decision.predicted_step_s, self.parallel_config.layout_check_steps)
         self._check_layout(self.parallel_config)

@@ -67,6 +67,9 @@ EXPECTED_AFTER_SETUP = {
         "attention.qkv, attention.out: each rank's share of attention.qkv's outputs is neither one slice",
         "fused projection of unequal parts", "ColumnSplit(parts=", "allow_replicated=True"]),
     "float_token_ids": ("RuntimeError", ["Expected tensor for argument #1 'indices'", "Long, Int"]),
+    "auto_with_a_fixed_tp_that_cannot_fit": ("NoLayoutFits", [
+        "No layout of 2 ranks fits 0.0 MiB per rank", "tensor_parallel_size=2", "The smallest need is",
+        "max_memory_per_device"]),
     "resume_from_a_missing_checkpoint": ("FileNotFoundError", ["No checkpoint at no/such/last.ckpt"]),
     "resume_from_an_incomplete_checkpoint": ("CheckpointError", ["not a complete lightning_3d checkpoint",
                                                                  ".metadata missing"]),

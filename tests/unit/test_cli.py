@@ -216,3 +216,18 @@ def test_dry_run_of_a_layout_the_devices_cannot_hold_gives_the_real_runs_error(n
                           "--trainer.strategy.init_args.pipeline_parallel_size=1", "--dry_run", capsys=capsys)
     assert str(code).startswith("lightning-3d: error (dry run): LayoutError: GPTConfig does not fit the layout:"
                                 " n_head (4) is not divisible by tensor_parallel_size (8)"), code
+
+
+def test_dry_run_of_layout_auto_shows_the_planners_choice_and_says_it_is_not_calibrated(no_process_starts, capsys):
+    """issue 31: `--trainer.strategy.layout auto` from the command line; the dry run shows the choice on assumed
+    speeds (the run itself times its devices first), then the stages and memory of the chosen layout."""
+    out, code, _ = _dry_run("--trainer.strategy.init_args.layout=auto",
+                            "--trainer.strategy.init_args.tensor_parallel_size=1",
+                            "--trainer.strategy.init_args.pipeline_parallel_size=1",
+                            "--trainer.strategy.init_args.sequence_parallel=false", "--dry_run", capsys=capsys)
+    assert code is None, code
+    assert "layout='auto' chose " in out and "(not calibrated: assumed speeds)" in out, out
+    assert out.count(" ms predicted,") == 3 and "  why: " in out, out
+    chosen = next(line for line in out.splitlines() if "layout='auto' chose" in line).split(" chose ")[1]
+    dp, tp, pp = (int(part[2:]) for part in chosen.split()[:3])
+    assert f"dp={dp} x pp={pp} x tp={tp} = 8 ranks" in out, out  # the rest of the report is of that layout

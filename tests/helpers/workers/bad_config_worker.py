@@ -206,6 +206,10 @@ CASES = {
                                                                  policy=ForgetsTheHeadCount()),
                                                   HeadsModel(config=TINY), SyntheticDataModule(seq_len=16, batch_size=4)),
     "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
+    # layout="auto" decides after calibrating on every rank; rank 0's refusal reaches every rank alike.
+    "auto_with_a_fixed_tp_that_cannot_fit": lambda: (
+        ThreeDStrategy(tensor_parallel_size=2, zero_stage="auto", max_memory_per_device=1024),
+        GPTLightningModule(config=TINY), SyntheticDataModule(seq_len=16, batch_size=2)),
     "resume_from_a_missing_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},
                                                  {"ckpt_path": "no/such/last.ckpt"}),
     "resume_from_an_incomplete_checkpoint": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), None, {},

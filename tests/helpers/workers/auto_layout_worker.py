@@ -1,0 +1,51 @@
+"""layout="auto" on the ranks (tests/parity/test_auto_layout_on_ranks.py): one run that decides freely, one
+with a memory budget of 60% of what the first choice needs; each rank writes what it ran and what it held.
+
+    python -m torch.distributed.run --nproc-per-node 4 auto_layout_worker.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+
+from helpers.launchers import end_process_group
+from lightning_3d import ThreeDStrategy
+from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+from lightning_3d.parallel.memory import memory_report
+
+DECIDED = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_schedule", "num_microbatches", "zero_stage",
+           "activation_checkpointing", "virtual_pipeline_size")
+
+
+def run(**strategy_kwargs) -> dict:
+    L.seed_everything(0, verbose=False)
+    module = GPTLightningModule(config=GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+    data = SyntheticDataModule(vocab_size=64, seq_len=16, batch_size=8, num_train_samples=8 * 16)
+    # (the measured-against-predicted check is tested in unit/test_auto_layout.py; tiny steps here are mostly
+    # fixed overhead, which the planner does not model)
+    strategy = ThreeDStrategy(layout="auto", layout_check_steps=1000, **strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=5,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    decision = strategy.layout_decision
+    held = memory_report(module, trainer.optimizers)
+    return {"config": {name: getattr(strategy.parallel_config, name) for name in DECIDED},
+            "dims": [strategy.parallel_dims.dp, strategy.parallel_dims.pp, strategy.parallel_dims.tp],
+            "layout": decision.layout.describe(), "predicted_memory": decision.predicted_memory_bytes,
+            "budget": decision.memory_per_rank, "states": sum(held.values()),
+            "loss": float(trainer.callback_metrics["train_loss"]), "steps": trainer.global_step}
+
+
+def main(out_dir: str) -> None:
+    free = run()
+    budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
+    (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps({"free": free, "budget": budgeted}))
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,36 @@
+"""layout="auto" on 4 gloo ranks (helpers/workers/auto_layout_worker.py, one launch): every rank runs the layout
+rank 0 chose after calibrating, it trains, and under a memory budget that rules out the free choice the
+choice fits the budget -- by the planner's estimate and by the model states each rank holds."""
+
+import json
+
+import pytest
+
+from helpers import WORKERS
+from helpers.launchers import forkrun
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto_layout")
+    forkrun(4, str(WORKERS / "auto_layout_worker.py"), str(out), timeout=300, rank_files=out)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+@pytest.mark.parametrize("run", ["free", "budget"])
+def test_every_rank_runs_the_one_layout_chosen_and_trains(ranks, run):
+    chosen = [rank[run] for rank in ranks]
+    assert all(r["config"] == chosen[0]["config"] and r["dims"] == chosen[0]["dims"] for r in chosen), chosen
+    dp, pp, tp = chosen[0]["dims"]
+    assert dp * pp * tp == 4
+    assert all(r["steps"] == 5 and 0 < r["loss"] < 10 for r in chosen), chosen
+
+
+def test_a_budget_below_the_free_choice_gives_a_layout_that_fits_it(ranks):
+    free, budget = ranks[0]["free"], ranks[0]["budget"]
+    assert budget["budget"] == pytest.approx(0.6 * free["predicted_memory"], rel=1e-6)
+    assert budget["layout"] != free["layout"]
+    assert budget["predicted_memory"] <= budget["budget"]
+    assert all(rank["budget"]["states"] <= budget["budget"] for rank in ranks), [r["budget"] for r in ranks]
