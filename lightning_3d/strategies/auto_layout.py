@@ -140,10 +140,14 @@ def _pipelines(pp: int, layers: int, batch_size: int, config: ParallelConfig, au
     counts = [m for m in divisors(batch_size) if m >= pp] if "num_microbatches" in auto else \
         [config.num_microbatches or pp]
     for schedule in schedules:
-        virtual = (2 if layers >= 2 * pp else 0) if "pipeline_schedule" in auto and schedule in MULTI_STAGE_SCHEDULES \
-            else config.virtual_pipeline_size
-        if virtual == 0 or batch_size % min(counts, default=1):
-            continue
+        if "pipeline_schedule" not in auto:
+            virtual = config.virtual_pipeline_size
+        elif schedule in MULTI_STAGE_SCHEDULES:
+            if layers < 2 * pp:
+                continue  # two chunks per rank need two blocks per rank
+            virtual = 2
+        else:
+            virtual = 1
         for m in counts:
             if batch_size % m == 0:
                 yield schedule, virtual, m
