@@ -103,7 +103,8 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._root_post_backward_final_callback": Private(
         "as _state_ctx: the root's end-of-backward work", "as _state_ctx", attribute=True),
     "torch.nn.Module._parameters": Private(
-        "swap a block's tensors for fake ones and back, in place (shape check)",
+        "swap a block's tensors for fake ones and back, in place (shape check); read a module's own tensors in"
+        " NaNGuard's per-forward hook, where named_parameters(recurse=False) costs more than the check",
         "register_parameter cannot replace in place without hooks firing", attribute=True),
     "torch.nn.Module._buffers": Private("as _parameters, for buffers", "as _parameters", attribute=True),
     "torch.Tensor._base": Private(

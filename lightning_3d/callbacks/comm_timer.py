@@ -127,4 +127,4 @@ def _gather(values: dict[str, float], device: torch.device) -> list[dict[str, fl
     if dist.is_initialized():
         rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine)
-    return [dict(zip(names, row.tolist())) for row in rows]
+    return [dict(zip(names, row)) for row in torch.stack(rows).tolist()]  # one host read for all ranks

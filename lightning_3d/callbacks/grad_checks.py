@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from functools import partial
 
 import torch
@@ -25,16 +26,21 @@ class GradientChecks:
 
     Whatever no hook saw is still checked, from ``param.grad`` after the reduction (where a NaN shows on every
     dp rank), with a warning: the checks cannot switch themselves off silently.
+
+    Per gradient, one reduction as backward produces it (its float32 sum: finite unless an element is not, or
+    the sum overflows past 3e38); the step's sums are checked together (:meth:`collect`), and only a step
+    that was not finite reads them on the host to name the parameter (:func:`first_not_finite`).
     """
 
     def __init__(self, root: nn.Module) -> None:
         self.active = False  # this step is checked
-        self._checks: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient is finite), backward order
+        self._sums: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient's float32 sum), backward order
         self._hooked = WeakIdKeyDictionary()  # tensor -> its hook's handle
         self._warned = False
         # Under the name root.named_parameters() gives it (the first path to it, for a tied one).
         first_name: dict[int, str] = {}
         self._names: dict[tuple[int, str], str] = {}  # (id(module), parameter's name in it) -> name
+        self._held: dict[int, list[weakref.ref]] = {}  # id(module) -> the tensors it held at its last forward
         self._module_hooks = []
         for module_name, module in root.named_modules():
             held = list(module.named_parameters(recurse=False))
@@ -47,35 +53,44 @@ class GradientChecks:
                 self._module_hooks.append(module.register_forward_pre_hook(self._hook_module_tensors))
 
     def _hook_module_tensors(self, module: nn.Module, args) -> None:
-        for short, tensor in module.named_parameters(recurse=False):
+        # _parameters (private): named_parameters(recurse=False) builds a generator and a memo set per call,
+        # which cost more than this whole check. Once a module's tensors are all hooked, the same ones come back
+        # at every forward (in every layout but FSDP2's swaps), so that is looked at first.
+        held = [(short, tensor) for short, tensor in module._parameters.items() if tensor is not None]
+        last = self._held.get(id(module))
+        if last is not None and len(last) == len(held) and all(ref() is t for ref, (_, t) in zip(last, held)):
+            return
+        all_hooked = True
+        for short, tensor in held:
             name = self._names.get((id(module), short))
-            if name is not None:  # None: a copy of the module (pipeline shape inference), or a parameter
-                # added after training started
-                self._hook(tensor, name)
+            if name is None:  # a copy of the module (pipeline shape inference), or a parameter added later
+                all_hooked = False
+                continue
+            self._hook(tensor, name)
+            all_hooked = all_hooked and tensor.requires_grad  # a frozen one may be unfrozen later: look again
+        if all_hooked:
+            self._held[id(module)] = [weakref.ref(tensor) for _, tensor in held]
 
     def _hook(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.requires_grad and tensor not in self._hooked:
             self._hooked[tensor] = tensor.register_hook(partial(self._record, name))
 
     def _record(self, name: str, grad: torch.Tensor) -> None:
-        if self.active:
-            # A sum is finite unless an element is not (or the fp32 sum overflows, past 3e38): one reduction,
-            # no boolean copy of the gradient, and no host sync until the optimizer step.
-            self._checks.append((name, torch.isfinite(local(grad).sum(dtype=torch.float32))))
+        if self.active:  # no host sync here: the sums are looked at once, before the optimizer step
+            self._sums.append((name, _sum(grad)))
 
-    def first_not_finite(self, root: nn.Module, step: int) -> str | None:
-        """The first parameter whose gradient was not finite in this step (those seen in backward, in backward
-        order, then the others), or None; forgets this step's checks."""
-        seen = {name for name, _ in self._checks}
+    def collect(self, root: nn.Module, step: int) -> tuple[list[str], torch.Tensor | None]:
+        """This step's gradients (those seen in backward, in backward order, then the others) and whether each
+        was finite (a bool device tensor; None without gradients); forgets this step's sums."""
+        seen = {name for name, _ in self._sums}
         unseen = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None and name not in seen]
         if unseen:
             self._warn_unseen([name for name, _ in unseen], len(seen), step)
-        checks = self._checks + [(name, torch.isfinite(local(grad).sum(dtype=torch.float32))) for name, grad in unseen]
-        self._checks = []
-        if not checks:
-            return None
-        finite = torch.stack([ok for _, ok in checks])
-        return None if bool(finite.all()) else checks[int(finite.logical_not().nonzero()[0])][0]
+        sums = self._sums + [(name, _sum(grad)) for name, grad in unseen]
+        self._sums = []
+        if not sums:
+            return [], None
+        return [name for name, _ in sums], torch.stack([value for _, value in sums]).isfinite()  # (gradients,)
 
     def _warn_unseen(self, unseen: list[str], seen: int, step: int) -> None:
         if self._warned:
@@ -94,3 +109,14 @@ class GradientChecks:
             handle.remove()
         self._module_hooks = []
         self._hooked = WeakIdKeyDictionary()
+
+
+def first_not_finite(names: list[str], finite: torch.Tensor) -> str | None:
+    """The first of ``names`` whose ``finite`` flag is False, or None. It reads the flags on the host: for a step
+    already known to hold a NaN/Inf."""
+    bad = finite.logical_not().nonzero()
+    return names[int(bad[0])] if len(bad) else None
+
+
+def _sum(grad: torch.Tensor) -> torch.Tensor:
+    return local(grad).sum(dtype=torch.float32)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from statistics import median_low
 
 import lightning as L
 import torch
@@ -45,28 +47,29 @@ class GradNormMonitor(L.Callback):
         dims = dims_of(trainer)
         share, local = grad_square_terms(pl_module.parameters(), dims)
         terms = torch.stack([share, local]).to(pl_module.device)
+        gathered = [terms]
         if dist.is_initialized():
             gathered = [torch.zeros_like(terms) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, terms)
-            per_rank = torch.stack(gathered).cpu()  # (world, 2)
-        else:
-            per_rank = terms.cpu().unsqueeze(0)
-        stages = torch.tensor([dims.coords(r).pp for r in range(len(per_rank))])
-        local_norms = per_rank[:, 1].sqrt()
-        metrics = {"grad_norm/global": per_rank[:, 0].sum().sqrt(),
-                   "grad_norm/rank_max": local_norms.max(), "grad_norm/rank_median": local_norms.median()}
+        per_rank = torch.stack(gathered).tolist()  # (world, 2): the one host read; plain floats from here on
+        local_norms = [math.sqrt(squares) for _, squares in per_rank]
+        # median_low: torch.median's choice of the lower middle value for an even count
+        metrics = {"grad_norm/global": math.sqrt(sum(share for share, _ in per_rank)),
+                   "grad_norm/rank_max": max(local_norms), "grad_norm/rank_median": median_low(local_norms)}
+        stage_of = [dims.coords(rank).pp for rank in range(len(per_rank))]
         for stage in range(dims.pp):
-            metrics[f"grad_norm/stage_{stage}"] = per_rank[stages == stage, 0].sum().sqrt()
-            self._flag_outliers(trainer.global_step, dims, local_norms, stages == stage)
-        pl_module.log_dict({k: v.item() for k, v in metrics.items()}, on_step=True, on_epoch=False)
+            ranks = [rank for rank, its_stage in enumerate(stage_of) if its_stage == stage]
+            metrics[f"grad_norm/stage_{stage}"] = math.sqrt(sum(per_rank[rank][0] for rank in ranks))
+            self._flag_outliers(trainer.global_step, dims, local_norms, ranks)
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
-    def _flag_outliers(self, step: int, dims, local_norms: torch.Tensor, in_stage: torch.Tensor) -> None:
-        ranks = in_stage.nonzero().flatten().tolist()
+    def _flag_outliers(self, step: int, dims, local_norms: list[float], ranks: list[int]) -> None:
+        """Warns about each of ``ranks`` (one stage's) whose local norm is over ``outlier_factor`` x their median."""
         if len(ranks) < 2:
             return
-        median = local_norms[in_stage].median().item()
+        median = median_low([local_norms[rank] for rank in ranks])
         for rank in ranks:
-            norm = local_norms[rank].item()
+            norm = local_norms[rank]
             if median > 0 and norm > self.outlier_factor * median:
                 outlier = {"step": step, "rank": rank, "coords": dims.coords(rank)._asdict(), "norm": norm,
                            "stage_median": median}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._pytree import tree_flatten
 
-from lightning_3d.callbacks.grad_checks import GradientChecks
+from lightning_3d.callbacks.grad_checks import GradientChecks, first_not_finite
 from lightning_3d.callbacks.layout import dims_of
 from lightning_3d.common import local
 
@@ -44,9 +44,9 @@ class NaNGuard(L.Callback):
     module whose output was not finite (where a NaN was born rather than where its gradient shows).
 
     Checking every gradient costs one sum per parameter per backward and a forward pre-hook per module that
-    holds parameters (no device sync: the results are looked at once, before the optimizer step), about 2-3%
-    of a forward and backward of the reference GPT (4 x 128) on one CPU thread; ``every_n_steps`` checks less
-    often.
+    holds parameters, about 2-3% of a forward and backward of the reference GPT (4 x 128) on one CPU thread;
+    ``every_n_steps`` checks less often. A checked step reads the device on the host once: the all-reduced flag,
+    before the optimizer step (the rest is read only in a step where a rank saw a NaN/Inf).
 
     Example::
 
@@ -70,7 +70,7 @@ class NaNGuard(L.Callback):
         self.every_n_steps = every_n_steps
         self.check_activations = check_activations
         self.skipped_steps: list[int] = []
-        self._first_bad_activation: str | None = None
+        self._activations: list[tuple[str, torch.Tensor]] = []  # (module, its output was finite), forward order
         self._grads: GradientChecks | None = None  # while training
         self._handles: list = []  # the activation checks' hooks
 
@@ -90,6 +90,7 @@ class NaNGuard(L.Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._activations = []
         if self._grads is not None:
             self._grads.remove()
             self._grads = None
@@ -99,28 +100,30 @@ class NaNGuard(L.Callback):
             self._grads.active = trainer.global_step % self.every_n_steps == 0
 
     def _check_activation(self, name: str, output, trainer: L.Trainer) -> None:
-        if self._first_bad_activation is not None or trainer.global_step % self.every_n_steps:
+        if not trainer.training or trainer.global_step % self.every_n_steps:
             return
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                if not bool(torch.isfinite(local(tensor).detach()).all()):
-                    self._first_bad_activation = name
-                    return
+                # Read on the host only in a step where a gradient was not finite, not per module.
+                self._activations.append((name, torch.isfinite(local(tensor).detach()).all()))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         if trainer.global_step % self.every_n_steps:
             return
-        first_bad = self._grads.first_not_finite(pl_module, trainer.global_step) if self._grads is not None else None
-        mine = (first_bad, self._first_bad_activation) if first_bad else None
-        self._first_bad_activation = None
-        found = [mine]
-        if dist.is_initialized():  # every rank learns what every rank saw: they all act alike
-            # One small all-reduce per step says whether any rank saw one; only then the reports are gathered.
-            # On the rank's device: a collective of the default group takes device tensors (NCCL serves no other).
-            flag = torch.tensor([mine is not None], dtype=torch.int32, device=trainer.strategy.root_device)
+        names, finite = self._grads.collect(pl_module, trainer.global_step) if self._grads is not None else ([], None)
+        activations, self._activations = self._activations, []
+        # On the rank's device: a collective of the default group takes device tensors (NCCL serves no other).
+        flag = torch.zeros(1, dtype=torch.int32, device=trainer.strategy.root_device)
+        if finite is not None:
+            flag.copy_(finite.all().logical_not())
+        if dist.is_initialized():  # every rank learns whether any rank saw one: they all act alike
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if not flag.item():
-                return
+        if not flag.item():  # the one host sync of a checked step: the optimizer step must wait for the answer
+            return
+        first_bad = first_not_finite(names, finite) if finite is not None else None
+        mine = (first_bad, _first_bad_activation(activations)) if first_bad else None
+        found = [mine]
+        if dist.is_initialized():  # only now, in a step where some rank saw one, the reports are gathered
             found = [None] * dist.get_world_size()
             dist.all_gather_object(found, mine)
         bad = {rank: seen for rank, seen in enumerate(found) if seen}
@@ -146,6 +149,12 @@ class NaNGuard(L.Callback):
         self.rollbacks.append((trainer.global_step, checkpoint))
         pl_module.print(f"NaNGuard rolled back to {checkpoint} at step {trainer.global_step} (learning rates x"
                         f" {self.rollback_lr_factor}): NaN/Inf gradient on {report}")
+
+
+def _first_bad_activation(activations: list[tuple[str, torch.Tensor]]) -> str | None:
+    if not activations:
+        return None
+    return first_not_finite([name for name, _ in activations], torch.stack([ok for _, ok in activations]))
 
 
 def _checkpoint_callbacks(trainer: L.Trainer) -> list[ModelCheckpoint]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +16,9 @@ from lightning_3d.callbacks.layout import dims_of, pipeline_engine
 from lightning_3d.callbacks.timeline_image import draw_timeline
 from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES
 from lightning_3d.pipeline.timeline import Action, PipelineTimeline
+
+KINDS = "FBW"
+"""An action's kind as a number in the gathered tensor: its index here (forward, backward, weight gradient)."""
 
 
 def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
@@ -71,6 +75,25 @@ def chrome_trace(rows_of_rank: dict[int, list[Action]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def gather_actions(actions: list[Action], capacity: int, device: torch.device) -> list[list[Action]]:
+    """Every rank's actions (collective over the world): one all-gather of a ``(capacity, 5)`` float64 tensor
+    per rank -- (stage, kind, micro-batch, start, end) rows, NaN after the last -- and one host read of them.
+    Float64 holds the ``time.time()`` stamps exactly."""
+    if len(actions) > capacity:  # cannot happen under torch's schedules; the peers would wait in the all-gather
+        raise RuntimeError(f"PipelineMonitor: {len(actions)} actions in one step on this rank, more than the"
+                           f" {capacity} it has room for; please report it with the schedule.")
+    mine = torch.full((capacity, 5), math.nan, dtype=torch.float64)
+    if actions:
+        mine[:len(actions)] = torch.tensor([(a.stage, KINDS.index(a.kind), a.microbatch, a.start, a.end)
+                                            for a in actions], dtype=torch.float64)
+    mine = mine.to(device)  # the default group's backend may serve device tensors only (NCCL)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [[Action(int(stage), KINDS[int(kind)], int(microbatch), start, end)
+             for stage, kind, microbatch, start, end in rows if not math.isnan(stage)]
+            for rows in torch.stack(every).tolist()]  # the one host read: (world, capacity, 5)
+
+
 class PipelineMonitor(L.Callback):
     """Every ``every_n_steps`` training batches (default: the Trainer's ``log_every_n_steps``; never the first
     batch, which carries the schedule's one-time set-up) records when each forward and backward of each
@@ -92,10 +115,10 @@ class PipelineMonitor(L.Callback):
       ``export_chrome_trace``, one file per rank); this callback does not run the profiler.
 
     The engine builds timed pipeline stages only when this callback is present; the timelines reach rank 0
-    through one all-gather in which every rank takes part. On CUDA each timed action is a pair of CUDA events
-    on the compute stream, read after the step (``pipeline/timeline.py``), so the picture shows device time
-    without serialising the schedule. Without pipeline parallelism
-    there is nothing to watch: it says so once and does nothing.
+    through one all-gather of a tensor (:func:`gather_actions`) in which every rank takes part. On CUDA each
+    timed action is a pair of CUDA events on the compute stream, read after the step (``pipeline/timeline.py``),
+    so the picture shows device time without serialising the schedule. Without pipeline parallelism there is
+    nothing to watch: it says so once and does nothing.
 
     Example::
 
@@ -118,6 +141,7 @@ class PipelineMonitor(L.Callback):
         """The picture's title (:func:`bubble_title`) for ``last_rows``."""
         self._schedule: tuple[str, int, int] = ("", 0, 0)  # name, pp, micro-batches: for the title
         self._timeline: PipelineTimeline | None = None
+        self._capacity = 0  # the most actions a rank records in a step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = pipeline_engine(trainer)
@@ -130,6 +154,8 @@ class PipelineMonitor(L.Callback):
                                                 engine.num_stages // dims.pp)
         self._schedule = (engine.schedule_name, dims.pp, engine.num_microbatches)
         self._timeline = engine.record_timeline()
+        # Each of a rank's stages runs every micro-batch's forward, backward and (zero-bubble) weight gradient.
+        self._capacity = 3 * engine.num_stages // dims.pp * engine.num_microbatches
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         every = self.every_n_steps or trainer.log_every_n_steps
@@ -139,16 +165,14 @@ class PipelineMonitor(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if self._timeline is None or not self._timeline.recording:
             return
-        mine = [tuple(a) for a in self._timeline.stop()]
-        every = [mine]
+        every = [self._timeline.stop()]
         if dist.is_initialized():  # every rank recorded the same batch, so every rank is here
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
+            every = gather_actions(every[0], self._capacity, pl_module.device)
         dims = dims_of(trainer)
         pipelines = {tuple(dims.group_ranks("pp", rank)) for rank in range(dims.world_size)}
-        bubbles = [measured_bubble([[Action(*a) for a in every[r]] for r in ranks]) for ranks in pipelines]
+        bubbles = [measured_bubble([every[r] for r in ranks]) for ranks in pipelines]
         shown = dims.group_ranks("pp", 0)  # global rank 0's pipeline
-        self.last_rows = [[Action(*a) for a in every[r]] for r in shown]
+        self.last_rows = [every[r] for r in shown]
         pl_module.log_dict({"pipeline/bubble_measured": sum(bubbles) / len(bubbles),
                             "pipeline/bubble_theory": self.bubble_theory}, on_step=True, on_epoch=False)
         if trainer.is_global_zero:
@@ -156,7 +180,7 @@ class PipelineMonitor(L.Callback):
             self.last_image = draw_timeline(self.last_rows, self.image_width, shown, self.title)
             if self.trace_dir is not None:
                 self.trace_dir.mkdir(parents=True, exist_ok=True)
-                trace = chrome_trace({r: [Action(*a) for a in row] for r, row in enumerate(every)})
+                trace = chrome_trace(dict(enumerate(every)))
                 (self.trace_dir / f"pipeline_step{trainer.global_step}.json").write_text(json.dumps(trace))
             for logger in trainer.loggers:
                 if isinstance(logger, TensorBoardLogger):

@@ -70,13 +70,14 @@ class ThroughputMonitor(L.Callback):
         if dist.is_initialized():  # every rank takes part: the same batches are logged everywhere
             times = [torch.zeros_like(seconds) for _ in range(dist.get_world_size())]
             dist.all_gather(times, seconds)
-        times = torch.cat(times).cpu()
-        step = times.max().item()  # the run moves at the pace of its slowest rank
+        # Device tensors, not read here: Lightning reads them with the step's other logged values.
+        times = torch.cat(times)
+        step = times.max()  # the run moves at the pace of its slowest rank
         first = next(x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor))
         samples = first.shape[0] * dims_of(trainer).dp
         tokens = samples * (first.shape[1] if first.dim() > 1 else 1)
         metrics = {"throughput/samples_per_sec": samples / step, "throughput/tokens_per_sec": tokens / step,
-                   "throughput/step_time_skew": step / times.min().item()}
+                   "throughput/step_time_skew": step / times.min()}
         if self.peak_flops:
             metrics["throughput/mfu"] = 6 * self.model_parameters * tokens / step / (self.peak_flops * trainer.world_size)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)

@@ -10,6 +10,7 @@ single-device model's gradient, so clipping changes nothing about parity.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -42,19 +43,26 @@ def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor
 
 def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple[Tensor, Tensor]:
     """This rank's (share of the whole model's squared gradient norm, squared norm of its local gradients).
-    The shares of all ranks sum to the squared global norm; no communication."""
-    squares, local_squares = [], []
+    The shares of all ranks sum to the squared global norm; no communication.
+
+    One ``torch._foreach_norm`` per group of gradients with the same device, dtype and number of copies (a
+    handful of groups, not a kernel per parameter), in float32 whatever the gradients' dtype."""
+    groups: dict[tuple, list[Tensor]] = defaultdict(list)  # (device, dtype, copies) -> local pieces
     device = None  # where the parameters are: the sums go into an all-reduce, which NCCL serves on the GPU only
     for param in parameters:
         device = device or local(param).device
         if param.grad is None:
             continue
         piece, copies = local_piece(param.grad, dims, of=param)
-        local_squares.append(piece.detach().float().pow(2).sum())
-        squares.append(local_squares[-1] / copies)
-    if not squares:  # a rank without gradients (frozen stage) still joins the all-reduce, on its device
+        groups[(piece.device, piece.dtype, copies)].append(piece.detach())
+    if not groups:  # a rank without gradients (frozen stage) still joins the all-reduce, on its device
         return torch.zeros((), device=device), torch.zeros((), device=device)
-    return torch.stack(squares).sum(), torch.stack(local_squares).sum()
+    share, local_squares = [], []
+    for (_, _, copies), pieces in groups.items():
+        squares = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).square().sum()
+        local_squares.append(squares)
+        share.append(squares / copies)
+    return torch.stack(share).sum(), torch.stack(local_squares).sum()
 
 
 def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) -> tuple[Tensor, int]:
@@ -78,8 +86,14 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: Paralle
     parameters = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(parameters, dims)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    groups: dict[tuple, list[Tensor]] = defaultdict(list)  # (device, dtype) -> gradients
     for param in parameters:
-        local(param.grad).mul_(scale.to(param.grad.dtype))
+        grad = local(param.grad)
+        groups[(grad.device, grad.dtype)].append(grad)
+    for (device, dtype), grads in groups.items():
+        # The scale in the gradients' dtype, as grad.mul_(scale) would round it: a bf16 gradient is not
+        # scaled by a float32 factor.
+        torch._foreach_mul_(grads, scale.to(device=device, dtype=dtype))
     return norm
 
 

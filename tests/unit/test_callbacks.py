@@ -15,16 +15,13 @@ def test_unknown_nan_guard_actions_are_rejected():
 
 
 def test_a_rank_far_above_its_stage_median_is_flagged_with_its_coordinates():
-    import torch
-
     from lightning_3d import ParallelDims
 
     monitor = GradNormMonitor(outlier_factor=10.0)
     dims = ParallelDims(dp=2, pp=2, tp=1)  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
-    norms = torch.tensor([1.0, 1.1, 0.9, 50.0])
-    stages = torch.tensor([dims.coords(r).pp for r in range(4)])
+    norms = [1.0, 1.1, 0.9, 50.0]
     for stage in range(2):
-        monitor._flag_outliers(7, dims, norms, stages == stage)
+        monitor._flag_outliers(7, dims, norms, [r for r in range(4) if dims.coords(r).pp == stage])
     assert [(o["step"], o["rank"], o["coords"]) for o in monitor.outliers] == [(7, 3, {"dp": 1, "pp": 1, "tp": 0})]
 
 
@@ -123,6 +120,65 @@ def test_nan_guard_agrees_across_ranks_on_the_ranks_own_device(monkeypatch):
     with pytest.raises(Reached):
         guard.on_before_optimizer_step(trainer, module, optimizer=None)
     assert seen == [torch.device("meta")]
+
+
+def test_a_checked_step_reads_the_device_once_and_a_nan_is_still_named():
+    """NaNGuard must know before the optimizer step whether a gradient was not finite: one host read (on a GPU,
+    a wait for the device) per checked step, however many gradients and activations it checked; the names are
+    read only in a step that holds a NaN."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    guard = NaNGuard(check_activations=True)
+    trainer = SimpleNamespace(global_step=0, training=True, world_size=1,
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    guard.on_train_start(trainer, model)
+
+    def step() -> None:
+        guard.on_train_batch_start(trainer, model, None, 0)
+        for _ in range(2):  # micro-batches
+            model(torch.randn(3, 4)).sum().backward()
+        guard.on_before_optimizer_step(trainer, model, optimizer=None)
+
+    with CountReads() as counter:
+        step()
+    assert counter.reads == 1
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")  # born in layer 0's output; layer 2's weight gradient is made of it
+    with pytest.raises(FloatingPointError, match=r"first at 2\.weight, first non-finite activation in 0$"):
+        step()
+
+
+def test_a_parameter_unfrozen_during_training_is_checked_as_backward_produces_it():
+    # As BackboneFinetuning unfreezes a backbone: the forward hooks skip modules whose tensors they already
+    # hooked, so a frozen one must not count as hooked.
+    import warnings
+
+    import torch
+
+    from lightning_3d.callbacks.grad_checks import GradientChecks
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].requires_grad_(False)
+    checks = GradientChecks(model)
+    checks.active = True
+    model(torch.ones(1, 2)).sum().backward()
+    model[0].requires_grad_(True)
+    model(torch.ones(1, 2)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "... a gradient that no hook saw ..."
+        names, finite = checks.collect(model, step=1)
+    assert {"0.weight", "0.bias"} <= set(names) and bool(finite.all())
 
 
 def test_comm_recorder_times_a_collective_whose_work_unboxes_to_none():

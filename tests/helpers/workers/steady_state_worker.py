@@ -2,17 +2,23 @@
 
     python -m torch.distributed.run --nproc-per-node 2 steady_state_worker.py OUT_DIR LAYOUT [LAYOUT ...]
 
-LAYOUT is a key of :data:`LAYOUTS` ("one" runs in one process, for the reference). For each layout two runs of
-the reference GPT: "bare" (no callbacks, no logger) and "default" (Lightning's default callbacks -- progress
-bar, ModelCheckpoint, model summary -- and a TensorBoard logger writing every step). Rank 0 writes
-``LAYOUT_RUN.json``:
+LAYOUT is a key of :data:`LAYOUTS` ("one" runs in one process, for the reference). For each layout three runs of
+the reference GPT: "bare" (no callbacks, no logger), "default" (Lightning's default callbacks -- progress
+bar, ModelCheckpoint, model summary -- and a TensorBoard logger writing every step) and "monitors" ("default"
+plus lightning_3d's callbacks at their default intervals, which with ``log_every_n_steps=1`` is every step). Rank 0 writes ``LAYOUT_RUN.json``:
 
 * ``modes``: per step of steps 2-4, the deepest TorchFunctionMode / TorchDispatchMode stack seen while a block
   runs forward or its output's gradient is computed; ``blocks_seen`` how many such moments were recorded.
 * ``syncs``: per step of steps 5-7, on each rank, copies of a device value to the host
   (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``) and object collectives
-  (``broadcast_object_list``, ``all_gather_object``, ...), counted from ``on_train_batch_start`` to
-  ``on_train_batch_end`` (Lightning's own SIGTERM broadcast, before the batch, is not counted).
+  (``broadcast_object_list``, ``all_gather_object``, ...), counted from the first callback's
+  ``on_train_batch_start`` to the last user callback's ``on_train_batch_end`` (Lightning's own SIGTERM
+  broadcast, before the batch, is not counted; nor are its progress bar and logger, which read the logged
+  values after the user's callbacks).
+* ``copies``: per step of steps 5-7, on each rank, ``.tolist()`` and ``.cpu()`` calls in the same window. On
+  the host they read memory without any dispatched operator, so ``syncs`` cannot see them; on a GPU, those of
+  a device tensor are syncs (one each for GradNormMonitor, CommTimer and PipelineMonitor in a step that logs),
+  those of a host tensor are not (PipelineMonitor's picture, on rank 0). Reported, not asserted.
 """
 
 import json
@@ -29,12 +35,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_
 
 from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
+from lightning_3d.callbacks import CommTimer, GradNormMonitor, NaNGuard, PipelineMonitor, ThroughputMonitor
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 
 LAYOUTS = {"one": {}, "pp2": dict(pipeline_parallel_size=2, num_microbatches=4),
            "tp2": dict(tensor_parallel_size=2)}
 MODE_STEPS = (1, 2, 3)  # batch indices: steps 2-4
 SYNC_STEPS = (4, 5, 6)  # steps 5-7
+KINDS = ("bare", "default", "monitors")
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list")
 
@@ -58,6 +66,7 @@ class Probe(L.Callback):
     def __init__(self) -> None:
         self.modes: dict[int, list[int]] = {}
         self.syncs: dict[int, int] = {}
+        self.copies: dict[int, int] = {}
         self.blocks_seen = 0
         self.where: list[str] = []  # the stack of each sync counted (for a failing test's message)
         self._counter: _CountSyncs | None = None
@@ -103,16 +112,51 @@ class Probe(L.Callback):
         if batch_idx in SYNC_STEPS:
             counters = {id(state["step"]) for optimizer in trainer.optimizers for state in optimizer.state.values()
                         if isinstance(state.get("step"), torch.Tensor)}
-            self._objects, self._counter = 0, _CountSyncs(counters)
+            self._objects, self._copies, self._counter = 0, 0, _CountSyncs(counters)
             self._counter.__enter__()
+            self._count_copies()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step = None
+
+    def _count_copies(self) -> None:
+        self._methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
+        for name, original in self._methods.items():
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self._copies += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+
+    def end_of_batch(self, batch_idx: int) -> None:
+        """After the last user callback's ``on_train_batch_end`` (:class:`EndOfBatch`)."""
         if self._counter is not None:
+            for name, original in self._methods.items():
+                setattr(torch.Tensor, name, original)
             self._counter.__exit__(None, None, None)
             self.syncs[batch_idx] = self._counter.count + self._objects
+            self.copies[batch_idx] = self._copies
             self.where.extend(self._counter.where)
             self._counter = None
+
+
+class EndOfBatch(L.Callback):
+    """The last user callback: closes the probe's count once every callback before it has finished the batch
+    (the probe opens it first, so that its mode sits below any mode a callback enters, e.g. CommTimer's)."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.probe.end_of_batch(batch_idx)
+
+
+def monitors(layout: str) -> list[L.Callback]:
+    """lightning_3d's callbacks at their default intervals (PipelineMonitor only with a pipeline: without one it
+    warns, and the tests turn warnings into errors)."""
+    pipeline = LAYOUTS[layout].get("pipeline_parallel_size", 1) > 1
+    return [NaNGuard(), GradNormMonitor(), CommTimer(), ThroughputMonitor(), *([PipelineMonitor()] if pipeline else [])]
 
 
 def run(layout: str, kind: str, out_dir: Path) -> dict:
@@ -122,25 +166,27 @@ def run(layout: str, kind: str, out_dir: Path) -> dict:
     probe = Probe()
     devices = int(os.environ.get("WORLD_SIZE", 1))
     bare = kind == "bare"
+    callbacks = [probe, *(monitors(layout) if kind == "monitors" else []), EndOfBatch(probe)]
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=ThreeDStrategy(**LAYOUTS[layout]), max_steps=8,
-        callbacks=[probe], enable_progress_bar=not bare, enable_checkpointing=not bare,
-        enable_model_summary=not bare, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+        callbacks=callbacks, enable_progress_bar=not bare, enable_checkpointing=not bare, enable_model_summary=not bare,
+        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
         logger=False if bare else TensorBoardLogger(str(out_dir / f"tb_{layout}")),
         default_root_dir=str(out_dir / f"root_{layout}_{kind}"))
     trainer.fit(module, data)
-    syncs = [None] * max(devices, 1)
+    counts = [None] * max(devices, 1)
     if dist.is_initialized():
-        dist.all_gather_object(syncs, probe.syncs)
+        dist.all_gather_object(counts, (probe.syncs, probe.copies))
     else:
-        syncs = [probe.syncs]
-    return {"modes": probe.modes, "blocks_seen": probe.blocks_seen, "syncs": syncs, "where": probe.where[:3]}
+        counts = [(probe.syncs, probe.copies)]
+    return {"modes": probe.modes, "blocks_seen": probe.blocks_seen, "syncs": [syncs for syncs, _ in counts],
+            "copies": [copies for _, copies in counts], "where": probe.where[:3]}
 
 
 def main(out_dir: str, layouts: list[str]) -> None:
     out = Path(out_dir)
     for layout in layouts:
-        for kind in ("bare", "default"):
+        for kind in KINDS:
             result = run(layout, kind, out)
             if int(os.environ.get("RANK", 0)) == 0:
                 (out / f"{layout}_{kind}.json").write_text(json.dumps(result))
