@@ -69,9 +69,9 @@ class CommRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if DTensor in types:
+        if any(issubclass(t, DTensor) for t in types):
             # DTensor first turns the call into plain-tensor ops, collectives among them, which come back
-            # through this mode.
+            # through this mode. (A subclass too: logits sharded over the vocabulary are a ShardedLogits.)
             return NotImplemented
         namespace = getattr(func, "namespace", None)
         if namespace not in COMMUNICATION:
