@@ -7,7 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 WARMUP_STEPS = 5
 VIRTUAL_STAGES = 2
@@ -30,8 +30,9 @@ def ensure_torchrun(nprocs: int) -> None:
     sys.exit(subprocess.call(cmd, env=env))
 
 
-def step_times(strategy, module, datamodule, steps: int, devices: int, accumulate_grad_batches: int = 1) -> list[float]:
-    """Seconds per training batch of one ``Trainer.fit``, after ``WARMUP_STEPS`` untimed batches."""
+def step_times(strategy, module, datamodule, steps: int, devices: int, accumulate_grad_batches: int = 1,
+               warmup: int = WARMUP_STEPS, callbacks: Sequence = ()) -> list[float]:
+    """Seconds per training batch of one ``Trainer.fit``, after ``warmup`` untimed batches."""
     import lightning as L
 
     class StepTimer(L.Callback):
@@ -42,11 +43,11 @@ def step_times(strategy, module, datamodule, steps: int, devices: int, accumulat
             self.ends.append(time.perf_counter())
 
     timer = StepTimer()
-    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps + WARMUP_STEPS, logger=False,
+    L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps + warmup, logger=False,
               accumulate_grad_batches=accumulate_grad_batches,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer]).fit(module, datamodule)
-    return [b - a for a, b in zip(timer.ends[WARMUP_STEPS - 1:], timer.ends[WARMUP_STEPS:])]
+              limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer, *callbacks]).fit(module, datamodule)
+    return [b - a for a, b in zip(timer.ends[warmup - 1:], timer.ends[warmup:])]
 
 
 def compare(runs: dict[str, Callable[[], list[float]]], rounds: int, title: str) -> None:

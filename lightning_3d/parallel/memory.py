@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -29,6 +30,70 @@ def memory_report(module: nn.Module, optimizers: Iterable[Optimizer] = ()) -> di
         "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer_state": sum(_local_bytes(t) for t in states if isinstance(t, Tensor)),
     }
+
+
+class SavedActivations:
+    """The most bytes autograd holds for backward at once while the context is entered
+    (``saved_tensors_hooks``), parameters excluded, each storage counted once however many ops save it or views
+    of it. Local; no communication. It looks at every saved tensor: for measuring, not for timed steps.
+
+    Example::
+
+        saved = SavedActivations(trainer.lightning_module)
+        with saved:
+            loss = module.training_step(batch, 0); loss.backward()
+        saved.peak  # bytes
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, handles alive]
+        self.current = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: Tensor):
+        # A DTensor's memory is its local shard (no_grad: reading it adds nothing to the graph being saved for);
+        # FSDP swaps parameters while it gathers them, so the parameter addresses are read at each call.
+        with torch.no_grad():
+            piece = local(tensor)
+            params = {local(p).untyped_storage().data_ptr() for p in self.module.parameters()}
+        key = piece.untyped_storage().data_ptr()
+        if key in params or piece.device.type == "meta":
+            return tensor
+        entry = self.live.setdefault(key, [piece.untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _SavedHandle(tensor, key, self)
+
+    @staticmethod
+    def _unpack(handle):
+        return handle.tensor if isinstance(handle, _SavedHandle) else handle
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+
+class _SavedHandle:
+    """What autograd keeps in place of a saved tensor; freed with the graph, which ends the tensor's count."""
+
+    def __init__(self, tensor: Tensor, key: int, owner: SavedActivations) -> None:
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self) -> None:
+        self.owner._release(self.key)
 
 
 def host_memory_available() -> int | None:

@@ -17,7 +17,7 @@ With speeds measured on the devices (what ``layout="auto"`` does at launch)::
     print(result.summary(3))       # the top three and why the first won
 """
 
-from lightning_3d.planner.calibration import Calibration, LinkSpeed, wire_bytes
+from lightning_3d.planner.calibration import Calibration, LinkSpeed, latency_steps, wire_bytes
 from lightning_3d.planner.cluster import GPUS, Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, Precision, estimate_memory, zero_model_state_bytes
@@ -28,4 +28,4 @@ from lightning_3d.planner.time import StepTime, estimate_step_time
 
 __all__ = ["Calibration", "Candidate", "Cluster", "GPUS", "Layout", "LinkSpeed", "MemoryEstimate", "ModelSpec",
            "NoLayoutFits", "LayoutPlan", "PlannerError", "PRECISIONS", "Precision", "StepTime", "estimate_memory",
-           "estimate_step_time", "evaluate", "plan", "why_best", "wire_bytes", "zero_model_state_bytes"]
+           "estimate_step_time", "evaluate", "latency_steps", "plan", "why_best", "wire_bytes", "zero_model_state_bytes"]

@@ -3,12 +3,14 @@
 Without a :class:`Calibration` the planner derives every time from datasheet figures (``Cluster``: peak
 TFLOP/s times an assumed GEMM efficiency, NVLink and network bandwidth). With one, compute comes from the
 measured forward + backward time of one block per token, and each collective from the measured latency and
-bandwidth of the link it runs over::
+bandwidth of the link it runs over, by the ring algorithm's cost (Thakur, Rabenseifner and Gropp 2005,
+"Optimization of Collective Communication Operations in MPICH")::
 
-    seconds = latency_s + wire_bytes / bandwidth_bytes_per_s
+    seconds = steps x latency_s + wire_bytes / bandwidth_bytes_per_s
 
-where ``wire_bytes`` is what each rank sends (:func:`wire_bytes`): NCCL's "bus bytes" convention, so a link
-measured with an all-reduce on a group of one size predicts collectives on groups of other sizes.
+where ``steps`` is the ring's sequential hops (:func:`latency_steps`: 2 (k - 1) for an all-reduce over k
+ranks) and ``wire_bytes`` is what each rank sends (:func:`wire_bytes`, NCCL's "bus bytes" convention), so a
+link measured with an all-reduce on a group of one size predicts collectives on groups of other sizes.
 
 Example::
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from lightning_3d.errors import PlannerError
@@ -49,17 +51,31 @@ def wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
     return (2 * share if collective == "all_reduce" else share) * nbytes
 
 
+def latency_steps(collective: str, ranks: int) -> int:
+    """Sequential hops of one ``collective`` over ``ranks`` ranks by the ring algorithm, each paying a link's
+    latency once: 2 (k - 1) for an all-reduce (a reduce-scatter, then an all-gather), k - 1 for an all-gather
+    or reduce-scatter, one for a point-to-point send. Zero on one rank."""
+    if collective not in COLLECTIVES:
+        raise PlannerError(f"collective={collective!r} is not one of {COLLECTIVES}.")
+    if ranks <= 1:
+        return 0
+    if collective == "send":
+        return 1
+    return (2 if collective == "all_reduce" else 1) * (ranks - 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LinkSpeed:
-    """How long one collective takes on a parallel dimension's group: ``latency_s + wire / bandwidth``.
+    """How long one collective takes on a parallel dimension's group: ``steps x latency_s + wire / bandwidth``.
 
     Example::
 
-        LinkSpeed.fit(wire=(65536, 4194304), seconds=(80e-6, 2.1e-3))
+        LinkSpeed.fit(wire=(65536, 4194304), seconds=(80e-6, 2.1e-3), steps=14)  # an all-reduce over 8 ranks
     """
 
     latency_s: float
-    """Seconds of a collective that moves (almost) nothing: launch, synchronization, the first hop."""
+    """Seconds of one hop of a ring collective that moves (almost) nothing: launch, synchronization, the wake-up
+    of the next rank. A collective pays it once per sequential step (:func:`latency_steps`)."""
     bandwidth_bytes_per_s: float
     """Wire bytes (:func:`wire_bytes`) per second one rank achieves; ``inf`` for a link that costs nothing."""
 
@@ -69,19 +85,20 @@ class LinkSpeed:
         if not self.bandwidth_bytes_per_s > 0:
             raise PlannerError(f"LinkSpeed.bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}.")
 
-    def seconds(self, wire: float) -> float:
-        """Seconds of one collective that puts ``wire`` bytes on the wire per rank (0 when nothing moves)."""
-        return self.latency_s + wire / self.bandwidth_bytes_per_s if wire > 0 else 0.0
+    def seconds(self, wire: float, steps: int = 1) -> float:
+        """Seconds of one collective of ``steps`` sequential hops that puts ``wire`` bytes on the wire per rank
+        (0 when nothing moves)."""
+        return steps * self.latency_s + wire / self.bandwidth_bytes_per_s if wire > 0 else 0.0
 
     @classmethod
-    def fit(cls, *, wire: tuple[float, float], seconds: tuple[float, float]) -> "LinkSpeed":
-        """The line through two measurements (wire bytes, seconds). A pair that does not rise, as noise gives
-        on a fast link, is read as all latency at the larger message's rate."""
+    def fit(cls, *, wire: tuple[float, float], seconds: tuple[float, float], steps: int = 1) -> "LinkSpeed":
+        """The line through two measurements (wire bytes, seconds) of a collective of ``steps`` hops. A pair
+        that does not rise, as noise gives on a fast link, is read as all latency at the larger message's rate."""
         (n1, t1), (n2, t2) = sorted(zip(wire, seconds))
         if t2 > t1 and n2 > n1:
             bandwidth = (n2 - n1) / (t2 - t1)
-            return cls(latency_s=max(0.0, t1 - n1 / bandwidth), bandwidth_bytes_per_s=bandwidth)
-        return cls(latency_s=max(0.0, t1), bandwidth_bytes_per_s=n2 / max(t2, 1e-12))
+            return cls(latency_s=max(0.0, t1 - n1 / bandwidth) / steps, bandwidth_bytes_per_s=bandwidth)
+        return cls(latency_s=max(0.0, t1) / steps, bandwidth_bytes_per_s=n2 / max(t2, 1e-12))
 
     @classmethod
     def of(cls, value: Any) -> "LinkSpeed":
@@ -117,6 +134,17 @@ class Calibration:
     optimizer_seconds_per_parameter: float | None = None
     """One optimizer step per parameter a rank holds; None: the Adam state streamed at the cluster's memory
     bandwidth."""
+    host_cores_per_rank: float | None = None
+    """The host's cores over its ranks' compute threads, where ranks share a host's cores (CPU ranks); None
+    where each rank has its own device (GPUs). The block times are measured with every rank computing at once.
+    Below 1 the ranks outnumber the cores: a pipeline stage idle in its bubble leaves its core time to the busy
+    ones, which then run up to 1 / this faster. At 1 or below no core is left for gloo's collectives to run
+    beside compute, so the data-parallel reduction is all exposed, none hidden behind backward."""
+    tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
+    """Forward + backward of one block split over tp ranks as the run splits it, its collectives included,
+    seconds per token of the micro-batch: ``{tp: {micro-batch size: seconds}}``. Where a tp size is timed, the
+    step time takes it instead of the whole block's time / tp plus modelled collectives (what the split adds
+    beyond an even split counts as tensor-parallel communication)."""
 
     def __post_init__(self) -> None:
         sizes = {}
@@ -129,29 +157,42 @@ class Calibration:
         if not sizes:
             raise PlannerError("Calibration.block_seconds_per_token is empty: time one block at one micro-batch"
                                " size at least.")
+        if self.host_cores_per_rank is not None and not self.host_cores_per_rank > 0:
+            raise PlannerError(f"Calibration.host_cores_per_rank must be > 0 or None, got"
+                               f" {self.host_cores_per_rank!r}.")
         if not (self.head_seconds_per_token >= 0 and math.isfinite(self.head_seconds_per_token)):
             raise PlannerError(f"Calibration.head_seconds_per_token must be a finite number >= 0, got"
                                f" {self.head_seconds_per_token!r}.")
+        tp_sizes = {}
+        for tp, times in dict(self.tp_block_seconds_per_token).items():
+            timed = {int(b): float(seconds) for b, seconds in dict(times).items()}
+            if int(tp) < 2 or not timed or any(b < 1 or not (t > 0 and math.isfinite(t)) for b, t in timed.items()):
+                raise PlannerError(f"Calibration.tp_block_seconds_per_token needs tp sizes >= 2, each with micro-batch"
+                                   f" sizes >= 1 and finite times > 0, got {tp}: {times!r}.")
+            tp_sizes[int(tp)] = dict(sorted(timed.items()))
         # Frozen: the normalized copies replace what was given (sorted int keys; LinkSpeed from any form).
         object.__setattr__(self, "block_seconds_per_token", dict(sorted(sizes.items())))
+        object.__setattr__(self, "tp_block_seconds_per_token", dict(sorted(tp_sizes.items())))
         for dim in DIMENSIONS:
             object.__setattr__(self, dim, LinkSpeed.of(getattr(self, dim)))
 
     def block_seconds(self, micro_batch_size: int) -> float:
-        """Seconds per token of one whole block at ``micro_batch_size``: measured, interpolated linearly between
-        the sizes around it, or the nearest size's outside the range timed (per-token time flattens as
+        """Seconds per token of one whole block at ``micro_batch_size``: measured; between two sizes timed, the
+        call's time interpolated linearly (a fixed cost per call plus a cost per token: the per-token time
+        falls as 1/b, not along a line); outside them the nearest size's (per-token time flattens as
         micro-batches grow, so extrapolating a trend would overshoot)."""
-        sizes = list(self.block_seconds_per_token)
-        times = self.block_seconds_per_token
-        if micro_batch_size in times:
-            return times[micro_batch_size]
-        i = bisect.bisect(sizes, micro_batch_size)
-        if i == 0:
-            return times[sizes[0]]
-        if i == len(sizes):
-            return times[sizes[-1]]
-        lo, hi = sizes[i - 1], sizes[i]
-        return times[lo] + (times[hi] - times[lo]) * (micro_batch_size - lo) / (hi - lo)
+        return _interpolated(self.block_seconds_per_token, micro_batch_size)
+
+    def tp_block_seconds(self, micro_batch_size: int, tp: int) -> float | None:
+        """Seconds per token of one block split over ``tp`` ranks, collectives included (interpolated as
+        :meth:`block_seconds`); None where that tp size was not timed."""
+        times = self.tp_block_seconds_per_token.get(tp)
+        return _interpolated(times, micro_batch_size) if times else None
+
+    @property
+    def communication_overlaps_compute(self) -> bool:
+        """Whether a collective can run beside compute: on a device of its own, or with a core to spare."""
+        return self.host_cores_per_rank is None or self.host_cores_per_rank > 1
 
     def link(self, dimension: str) -> LinkSpeed:
         if dimension not in DIMENSIONS:
@@ -162,7 +203,9 @@ class Calibration:
         """Plain values (ints, floats, dicts) that :meth:`from_dict` turns back into this calibration."""
         out = {"block_seconds_per_token": dict(self.block_seconds_per_token),
                "head_seconds_per_token": self.head_seconds_per_token,
-               "optimizer_seconds_per_parameter": self.optimizer_seconds_per_parameter}
+               "optimizer_seconds_per_parameter": self.optimizer_seconds_per_parameter,
+               "host_cores_per_rank": self.host_cores_per_rank,
+               "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
             link = self.link(dim)
             out[dim] = {"latency_s": link.latency_s, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s}
@@ -170,21 +213,42 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
-        known = {"block_seconds_per_token", "head_seconds_per_token", "optimizer_seconds_per_parameter", *DIMENSIONS}
-        if set(values) - known or {"block_seconds_per_token", "head_seconds_per_token", *DIMENSIONS} - set(values):
-            raise PlannerError(f"a Calibration dict has the keys {sorted(known)} (optimizer_seconds_per_parameter"
+        optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token"}
+        known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
+        if set(values) - known or known - optional - set(values):
+            raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
                                f" optional); got {sorted(values)}.")
         return cls(**values)
 
     @classmethod
     def from_measurements(cls, block_seconds_per_token: Mapping[int, float], head_seconds_per_token: float,
-                          links: Mapping[str, Any], optimizer_seconds_per_parameter: float | None = None
-                          ) -> "Calibration":
-        """From what the strategy measures: block and head seconds per token, and ``links`` holding "tp", "pp"
-        and "dp", each a LinkSpeed, an object with the same two attributes, or a (latency, bandwidth) pair."""
+                          links: Mapping[str, Any], optimizer_seconds_per_parameter: float | None = None,
+                          tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None,
+                          host_cores_per_rank: float | None = None) -> "Calibration":
+        """From what the strategy measures: block and head seconds per token (and the block's under tp, where
+        timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
+        attributes, or a (latency, bandwidth) pair."""
         missing = [dim for dim in DIMENSIONS if dim not in links]
         if missing:
             raise PlannerError(f"links needs a speed for each of {DIMENSIONS}; missing {missing}.")
         return cls(block_seconds_per_token=block_seconds_per_token, head_seconds_per_token=head_seconds_per_token,
                    optimizer_seconds_per_parameter=optimizer_seconds_per_parameter,
+                   tp_block_seconds_per_token=tp_block_seconds_per_token or {},
+                   host_cores_per_rank=host_cores_per_rank,
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
+
+
+def _interpolated(per_token: Mapping[int, float], size: int) -> float:
+    """Seconds per token at micro-batch ``size`` from those timed at other sizes: between two of them the
+    call's time (size x per-token) is linear; outside them the nearest size's per-token time."""
+    if size in per_token:
+        return per_token[size]
+    sizes = list(per_token)
+    i = bisect.bisect(sizes, size)
+    if i == 0:
+        return per_token[sizes[0]]
+    if i == len(sizes):
+        return per_token[sizes[-1]]
+    lo, hi = sizes[i - 1], sizes[i]
+    call_lo, call_hi = lo * per_token[lo], hi * per_token[hi]
+    return (call_lo + (call_hi - call_lo) * (size - lo) / (hi - lo)) / size

@@ -20,13 +20,18 @@ ideal time (Narayanan et al. 2021, section 2.2); the zero-bubble schedule is tak
 or reduce-scatter + all-gather under ZeRO) overlaps with the last micro-batch's backward; what does not fit
 in it is exposed. The optimizer step reads and writes the rank's Adam state at memory bandwidth.
 
-With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms take measured speeds instead:
+With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms take measured speeds instead
+(and, where CPU ranks outnumber the host's cores, a bubble shrinks -- idle stages leave their cores to busy
+ones -- and no data-parallel call hides behind backward, no core being free to run it):
 a block's forward + backward is its measured seconds per token at the micro-batch size, divided by tp (the
 tp split divides its matmuls), a recomputed block adds a forward (a third of that), the head its measured
-time / tp; every collective costs its link's latency + wire bytes / bandwidth, so latency counts once per
-call: two calls (reduce-scatter + all-gather) per tp region with sequence parallelism, one all-reduce
-without; one data-parallel call per FSDP unit (a block, or the rest of the stage) and per direction, or per
-25 MiB bucket of DDP.
+time / tp (where the calibration timed the block split over tp, what it measured: the even split counts as
+compute, the rest -- the block's collectives and whatever the split adds -- as tensor-parallel communication);
+every collective costs its link's latency once per ring step + wire bytes / bandwidth, so latency
+counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over k ranks (as a reduce-scatter
+and an all-gather, the pair sequence parallelism makes of a tp region), k - 1 for an all-gather or
+reduce-scatter, one per send; one data-parallel call per FSDP unit (a block, or the rest of the stage) and
+per direction, or per 25 MiB bucket of DDP.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
-from lightning_3d.planner.calibration import Calibration, wire_bytes
+from lightning_3d.planner.calibration import Calibration, latency_steps, wire_bytes
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import Precision, block_activation_bytes, checkpointed_blocks, rank_blocks, rank_parameters
@@ -103,12 +108,14 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     """Seconds of one optimizer step of ``layout`` (see the module docstring for the model).
 
     ``dp_overlap``: whether gradient reduction overlaps with backward (FSDP2 and DDP do; Megatron-LM of
-    2021 reduced after backward). ``dp_reduce_bytes``: bytes per gradient element on the wire (default the
-    precision's gradient bytes; Megatron-LM reduces its fp32 main gradients: 4). ``calibration``: measured
+    2021 reduced after backward; nothing does where the calibration leaves no core free to run it).
+    ``dp_reduce_bytes``: bytes per gradient element on the wire (default the precision's gradient bytes;
+    Megatron-LM reduces its fp32 main gradients: 4). ``calibration``: measured
     speeds to use instead of the cluster's datasheet figures (needed when the cluster has no peak)."""
     t, p, d, m, v = layout.tp, layout.pp, layout.dp, layout.num_microbatches, layout.virtual_stages
     tokens = layout.micro_batch_size * model.seq_length
     speeds = _Speeds(model, layout, cluster, precision, calibration)
+    dp_overlap = dp_overlap and (calibration is None or calibration.communication_overlaps_compute)
     ckpt = checkpointed_blocks(model, layout)
     message = tokens * model.hidden_size * precision.activation_bytes  # one b s h activation
     sp = layout.sequence_parallel
@@ -124,8 +131,12 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         blocks = rank_blocks(model, layout, rank)
         recomputed = len(ckpt & set(blocks))
         compute = len(blocks) * speeds.block + recomputed * speeds.recompute + (rank == p - 1) * speeds.head
-        regions = 4 * len(blocks) + 2 * recomputed + (rank == 0) + (rank == p - 1)
-        per_rank.append((compute, tp_collectives(regions), compute * 2 / 3))
+        ends = (rank == 0) + (rank == p - 1)  # the embedding's and the head's regions
+        if speeds.tp_block_extra is None:
+            tp_time = tp_collectives(4 * len(blocks) + 2 * recomputed + ends)
+        else:  # the blocks' collectives are in their measured time; a recompute repeats a forward's third
+            tp_time = (len(blocks) + recomputed / 3) * speeds.tp_block_extra + tp_collectives(ends)
+        per_rank.append((compute, tp_time, compute * 2 / 3))
     slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1])
     compute, tp_comm, backward = per_rank[slowest]
     # Each of a rank's v model chunks receives its input and sends its output once per micro-batch, forward
@@ -133,6 +144,13 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     send = 2 * v * speeds.collective("pp", "send", message / (t if sp else 1), p)
     microbatch = compute + tp_comm + send
     bubble_share = (ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 1.0) * (p - 1) / v
+    bubble = bubble_share * microbatch
+    cores = calibration.host_cores_per_rank if calibration is not None else None
+    if cores is not None and cores < 1 and p > 1:
+        # The ranks outnumber the host's cores (and the micro-batch time was measured with all of them busy): a
+        # stage idle in the bubble leaves its core time to the busy ones, up to a core each. The step lasts the
+        # longer of its busy work at the shared pace and its critical path at a core per rank.
+        bubble = max(0.0, (m + bubble_share) * microbatch * cores - m * microbatch)
 
     # Data parallel: gradients reduced once per step (all-reduce; reduce-scatter + all-gather of the new
     # parameters under ZeRO: the same bytes), overlapped with the last micro-batch's backward.
@@ -143,8 +161,11 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     weights = params * precision.param_bytes
     zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
 
+    def dp_call(collective: str, nbytes: float) -> float:  # one unit's share
+        return speeds.collective("dp", collective, nbytes / units, d)
+
     def dp_calls(collective: str, nbytes: float) -> float:
-        return units * speeds.collective("dp", collective, nbytes / units, d)
+        return units * dp_call(collective, nbytes)
 
     if zero and p > 1 and layout.pipeline_reduce_grads == "per_microbatch":
         # A reduce-scatter of the stage's gradients in each micro-batch, each overlapping that backward.
@@ -152,14 +173,20 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         dp_time = m * scatter + gather
         exposed = m * max(0.0, scatter - backward) + max(0.0, gather - backward) if dp_overlap else dp_time
     else:
+        # Overlap hides a call only behind compute that runs while it is in flight: the reduction of the last
+        # gradients (the last bucket or unit, after the last backward) has none, nor under ZeRO the first
+        # unit's gather (before the first forward); at least these are exposed.
         if zero:
-            dp_time = dp_calls("reduce_scatter", grads) + dp_calls("all_gather", weights)
+            unhidden = dp_call("reduce_scatter", grads) + dp_call("all_gather", weights)
+            dp_time = units * unhidden
         elif t == 1 and p == 1:  # DistributedDataParallel: one all-reduce per bucket
             buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
-            dp_time = buckets * speeds.collective("dp", "all_reduce", grads / buckets, d)
+            unhidden = speeds.collective("dp", "all_reduce", grads / buckets, d)
+            dp_time = buckets * unhidden
         else:  # FSDP2's replicate: one all-reduce per unit
-            dp_time = dp_calls("all_reduce", grads)
-        exposed = max(0.0, dp_time - backward) if dp_overlap else dp_time
+            unhidden = dp_call("all_reduce", grads)
+            dp_time = units * unhidden
+        exposed = max(unhidden, dp_time - backward) if dp_overlap else dp_time
     if zero == 3 and d > 1:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
         # prefetched during the previous block's compute.
@@ -167,7 +194,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         exposed += m * max(0.0, gathers - compute)
     optimizer = speeds.optimizer(params) / (d if zero else 1)
     return StepTime(
-        compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble_share * microbatch,
+        compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
         model_flops=step_flops(model, layout.global_batch_size),
         hardware_flops=step_flops(model, layout.global_batch_size, layout.recompute))
@@ -181,10 +208,16 @@ class _Speeds:
                  calibration: Calibration | None) -> None:
         self.cluster, self.precision, self.calibration, self.layout = cluster, precision, calibration, layout
         t, tokens = layout.tp, layout.micro_batch_size * model.seq_length
+        self.tp_block_extra: float | None = None
+        """Where the block was timed split over tp: what the split adds to the even split (its collectives, its
+        overheads), per block and micro-batch."""
         if calibration is not None:
             self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
             self.recompute = self.block / 3  # a forward is a third of forward + backward (backward: 2 matmuls)
             self.head = calibration.head_seconds_per_token * tokens / t
+            split = calibration.tp_block_seconds(layout.micro_batch_size, t) if t > 1 else None
+            if split is not None:
+                self.tp_block_extra = max(0.0, split * tokens - self.block)
             return
         if cluster.peak_tflops is None:
             raise PlannerError(f"The cluster has no peak ({cluster.device} ranks): give the planner a Calibration"
@@ -200,7 +233,7 @@ class _Speeds:
         """Seconds of one ``collective`` of an ``nbytes`` tensor over ``ranks`` ranks of ``dimension``'s group."""
         wire = wire_bytes(collective, nbytes, ranks)
         if self.calibration is not None:
-            return self.calibration.link(dimension).seconds(wire)
+            return self.calibration.link(dimension).seconds(wire, latency_steps(collective, ranks))
         t, d = self.layout.tp, self.layout.dp
         # Mesh order (pp, dp, tp): a tp group spans t consecutive ranks, a dp group t * d, and neighbouring
         # pipeline stages lie t * d ranks apart.

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_3d.common import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, divisors
-from lightning_3d.errors import NoLayoutFits, ParallelConfigError
+from lightning_3d.errors import LayoutError, NoLayoutFits, ParallelConfigError, PolicyError
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.memory import host_memory_available
 from lightning_3d.planner.cluster import GIB, Cluster
@@ -234,7 +234,15 @@ def decide_layout(config: ParallelConfig, module, policy, trainer, *, world_size
                else "the policy names no blocks")
         raise ParallelConfigError(f"layout='auto' needs the planner's model of this run, but {why}. Set the layout"
                                   f" ({', '.join(config.auto_fields)}) explicitly.")
-    return decide(config, module=module, spec=spec, block=module.get_submodule(blocks[0]), batch=batch,
+    tp_plans = {}  # the tp sizes a layout may take, each timed split as the policy splits it
+    for tp in divisors(world_size):
+        allowed = "tensor_parallel_size" in config.auto_fields or tp == config.tensor_parallel_size
+        if 1 < tp <= per_node and allowed and not (spec.num_heads % tp or spec.kv_heads % tp or spec.vocab_size % tp):
+            try:  # (timed without sequence parallelism: the block's input is then whole, as captured)
+                tp_plans[tp] = plan_model(policy, module, replace(probe, sequence_parallel=False), tp)
+            except (PolicyError, LayoutError):
+                continue  # a size the policy cannot split this model by: no layout takes it
+    return decide(config, module=module, spec=spec, block_name=blocks[0], tp_plans=tp_plans, batch=batch,
                   precision_name=precision, world_size=world_size, per_node=per_node, device=device)
 
 
@@ -253,21 +261,30 @@ def _sequence_length(batch: Any) -> Optional[int]:
     return int(tensors[0].shape[1]) if tensors else None
 
 
-def decide(config: ParallelConfig, *, module, spec: ModelSpec, block, batch: Any, precision_name: str,
-           world_size: int, per_node: int, device: torch.device) -> Decision:
-    """The launch-time decision on every rank (collective: calibration, then rank 0's choice broadcast)."""
+def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, tp_plans: dict, batch: Any,
+           precision_name: str, world_size: int, per_node: int, device: torch.device) -> Decision:
+    """The launch-time decision on every rank (collective: calibration, then rank 0's choice broadcast).
+    ``block_name``: the block to time; ``tp_plans``: the policy's plan at each tp size to time it split by."""
+    from lightning_3d.planner.calibration import Calibration
+
     precision = PRECISIONS[precision_name]
+    block = module.get_submodule(block_name)
     call = calibrate.capture_block_call(module, block, batch, module.training_step)
     batch_size = _batch_size(batch)
     sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
-    block_s = calibrate.slowest_rank(calibrate.block_seconds_per_token(block, call, batch_size, sizes, device),
-                                     device)
-    head_s = calibrate.slowest_rank({0: calibrate.head_seconds_per_token(
-        spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device)}, device)[0]
+    # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        block_s = calibrate.slowest_rank(calibrate.block_seconds_per_token(block, call, batch_size, sizes, device),
+                                         device)
+        split = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
+                                                     sorted({sizes[0], sizes[-1]}), device)
+        tp_block_s = {tp: calibrate.slowest_rank(times, device) for tp, times in split.items()}
+        head_s = calibrate.slowest_rank({0: calibrate.head_seconds_per_token(
+            spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device)}, device)[0]
     links = calibrate.link_speeds(world_size, per_node, device)
-    from lightning_3d.planner.calibration import Calibration
-
-    calibration = Calibration.from_measurements(block_s, head_s, links)
+    calibration = Calibration.from_measurements(
+        block_s, head_s, links, tp_block_seconds_per_token=tp_block_s,
+        host_cores_per_rank=calibrate.host_cores_per_rank(per_node, device))
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

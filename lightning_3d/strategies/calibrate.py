@@ -5,11 +5,13 @@ Two measurements, both on the real ranks, before the model is sharded:
 * **compute**: one of the model's own blocks, copied from the meta build, materialized with random weights on
   this rank's device, run forward and backward on inputs shaped as the model really calls it (the call is
   taken from the user's ``training_step`` run on the meta device up to that block, so a block that takes
-  masks or rotary tables gets them), at each candidate micro-batch size; and the output head as a matrix
-  multiply of its size. Seconds per token.
+  masks or rotary tables gets them), at each candidate micro-batch size; the same block split over each
+  candidate tensor-parallel size by the policy's plan, on real tp groups (its collectives and DTensor's costs
+  included), at the smallest and largest size; and the output head as a matrix multiply of its size. Seconds
+  per token.
 * **communication**: all-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point
   sends between the two halves of the world (as pipeline neighbours lie), each at two message sizes, so that
-  ``time = latency + bytes / bandwidth`` gives both numbers.
+  ``time = ring steps x latency + bytes / bandwidth`` gives both numbers.
 
 Every rank takes part (collectives), each measures its own, and the slowest rank's numbers are kept (a step
 runs at the pace of its slowest rank). The random generators are left as they were found.
@@ -18,22 +20,29 @@ runs at the pace of its slowest rank). The random generators are left as they we
 from __future__ import annotations
 
 import copy
+import math
+import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_3d.planner.calibration import LinkSpeed, wire_bytes
+from lightning_3d.common import local
+from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
+from lightning_3d.policies.base import Plan
 
 MESSAGE_BYTES = (2**16, 2**22)
 """The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
 the second."""
-REPEATS = 3
+REPEATS = 5
 """Timed repetitions of each measurement after one warm-up; the median is kept."""
+MIN_REPEAT_SECONDS = 0.02
+"""The shortest timed repetition: a call is repeated within one until it lasts this long. A single short call
+measures the clock and the scheduler's time slices (milliseconds where ranks share cores) more than the work."""
 
 
 class _Captured(Exception):
@@ -67,8 +76,39 @@ def capture_block_call(module: nn.Module, block: nn.Module, batch: Any, step: Ca
 def block_seconds_per_token(block: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
                             device: torch.device) -> dict[int, float]:
     """Forward + backward seconds per token of ``block`` (a meta copy is fine) at each micro-batch size, the
-    call's batch dimension (size ``batch_size``) resized to it."""
-    timed = _materialized(block, device)
+    call's batch dimension (size ``batch_size``) resized to it. Collective (every rank times at once)."""
+    return _seconds_per_token(_materialized(block, device), call, batch_size, micro_batch_sizes, device)
+
+
+def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping[int, Plan], call: tuple,
+                               batch_size: int, micro_batch_sizes: list[int], device: torch.device
+                               ) -> dict[int, dict[int, float]]:
+    """As :func:`block_seconds_per_token`, with the block split by each tensor-parallel size's plan (``plans``:
+    tp -> the policy's plan for the model; ``block_name`` the block's name in it) over groups of tp consecutive
+    ranks, every group timing at once as a dp x tp layout runs: the even split of the matmuls, the block's
+    collectives, and what the split adds (smaller matmuls, DTensor's dispatch). Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel
+
+    result = {}
+    for tp, plan in sorted(plans.items()):
+        mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("rest", "tp"))
+        # The block alone, under the name the plan gives it (the plan's patterns are the model's names).
+        root, (*path, leaf) = nn.Module(), block_name.split(".")
+        parent = root
+        for part in path:
+            parent.add_module(part, nn.Module())
+            parent = parent.get_submodule(part)
+        parent.add_module(leaf, copy.deepcopy(block))
+        apply_tensor_parallel(root, plan, mesh["tp"])
+        split = _materialized(root.get_submodule(block_name), device)
+        result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device)
+    return result
+
+
+def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
+                       device: torch.device) -> dict[int, float]:
     result = {}
     for b in micro_batch_sizes:
         args, kwargs = _inputs(call, batch_size, b, device)
@@ -80,7 +120,7 @@ def block_seconds_per_token(block: nn.Module, call: tuple, batch_size: int, micr
             out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
             out.backward(torch.ones_like(out))
 
-        result[b] = _median_seconds(run, device) / tokens
+        result[b] = _median_seconds(run, device, barrier=True) / tokens
     return result
 
 
@@ -93,7 +133,7 @@ def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int,
     def run() -> None:
         torch.nn.functional.linear(x, weight).sum().backward(retain_graph=True)
 
-    return _median_seconds(run, device) / micro_tokens
+    return _median_seconds(run, device, barrier=True) / micro_tokens
 
 
 def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:
@@ -114,13 +154,22 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
     return {dim: _slowest(speed, device) for dim, speed in speeds.items()}
 
 
+def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
+    """The host's cores (those this process may run on) over its ranks' compute threads; None on GPUs."""
+    if device.type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores / (per_node * torch.get_num_threads())
+
+
 def _allreduce_speed(group, device: torch.device) -> LinkSpeed:
     k = dist.get_world_size(group)
     times = []
     for nbytes in MESSAGE_BYTES:
         buffer = torch.zeros(nbytes // 4, device=device)
         times.append(_median_seconds(lambda: dist.all_reduce(buffer, group=group), device, barrier=True))
-    return LinkSpeed.fit(wire=tuple(wire_bytes("all_reduce", n, k) for n in MESSAGE_BYTES), seconds=tuple(times))
+    return LinkSpeed.fit(wire=tuple(wire_bytes("all_reduce", n, k) for n in MESSAGE_BYTES), seconds=tuple(times),
+                         steps=latency_steps("all_reduce", k))
 
 
 def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
@@ -160,21 +209,35 @@ def slowest_rank(seconds: dict[int, float], device: torch.device) -> dict[int, f
 
 
 def _median_seconds(run: Callable[[], None], device: torch.device, barrier: bool = False) -> float:
+    """Seconds of one ``run()``: the median over ``REPEATS`` timed repetitions after a warm-up, each repeating
+    the call until it lasts ``MIN_REPEAT_SECONDS``. Collective where the process group is up: every rank
+    repeats the call as often as the slowest needs (collectives match); with ``barrier`` the ranks start each
+    repetition together, so that they run at once, as they do in a step; and each repetition counts at its
+    slowest rank's time, as a step waits for its slowest rank each time (the median of those maxima, not the
+    largest of the ranks' medians, which is shorter where ranks share cores and take turns being slow)."""
     def synchronize() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    run()  # warm-up: first-call allocations, kernel selection
-    synchronize()
-    times = []
-    for _ in range(REPEATS):
-        if barrier:
+    def timed(calls: int) -> float:
+        if barrier and dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
-        run()
+        for _ in range(calls):
+            run()
         synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return (time.perf_counter() - start) / calls
+
+    run()  # warm-up: first-call allocations, kernel selection
+    synchronize()
+    calls = math.ceil(MIN_REPEAT_SECONDS / max(timed(1), 1e-9))
+    if not dist.is_initialized():
+        return statistics.median(timed(calls) for _ in range(REPEATS))
+    agreed = torch.tensor([calls], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    times = torch.tensor([timed(int(agreed.item())) for _ in range(REPEATS)], dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return statistics.median(times.tolist())
 
 
 def _materialized(block: nn.Module, device: torch.device) -> nn.Module:
@@ -183,7 +246,7 @@ def _materialized(block: nn.Module, device: torch.device) -> nn.Module:
     timed = copy.deepcopy(block).to_empty(device=device)
     with torch.no_grad():
         for param in timed.parameters():
-            param.normal_(0.0, 0.02)
+            local(param).normal_(0.0, 0.02)  # a tp shard: its own numbers (no DTensor random op, no collective)
         for buffer in timed.buffers():
             if buffer.is_floating_point():
                 buffer.fill_(1.0)

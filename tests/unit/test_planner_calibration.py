@@ -2,6 +2,7 @@
 decisions it leads to on CPU ranks, with fixed calibration numbers."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,10 +16,12 @@ from lightning_3d.planner import (
     NoLayoutFits,
     PlannerError,
     estimate_step_time,
+    latency_steps,
     plan,
     wire_bytes,
 )
 from lightning_3d.planner.cluster import GIB
+from lightning_3d.planner.memory import rank_parameters
 from lightning_3d.planner.search import enumerate_layouts, evaluate
 
 FP32 = PRECISIONS["32-true"]
@@ -28,9 +31,12 @@ GLOO = LinkSpeed(latency_s=2e-4, bandwidth_bytes_per_s=2e9)
 """About what gloo gives between processes of one host."""
 
 
-def calibration(*, tp=FAST, pp=FAST, dp=FAST, block=None, head=1e-7, optimizer=None) -> Calibration:
+def calibration(*, tp=FAST, pp=FAST, dp=FAST, block=None, head=1e-7, optimizer=None,
+                tp_block_seconds_per_token=None, host_cores_per_rank=None) -> Calibration:
     return Calibration(block_seconds_per_token=block or {1: 4e-6, 4: 2e-6}, head_seconds_per_token=head,
-                       tp=tp, pp=pp, dp=dp, optimizer_seconds_per_parameter=optimizer)
+                       tp=tp, pp=pp, dp=dp, optimizer_seconds_per_parameter=optimizer,
+                       tp_block_seconds_per_token=tp_block_seconds_per_token or {},
+                       host_cores_per_rank=host_cores_per_rank)
 
 
 # A GPT of 8 blocks, 256 wide (about 7M parameters, 0.1 GiB of fp32 Adam states), on 8 CPU ranks.
@@ -47,11 +53,12 @@ def cpu(memory_gib=8.0) -> Cluster:
 def test_calibration_goes_through_a_plain_dict_and_json_unchanged():
     original = Calibration(block_seconds_per_token={4: 2e-6, 1: 4e-6}, head_seconds_per_token=1e-7, tp=FAST,
                            pp=SLOW, dp=LinkSpeed(latency_s=2e-5, bandwidth_bytes_per_s=3e9),
-                           optimizer_seconds_per_parameter=1e-9)
+                           optimizer_seconds_per_parameter=1e-9, tp_block_seconds_per_token={2: {8: 1e-6, 1: 3e-6}},
+                           host_cores_per_rank=0.25)
     values = original.to_dict()
     assert json.loads(json.dumps(values)) != values  # JSON turns the micro-batch keys into strings ...
     assert Calibration.from_dict(json.loads(json.dumps(values))) == original  # ... which come back as ints
-    assert list(original.block_seconds_per_token) == [1, 4]
+    assert list(original.block_seconds_per_token) == [1, 4] and list(original.tp_block_seconds_per_token[2]) == [1, 8]
 
 
 def test_calibration_takes_the_strategys_measurements_in_any_link_form():
@@ -70,6 +77,9 @@ def test_calibration_takes_the_strategys_measurements_in_any_link_form():
     (dict(block_seconds_per_token={}), "is empty"),
     (dict(block_seconds_per_token={0: 1e-6}), "micro-batch sizes >= 1"),
     (dict(head_seconds_per_token=-1.0), "head_seconds_per_token"),
+    (dict(tp_block_seconds_per_token={1: {1: 1e-6}}), "tp sizes >= 2"),
+    (dict(tp_block_seconds_per_token={2: {}}), "tp sizes >= 2"),
+    (dict(host_cores_per_rank=0.0), "host_cores_per_rank"),
 ])
 def test_a_calibration_with_impossible_numbers_is_refused(kwargs, message):
     values = dict(block_seconds_per_token={1: 1e-6}, head_seconds_per_token=1e-7, tp=FAST, pp=FAST, dp=FAST)
@@ -85,8 +95,11 @@ def test_two_message_sizes_give_latency_and_bandwidth():
 
 
 def test_block_time_is_interpolated_between_measured_sizes_and_clamped_outside():
-    cal = calibration(block={2: 4e-6, 8: 1e-6})
-    assert [cal.block_seconds(b) for b in (1, 2, 4, 8, 16)] == pytest.approx([4e-6, 4e-6, 3e-6, 1e-6, 1e-6])
+    # A call's time (sequences x per-token time) is a line between the sizes timed: a fixed cost per call and
+    # one per token. At 4 sequences 2.67e-6 per token, where a line through the per-token times gives 3.33e-6.
+    cal = calibration(block={2: 4e-6, 8: 2e-6})
+    call_4 = 2 * 4e-6 + (8 * 2e-6 - 2 * 4e-6) * (4 - 2) / (8 - 2)
+    assert [cal.block_seconds(b) for b in (1, 2, 4, 8, 16)] == pytest.approx([4e-6, 4e-6, call_4 / 4, 2e-6, 2e-6])
 
 
 def test_wire_bytes_are_the_ring_algorithms():
@@ -108,13 +121,86 @@ def test_calibrated_step_time_is_the_measured_block_time_split_over_tp_plus_the_
     assert time.compute == pytest.approx(3 * per_microbatch)
     # Without sequence parallelism: one all-reduce per region, 4 per block, 2 per recomputed block, and one
     # each for the embedding and the head, of a b s h fp32 activation.
+    # An all-reduce over 2 ranks is two ring steps (a reduce-scatter and an all-gather), each paying the latency.
     calls = 6 * MODEL.num_layers + 2
     message = tokens * MODEL.hidden_size * 4
-    assert time.tp_communication == pytest.approx(3 * calls * tp_link.seconds(wire_bytes("all_reduce", message, 2)))
-    # With it, each all-reduce is a reduce-scatter and an all-gather: the same bytes, twice the latency.
+    per_call = 2 * tp_link.latency_s + wire_bytes("all_reduce", message, 2) / tp_link.bandwidth_bytes_per_s
+    assert time.tp_communication == pytest.approx(3 * calls * per_call)
+    # With it, each all-reduce is a reduce-scatter and an all-gather call: the same bytes and the same ring steps.
     sp = estimate_step_time(MODEL, Layout(tp=2, micro_batch_size=2, num_microbatches=3, recompute="full",
                                           sequence_parallel=True), cpu(), FP32, calibration=cal)
-    assert sp.tp_communication - time.tp_communication == pytest.approx(3 * calls * tp_link.latency_s)
+    assert sp.tp_communication == pytest.approx(time.tp_communication)
+
+
+def test_a_block_timed_split_over_tp_replaces_the_even_split_and_its_modelled_collectives():
+    tp_link = LinkSpeed(latency_s=1e-4, bandwidth_bytes_per_s=1e9)
+    # Split over 2 ranks the block takes 3e-6 s per token of the micro-batch, not the even 4e-6 / 2.
+    cal = calibration(tp=tp_link, block={2: 4e-6}, tp_block_seconds_per_token={2: {2: 3e-6}})
+    layout = Layout(tp=2, dp=4, micro_batch_size=2)
+    tokens = 2 * MODEL.seq_length
+    time = estimate_step_time(MODEL, layout, cpu(), FP32, calibration=cal)
+    assert time.compute == pytest.approx(MODEL.num_layers * 4e-6 * tokens / 2 + 1e-7 * tokens / 2)
+    # What the split adds counts as tp communication; only the embedding's and the head's regions are modelled.
+    ends = 2 * tp_link.seconds(wire_bytes("all_reduce", tokens * MODEL.hidden_size * 4, 2), 2)
+    assert time.tp_communication == pytest.approx(MODEL.num_layers * (3e-6 - 2e-6) * tokens + ends)
+    # A tp size not timed keeps the model: the even split and four all-reduces per block.
+    untimed = estimate_step_time(MODEL, Layout(tp=4, dp=2, micro_batch_size=2), cpu(), FP32, calibration=cal)
+    assert untimed.tp_communication == pytest.approx((4 * MODEL.num_layers + 2) * tp_link.seconds(
+        wire_bytes("all_reduce", tokens * MODEL.hidden_size * 4, 4), 6))
+
+
+def test_latency_is_paid_once_per_ring_step_so_it_grows_with_the_group():
+    link = LinkSpeed(latency_s=1e-3, bandwidth_bytes_per_s=1e9)
+    assert [latency_steps("all_reduce", k) for k in (1, 2, 4, 8)] == [0, 2, 6, 14]
+    assert [latency_steps(c, 8) for c in ("all_gather", "reduce_scatter", "send")] == [7, 7, 1]
+    assert link.seconds(0.0, 14) == 0.0 and link.seconds(1e6, 14) == pytest.approx(14e-3 + 1e-3)
+    # An all-reduce timed over 8 ranks (14 steps) gives the latency of one step.
+    measured = LinkSpeed.fit(wire=(2**16, 2**22), seconds=(14e-3 + 2**16 / 1e9, 14e-3 + 2**22 / 1e9), steps=14)
+    assert measured.latency_s == pytest.approx(1e-3) and measured.bandwidth_bytes_per_s == pytest.approx(1e9)
+    small, large = (estimate_step_time(MODEL, Layout(tp=t, dp=8 // t, micro_batch_size=2), cpu(), FP32,
+                                       calibration=calibration(tp=link)) for t in (2, 8))
+    calls = 4 * MODEL.num_layers + 2
+    assert large.tp_communication - small.tp_communication == pytest.approx(
+        calls * (12 * link.latency_s + (wire_bytes("all_reduce", 2 * MODEL.seq_length * MODEL.hidden_size * 4, 8)
+                                        - wire_bytes("all_reduce", 2 * MODEL.seq_length * MODEL.hidden_size * 4, 2))
+                 / link.bandwidth_bytes_per_s))
+
+
+def test_the_last_reduction_and_zeros_first_gather_stay_exposed_however_long_the_backward():
+    # A block time long enough that every data-parallel call would fit behind the backward.
+    dp_link = LinkSpeed(latency_s=1e-3, bandwidth_bytes_per_s=1e9)
+    cal = calibration(dp=dp_link, block={8: 1e-3})
+    params = rank_parameters(MODEL, Layout(dp=8), 0)
+    grads = params * FP32.grad_bytes  # 32 MiB: two DDP buckets, the second reduced after the last backward
+    ddp = estimate_step_time(MODEL, Layout(dp=8, micro_batch_size=8), cpu(), FP32, calibration=cal)
+    assert ddp.dp_communication == pytest.approx(dp_link.seconds(wire_bytes("all_reduce", grads / 2, 8), 14))
+    # ZeRO: FSDP units (each block, and the rest); the last unit's reduce-scatter and the first's gather.
+    units = MODEL.num_layers + 1
+    zero = estimate_step_time(MODEL, Layout(dp=8, micro_batch_size=8, zero_stage=2), cpu(), FP32, calibration=cal)
+    assert zero.dp_communication == pytest.approx(
+        dp_link.seconds(wire_bytes("reduce_scatter", grads / units, 8), 7)
+        + dp_link.seconds(wire_bytes("all_gather", params * FP32.param_bytes / units, 8), 7))
+    # Where communication cannot run beside compute (CPU ranks filling the cores), none of it is hidden.
+    busy = replace(cal, host_cores_per_rank=1.0)
+    serial = estimate_step_time(MODEL, Layout(dp=8, micro_batch_size=8, zero_stage=2), cpu(), FP32, calibration=busy)
+    assert serial.dp_communication == pytest.approx(units * zero.dp_communication)
+
+
+def test_where_ranks_outnumber_the_cores_a_pipeline_bubble_gives_its_core_time_to_the_busy_stages():
+    layout = Layout(pp=4, dp=2, micro_batch_size=1, num_microbatches=4)
+    own = estimate_step_time(MODEL, layout, cpu(), FP32, calibration=calibration())
+    microbatch = own.compute / 4 + own.tp_communication / 4 + own.pp_communication / 4
+    assert own.pp_bubble == pytest.approx(3 * microbatch)  # (p - 1) micro-batch times
+    # Half a core per rank: alone, a stage runs twice as fast; the 7 micro-batch times of the critical path
+    # take 3.5 at that pace, 0.5 more than the 4 of busy work at the shared pace.
+    half = estimate_step_time(MODEL, layout, cpu(), FP32, calibration=calibration(host_cores_per_rank=0.5))
+    assert half.pp_bubble == pytest.approx(0.0)
+    short = estimate_step_time(MODEL, Layout(pp=8, micro_batch_size=1, num_microbatches=8), cpu(), FP32,
+                               calibration=calibration(host_cores_per_rank=0.9))
+    full = estimate_step_time(MODEL, Layout(pp=8, micro_batch_size=1, num_microbatches=8), cpu(), FP32,
+                              calibration=calibration())
+    per_microbatch = (full.compute + full.tp_communication + full.pp_communication) / 8
+    assert short.pp_bubble == pytest.approx((8 + 7) * per_microbatch * 0.9 - 8 * per_microbatch)
 
 
 def test_without_a_calibration_a_cluster_with_no_peak_cannot_be_timed():
@@ -167,7 +253,8 @@ ACTIVATIONS_HEAVY = ModelSpec(num_layers=8, hidden_size=128, num_heads=4, vocab_
 
 @pytest.mark.parametrize("model", [STATES_HEAVY, ACTIVATIONS_HEAVY], ids=["states", "activations"])
 def test_a_tight_memory_budget_makes_the_planner_shard_or_recompute_and_stay_within_it(model):
-    cal = calibration(dp=LinkSpeed(latency_s=1e-3, bandwidth_bytes_per_s=1e11), optimizer=1e-11, block={1: 2e-5})
+    # dp: 1 ms per all-reduce over the 8 ranks (14 ring steps)
+    cal = calibration(dp=LinkSpeed(latency_s=1e-3 / 14, bandwidth_bytes_per_s=1e11), optimizer=1e-11, block={1: 2e-5})
     fixed = {"micro_batch_size": 1}  # one lever less: smaller micro-batches would also save activations
     generous = plan(model, cpu(8.0), global_batch_size=32, precision=FP32, calibration=cal, fixed=fixed)
     fastest = generous.best.layout

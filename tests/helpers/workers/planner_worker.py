@@ -13,60 +13,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
 
 from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
-from lightning_3d.parallel.memory import memory_report
-
-
-class SavedActivations:
-    """The most bytes autograd holds for backward at once (``saved_tensors_hooks``), parameters excluded,
-    each storage counted once however many ops save it or views of it."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, handles alive]
-        self.current = self.peak = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-    def pack(self, tensor: torch.Tensor):
-        # A DTensor's memory is its local shard; FSDP swaps parameters while it gathers them, so the parameter
-        # addresses are read at each call.
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # to_local() would be an op
-        params = {(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                  for p in self.module.parameters()}
-        key = local.untyped_storage().data_ptr()
-        if key in params or local.device.type == "meta":
-            return tensor
-        entry = self.live.setdefault(key, [local.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.current += entry[0]
-            self.peak = max(self.peak, self.current)
-        entry[1] += 1
-        return _Handle(tensor, key, self)
-
-    @staticmethod
-    def unpack(handle):
-        return handle.tensor if isinstance(handle, _Handle) else handle
-
-    def release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self.live[key]
-
-
-class _Handle:
-    """What autograd keeps in place of a saved tensor; freed with the graph, which ends the tensor's count."""
-
-    def __init__(self, tensor, key, owner) -> None:
-        self.tensor, self.key, self.owner = tensor, key, owner
-
-    def __del__(self) -> None:
-        self.owner.release(self.key)
+from lightning_3d.parallel.memory import SavedActivations, memory_report
 
 
 class Measure(L.Callback):
@@ -77,10 +28,10 @@ class Measure(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.saved = SavedActivations(pl_module)
-        self.saved.hooks.__enter__()
+        self.saved.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.saved.hooks.__exit__(None, None, None)
+        self.saved.__exit__(None, None, None)
         # The last step's peak: the first step also holds what the pipeline's shape inference kept from its
         # extra forward, which later steps do not.
         self.peak = self.saved.peak
