@@ -253,12 +253,12 @@ def print_table(name: str, args, runs: list[Run], auto: Run, budgeted: Run | Non
           f" vocab={shape['vocab_size']}, seq {args.seq_len}, {args.batch_size} sequences per replica, 8 CPU"
           f" ranks, {args.warmup} + {args.steps} steps per fit ({args.rounds} fits in turns for auto and the best"
           f" swept layout, their median); load {load[0]} -> {load[1]}")
-    print(f"  {'layout':<44} {'ms/step':>8} {'tokens/s':>9} {'predicted':>9} {'pred/meas':>9} {'peak MiB':>8}")
+    print(f"  {'layout':<48} {'ms/step':>8} {'tokens/s':>9} {'predicted':>9} {'pred/meas':>9} {'peak MiB':>8}")
     for r in [*runs, auto, *([budgeted] if budgeted else [])]:
         marks = [m for m, on in (("best measured", r is best),
                                  ("auto's pick", r.layout == auto.layout and r is not auto),
                                  ("off by > 25%", abs(r.predicted_step_s / r.step_s - 1) > PREDICTION_GOAL)) if on]
-        print(f"  {r.name:<44} {r.step_s * 1e3:8.1f} {r.tokens_per_s:9.0f} {r.predicted_step_s * 1e3:9.1f}"
+        print(f"  {r.name:<48} {r.step_s * 1e3:8.1f} {r.tokens_per_s:9.0f} {r.predicted_step_s * 1e3:9.1f}"
               f" {r.predicted_step_s / r.step_s:9.2f} {r.peak_bytes / 2**20:8.1f}  {', '.join(marks)}")
     speed = auto.tokens_per_s / best.tokens_per_s
     off = [r for r in [*runs, auto] if abs(r.predicted_step_s / r.step_s - 1) > PREDICTION_GOAL]
@@ -266,7 +266,7 @@ def print_table(name: str, args, runs: list[Run], auto: Run, budgeted: Run | Non
           f" {'met' if speed >= SPEED_GOAL else 'NOT met'}"
           + (" (auto chose that very layout: the two runs differ by the machine's noise)"
              if best.layout == auto.layout else ""))
-    print(f"  goal: predictions within {PREDICTION_GOAL:.0%}: {len(runs) + 1 - len(off)} of {len(runs) + 1}"
+    print(f"  goal: predictions within {PREDICTION_GOAL:.0%}: {len(runs) + 1 - len(off)} of {len(runs) + 1} are:"
           f" {'met' if not off else 'NOT met'}")
     if budgeted:
         over = [r.name for r in runs if r.peak_bytes > budget]
