@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_3d.common import local
+from lightning_3d.parallel.grad_accumulation import is_accumulating
 
 
 class GradientChecks:
@@ -30,6 +31,12 @@ class GradientChecks:
     Per gradient, one reduction as backward produces it (its float32 sum: finite unless an element is not, or
     the sum overflows past 3e38); the step's sums are checked together (:meth:`collect`), and only a step
     that was not finite reads them on the host to name the parameter (:func:`first_not_finite`).
+
+    A pipeline stage's backwards before its last only accumulate (``parallel/grad_accumulation.py``): their
+    gradients are looked at once, at the last backward, as what the tensor holds plus that backward's. Where a
+    layout keeps the accumulated gradient elsewhere than on the tensor (FSDP2 with a reduce dtype other than
+    the parameters': its own fp32 buffer), the reduced gradients are also checked (:meth:`collect_reduced`),
+    so a NaN/Inf is never missed, though its rank of origin may then be unknown.
     """
 
     def __init__(self, root: nn.Module) -> None:
@@ -37,6 +44,7 @@ class GradientChecks:
         self._sums: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient's float32 sum), backward order
         self._hooked = WeakIdKeyDictionary()  # tensor -> its hook's handle
         self._warned = False
+        self._deferred = False  # a backward of this step only accumulated: see collect_reduced
         # Under the name root.named_parameters() gives it (the first path to it, for a tied one).
         first_name: dict[int, str] = {}
         self._names: dict[tuple[int, str], str] = {}  # (id(module), parameter's name in it) -> name
@@ -73,11 +81,17 @@ class GradientChecks:
 
     def _hook(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.requires_grad and tensor not in self._hooked:
-            self._hooked[tensor] = tensor.register_hook(partial(self._record, name))
+            self._hooked[tensor] = tensor.register_hook(partial(self._record, name, weakref.ref(tensor)))
 
-    def _record(self, name: str, grad: torch.Tensor) -> None:
-        if self.active:  # no host sync here: the sums are looked at once, before the optimizer step
-            self._sums.append((name, _sum(grad)))
+    def _record(self, name: str, tensor: weakref.ref, grad: torch.Tensor) -> None:
+        if not self.active:  # no host sync here: the sums are looked at once, before the optimizer step
+            return
+        if is_accumulating():  # looked at with the stage's last backward, from what the tensor then holds
+            self._deferred = True
+            return
+        held = tensor()
+        accumulated = held.grad if held is not None else None  # the hook runs before this grad is added
+        self._sums.append((name, _sum(grad) if accumulated is None else _sum(grad) + _sum(accumulated)))
 
     def collect(self, root: nn.Module, step: int) -> tuple[list[str], torch.Tensor | None]:
         """This step's gradients (those seen in backward, in backward order, then the others) and whether each
@@ -91,6 +105,19 @@ class GradientChecks:
         if not sums:
             return [], None
         return [name for name, _ in sums], torch.stack([value for _, value in sums]).isfinite()  # (gradients,)
+
+    def collect_reduced(self, root: nn.Module) -> tuple[list[str], torch.Tensor | None]:
+        """After the reduction, in a step where some backward only accumulated: every gradient's name and
+        whether it is finite (None when no backward was deferred). A NaN/Inf shows here on every dp rank alike;
+        it is the net under layouts that accumulate away from the tensors the hooks see (class doc)."""
+        if not self._deferred:
+            return [], None
+        self._deferred = False
+        named = [(name, local(p.grad)) for name, p in root.named_parameters() if p.grad is not None]
+        if not named:
+            return [], None
+        largest = torch._foreach_norm([grad for _, grad in named], ord=float("inf"))  # per (device, dtype)
+        return [name for name, _ in named], torch.stack(largest).isfinite()
 
     def _warn_unseen(self, unseen: list[str], seen: int, step: int) -> None:
         if self._warned:

@@ -111,16 +111,26 @@ class NaNGuard(L.Callback):
         if trainer.global_step % self.every_n_steps:
             return
         names, finite = self._grads.collect(pl_module, trainer.global_step) if self._grads is not None else ([], None)
+        late_names, late_finite = self._grads.collect_reduced(pl_module) if self._grads is not None else ([], None)
         activations, self._activations = self._activations, []
         # On the rank's device: a collective of the default group takes device tensors (NCCL serves no other).
+        # 2: a gradient was not finite before the reduction; 1: only after it (GradientChecks.collect_reduced).
         flag = torch.zeros(1, dtype=torch.int32, device=trainer.strategy.root_device)
         if finite is not None:
-            flag.copy_(finite.all().logical_not())
+            flag.add_(finite.all().logical_not(), alpha=2)
+        if late_finite is not None:
+            flag.add_(late_finite.all().logical_not())
         if dist.is_initialized():  # every rank learns whether any rank saw one: they all act alike
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():  # the one host sync of a checked step: the optimizer step must wait for the answer
+        found_at = flag.item()  # the one host sync of a checked step: the optimizer step must wait for the answer
+        if not found_at:
             return
-        first_bad = first_not_finite(names, finite) if finite is not None else None
+        if found_at >= 2:  # the ranks where it appeared are named, not those it reached through the reduction
+            first_bad = first_not_finite(names, finite) if finite is not None else None
+        else:
+            first_bad = first_not_finite(late_names, late_finite)
+            first_bad = first_bad and (f"{first_bad} (seen after the data-parallel reduction, which spreads it to"
+                                       " every replica: the rank of origin is not known)")
         mine = (first_bad, _first_bad_activation(activations)) if first_bad else None
         found = [mine]
         if dist.is_initialized():  # only now, in a step where some rank saw one, the reports are gathered

@@ -23,6 +23,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
+from lightning_3d.parallel.grad_accumulation import accumulating
+
 
 class GradSyncStage(PipelineStage):
     """A ``PipelineStage`` that reduces its gradients over dp once per optimizer step (``sync_grads``, set by
@@ -36,7 +38,9 @@ class GradSyncStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if not (self.reduce_per_microbatch and backward_type == "full" and isinstance(self.submod, FSDPModule)):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            # Gradients of all but the last backward only accumulate: checks before the reduction wait for it.
+            with accumulating(not last_backward):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # Sync on: FSDP2's post-backward hook of each block reduce-scatters its gradient into the sharded one
         # (accumulating over micro-batches). The parameters stay gathered for the next micro-batch; the
         # end-of-backward work (waiting for reductions, freeing) waits for perform_reduce_grad.

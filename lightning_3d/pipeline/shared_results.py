@@ -11,7 +11,8 @@ GPUs), as Megatron-LM sends its step results.
 :class:`ResultsChannel` is for what one sender sends every step (the pipeline's step results): the structure
 of a step's results is nearly always the previous step's -- the same loss, the same logged names -- so it
 travels only when it changes. A steady-state step costs one one-byte host broadcast (did the structure
-change?) and one device broadcast of the packed tensors: no pickling and no host sync of device values.
+change?) and one device broadcast of the packed tensors: no pickling and no host sync of device values. On
+CPU, where host and device are one, the flag is the packed buffer's first byte: one broadcast.
 """
 
 from __future__ import annotations
@@ -52,13 +53,24 @@ class ResultsChannel:
         """``obj`` (on ``src``; anything on the others) on every rank, its tensors on ``device``."""
         sending = dist.get_rank() == self.src
         layout = _without_tensors(obj) if sending else None
-        changed = torch.tensor([sending and layout != self._layout], dtype=torch.uint8, device=self._host)
-        dist.broadcast(changed, src=self.src, group=self.group)  # on the host where the group has a host side
-        if changed.numpy()[0] if changed.device.type == "cpu" else changed.item():  # numpy(): no device copy
-            box = [layout]
-            dist.broadcast_object_list(box, src=self.src, group=self.group, device=self._host)
-            self._layout = box[0]
-            self.structure_sends += 1
+        changed = sending and layout != self._layout
+        if self.device.type == "cpu":  # host and device are one: the flag leads the tensors' bytes, one broadcast
+            previous = self._layout[1] if self._layout is not None else 0
+            flagged = _broadcast_bytes(obj if sending and not changed else None, previous, self.src, self.group,
+                                       self.device, flag=changed)
+            if not flagged.numpy()[0]:  # numpy(): a host read that dispatches no op
+                return _rebuilt(self._layout[0], flagged[1:])
+        else:  # the flag on the host, where the group has a host side: reading it syncs no device
+            flag = torch.tensor([changed], dtype=torch.uint8, device=self._host)
+            dist.broadcast(flag, src=self.src, group=self.group)
+            if not (flag.numpy()[0] if flag.device.type == "cpu" else flag.item()):  # numpy(): no device copy
+                structure, nbytes = self._layout
+                return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, self.src, self.group,
+                                                            self.device))
+        box = [layout]
+        dist.broadcast_object_list(box, src=self.src, group=self.group, device=self._host)
+        self._layout = box[0]
+        self.structure_sends += 1
         structure, nbytes = self._layout
         return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, self.src, self.group,
                                                     self.device))
@@ -95,14 +107,20 @@ def _without_tensors(obj: Any) -> tuple[Any, int]:
     return tree_map(slot, obj), total
 
 
-def _broadcast_bytes(obj: Any, nbytes: int, src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
-    """The bytes of ``obj``'s tensors (on ``src``), in order, on every rank: one broadcast on ``device``."""
+def _broadcast_bytes(obj: Any, nbytes: int, src: int, group: dist.ProcessGroup, device: torch.device,
+                     flag: bool | None = None) -> Tensor:
+    """The bytes of ``obj``'s tensors (on ``src``; ``nbytes`` of them), in order, on every rank: one broadcast on
+    ``device``. With ``flag`` (True or False on ``src``) a first byte carries it; then ``obj`` may be None on
+    ``src`` too, and the bytes after the flag are not read."""
+    lead = [] if flag is None else [torch.tensor([flag], dtype=torch.uint8, device=device)]
     if obj is not None:
         parts = [_as_bytes(x.detach().to(device)) for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
-        buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        buffer = torch.cat(lead + parts) if lead or parts else torch.empty(0, dtype=torch.uint8, device=device)
+    elif lead and dist.get_rank() == src:
+        buffer = torch.cat(lead + [torch.zeros(nbytes, dtype=torch.uint8, device=device)])
     else:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if nbytes:
+        buffer = torch.empty(len(lead) + nbytes, dtype=torch.uint8, device=device)
+    if buffer.numel():
         dist.broadcast(buffer, src=src, group=group)
     return buffer
 

@@ -33,7 +33,8 @@ from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModu
 
 class NaNOnReplica1(GPTLightningModule):
     """At each of ``nan_steps``, on the ranks of dp replica 1 that hold block 1: its output turns NaN (as an
-    overflow would)."""
+    overflow would) at its first call of the step -- under a pipeline, the first micro-batch only, whose
+    gradients NaNGuard looks at with the stage's last backward, as accumulated (issue 30)."""
 
     def __init__(self, nan_steps: list[int], **kwargs) -> None:
         super().__init__(**kwargs)
@@ -43,8 +44,14 @@ class NaNOnReplica1(GPTLightningModule):
         super().configure_model()
         self.poison_now = False
         module = self  # a closure, not a bound method: pipeline shape inference runs on a copy of the block
-        self.model.blocks["1"].register_forward_hook(
-            lambda block, args, output: output * float("nan") if module.poison_now else output)
+
+        def poison(block, args, output):
+            if not module.poison_now:
+                return output
+            module.poison_now = False
+            return output * float("nan")
+
+        self.model.blocks["1"].register_forward_hook(poison)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         replica = dims_of(self.trainer).coords(self.global_rank).dp
