@@ -78,6 +78,10 @@ PRIVATE_NAMES: dict[str, Private] = {
         " but unseen by Hugging Face's test for a meta context (which skips its init)",
         "torch.device('meta') as a context manager, which Hugging Face detects"),
     # ------------------------------------------------------------------ torch: attributes
+    "torch.distributed.device_mesh.DeviceMesh._flatten": Private(
+        "HSDP: the (dp_replicate, dp_shard) pair flattened back into the \"dp\" dimension every other user reads"
+        " (as torchtitan does)",
+        "none in torch 2.13: DeviceMesh has no public way to name a merged dimension", attribute=True),
     "torch.distributed.tensor.parallel.ParallelStyle._apply": Private(
         "the method a custom tensor-parallel style implements (the torch docs' way to write one)",
         "ParallelStyle's only (abstract) method; no public name", attribute=True),

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_3d.common import local
-from lightning_3d.parallel.grad_accumulation import is_accumulating
+from lightning_3d.pipeline.grad_accumulation import is_accumulating
 
 
 class GradientChecks:
@@ -32,7 +32,7 @@ class GradientChecks:
     the sum overflows past 3e38); the step's sums are checked together (:meth:`collect`), and only a step
     that was not finite reads them on the host to name the parameter (:func:`first_not_finite`).
 
-    A pipeline stage's backwards before its last only accumulate (``parallel/grad_accumulation.py``): their
+    A pipeline stage's backwards before its last only accumulate (``pipeline/grad_accumulation.py``): their
     gradients are looked at once, at the last backward, as what the tensor holds plus that backward's. Where a
     layout keeps the accumulated gradient elsewhere than on the tensor (FSDP2 with a reduce dtype other than
     the parameters': its own fp32 buffer), the reduced gradients are also checked (:meth:`collect_reduced`),

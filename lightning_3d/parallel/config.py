@@ -50,6 +50,11 @@ class ParallelConfig:
     stage's embeddings and the last stage's head included), or an explicit list of block FQNs per stage."""
     virtual_pipeline_size: int = 1
     """Model chunks per pipeline rank; above 1 only with the interleaved and zero-bubble schedules."""
+    data_parallel_shard_size: Union[int, Literal["auto"]] = "auto"
+    """HSDP: under ZeRO, the ranks of "dp" that shard the model among themselves ("dp_shard", consecutive ranks:
+    keep it within a node); dp / data_parallel_shard_size groups of them replicate it ("dp_replicate"), and
+    the gradients are reduce-scattered within a shard group, then all-reduced across replicas. "auto" shards
+    over all of dp (plain FSDP). Needs zero_stage > 0."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence over "tp" (saves activation memory; needs tp > 1)."""
     zero_stage: Union[int, Literal["auto"]] = 0
@@ -95,6 +100,13 @@ class ParallelConfig:
     allow_replicated: bool = False
     """Under tp > 1, let ``policy="auto"`` train a model of which it leaves more than 10% of the block
     parameters whole on every tp rank (by default it refuses, naming what it did not understand)."""
+    compile: bool = False
+    """``torch.compile`` each block after tensor parallelism and activation checkpointing and before data
+    parallelism (torchtitan's order), per pipeline stage; a block that cannot compile runs eagerly, with one
+    warning naming the first graph break."""
+    async_checkpoint: bool = False
+    """Save checkpoints with DCP's ``async_save``: training goes on while the shards are written; at most one save
+    is in flight (the next waits for it, and the wait is logged)."""
 
     def __post_init__(self) -> None:
         _require_choice("layout", self.layout, (None, "auto"))
@@ -148,6 +160,16 @@ class ParallelConfig:
                 "offload=True moves the shards of FSDP2 (ZeRO) to host memory, but zero_stage=0 keeps replicas."
                 " Set zero_stage=1, 2 or 3 (3 frees the most device memory), or offload=False."
             )
+        if self.data_parallel_shard_size != "auto":
+            _require_positive_int("data_parallel_shard_size", self.data_parallel_shard_size)
+            if self.zero_stage == 0:
+                raise ParallelConfigError(
+                    f"data_parallel_shard_size={self.data_parallel_shard_size} shards the model (ZeRO) within groups"
+                    " of that many dp ranks and replicates it across them (HSDP), but zero_stage=0 replicates it"
+                    " everywhere. Set zero_stage=1, 2 or 3, or leave data_parallel_shard_size='auto'.")
+        for name in ("compile", "async_checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise ParallelConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ParallelConfigError(
                 "sequence_parallel=True shards activations over the tensor-parallel ranks, but"
@@ -196,12 +218,18 @@ def _check_auto(config: ParallelConfig) -> None:
     fixed = {name: getattr(config, name) for name in AUTO_FIELDS if getattr(config, name) != "auto"}
     probe = {**_DEFAULTS_OF_AUTO, **fixed}
     ParallelConfig(**{**asdict(config), **probe, "layout": None, "policy": config.policy,
+                      "data_parallel_shard_size": "auto",
                       "virtual_pipeline_size": 1 if "pipeline_schedule" in config.auto_fields else config.virtual_pipeline_size,
                       "offload": False, "pipeline_reduce_grads": "per_step", "sequence_parallel": False})
     if config.virtual_pipeline_size != 1 and "pipeline_schedule" in config.auto_fields:
         raise ParallelConfigError(
             f"virtual_pipeline_size={config.virtual_pipeline_size} with pipeline_schedule='auto': the planner picks the"
             " schedule and its chunks per rank together. Leave virtual_pipeline_size=1, or fix pipeline_schedule.")
+    if config.data_parallel_shard_size != "auto" and "zero_stage" in config.auto_fields:
+        raise ParallelConfigError(
+            f"data_parallel_shard_size={config.data_parallel_shard_size} (HSDP) with zero_stage='auto': HSDP needs"
+            " ZeRO, which the launch-time decision may leave off. Fix zero_stage (1, 2 or 3), or leave"
+            " data_parallel_shard_size='auto'.")
     if config.max_memory_per_device is not None:
         _require_positive_int("max_memory_per_device", config.max_memory_per_device)
     _require_positive_int("layout_check_steps", config.layout_check_steps)

@@ -13,6 +13,16 @@ Example, 8 ranks at dp=2, pp=2, tp=2::
 
 Consecutive ranks share a tensor-parallel group, so with ``devices`` ranks per node and tp dividing it, every
 TP group (the chattiest one: two collectives per layer) stays inside one node.
+
+HSDP (``data_parallel_shard_size`` below dp) splits "dp" in two, shard fastest::
+
+    mesh dims   ("pp", "dp_replicate", "dp_shard", "tp")      dp_rank = replica * dp_shard + shard
+    8 ranks at dp=4 (2 replicas x 2 shards), tp=2: dp_shard groups {0,2} {1,3} {4,6} {5,7},
+    dp_replicate groups {0,4} {1,5} {2,6} {3,7}
+
+and the two are flattened back into "dp" (``mesh["dp"]``), which every user of dp keeps reading: the data,
+the loss's mean, the checks. Only ZeRO reads the pair (FSDP2 on a 2D mesh: shards over "dp_shard", replicas
+over "dp_replicate").
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from lightning_3d.common import divisors, is_positive_int
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+HSDP_MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 # Where the world size comes from, for error messages: Lightning's launcher starts num_nodes * devices
 # processes, but under torchrun or srun the launcher's count wins and Lightning's devices is not checked.
 _WORLD = "the processes started: num_nodes * devices, or the tasks torchrun / srun started"
@@ -54,12 +65,30 @@ class ParallelDims:
     """Pipeline-parallel size."""
     tp: int
     """Tensor-parallel size."""
+    dp_shard: int = 0
+    """Of dp, the ranks that shard the model among themselves (HSDP); 0 (the default) or dp: all of them."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp"):
             value = getattr(self, name)
             if not is_positive_int(value):
                 raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}.")
+        if self.dp_shard == 0:
+            object.__setattr__(self, "dp_shard", self.dp)
+        if not is_positive_int(self.dp_shard) or self.dp % self.dp_shard:
+            raise ParallelConfigError(
+                f"data_parallel_shard_size ({self.dp_shard}) must divide the data-parallel size ({self.dp}): the"
+                f" dp ranks form dp / shard replicas of one shard group. Choose among {divisors(self.dp)}.")
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of one shard group (HSDP); 1 when ZeRO shards over all of dp."""
+        return self.dp // self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        """dp is split into replicas of shard groups."""
+        return self.dp_shard < self.dp
 
     @classmethod
     def from_config(cls, config: ParallelConfig, world_size: int) -> ParallelDims:
@@ -73,7 +102,7 @@ class ParallelDims:
                     f" the world size {world_size} ({_WORLD}), so no data-parallel size fits."
                     f" Choose tp * pp among the divisors of {world_size}: {divisors(world_size)}."
                 )
-            return cls(dp=world_size // model_parallel, pp=pp, tp=tp)
+            return cls(dp=world_size // model_parallel, pp=pp, tp=tp, dp_shard=_shard(config))
         dp = config.data_parallel_size
         if dp * model_parallel != world_size:
             fix = (
@@ -86,7 +115,7 @@ class ParallelDims:
                 f" = {dp * model_parallel}, but the world size is {world_size} ({_WORLD}).{fix}"
                 f" or launch {dp * model_parallel} processes."
             )
-        return cls(dp=dp, pp=pp, tp=tp)
+        return cls(dp=dp, pp=pp, tp=tp, dp_shard=_shard(config))
 
     @property
     def world_size(self) -> int:
@@ -110,19 +139,48 @@ class ParallelDims:
         """The global rank at given coordinates (inverse of :meth:`coords`)."""
         return coords.tp + self.tp * (coords.dp + self.dp * coords.pp)
 
+    def replica_and_shard(self, rank: int) -> tuple[int, int]:
+        """Under HSDP, which replica a rank's dp index is in and its shard index there (dp_rank = replica *
+        dp_shard + shard)."""
+        return divmod(self.coords(rank).dp, self.dp_shard)
+
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The global ranks that share a ``dim`` ("dp", "pp" or "tp") group with ``rank``, in group order."""
-        if dim not in MESH_DIM_NAMES:
-            raise ValueError(f"dim must be one of {MESH_DIM_NAMES}, got {dim!r}")
-        here = self.coords(rank)._asdict()
-        return [self.rank(RankCoords(**{**here, dim: i})) for i in range(getattr(self, dim))]
+        """The global ranks that share a ``dim`` ("dp", "pp", "tp", or under HSDP "dp_replicate" or "dp_shard")
+        group with ``rank``, in group order."""
+        if dim not in MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES:
+            raise ValueError(f"dim must be one of {MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES[1:3]}, got {dim!r}")
+        here = self.coords(rank)
+        if dim in ("dp_replicate", "dp_shard"):
+            replica, shard = self.replica_and_shard(rank)
+            dps = ([r * self.dp_shard + shard for r in range(self.dp_replicate)] if dim == "dp_replicate"
+                   else [replica * self.dp_shard + s for s in range(self.dp_shard)])
+            return [self.rank(here._replace(dp=dp)) for dp in dps]
+        return [self.rank(here._replace(**{dim: i})) for i in range(getattr(self, dim))]
 
     def build_mesh(self, device_type: str):
-        """The ``DeviceMesh`` of this layout; collective: every rank of the world must call it."""
+        """The ``DeviceMesh`` of this layout; collective: every rank of the world must call it. Under HSDP its
+        dims are ``HSDP_MESH_DIM_NAMES`` with "dp" their flattened pair (module doc)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        if not self.hsdp:
+            return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=HSDP_MESH_DIM_NAMES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+    def dp_mesh_for_zero(self, mesh):
+        """The mesh ZeRO shards over: "dp", or under HSDP the 2D ("dp_replicate", "dp_shard") mesh, on which
+        FSDP2 shards over the second and replicates over the first."""
+        return mesh["dp_replicate", "dp_shard"] if self.hsdp else mesh["dp"]
 
     def __str__(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks"
+        hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ""
+        return f"dp={self.dp}{hsdp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks"
+
+
+def _shard(config: ParallelConfig) -> int:
+    """The config's dp shard size, 0 for "auto" (all of dp)."""
+    shard = getattr(config, "data_parallel_shard_size", "auto")
+    return 0 if shard == "auto" else shard
 

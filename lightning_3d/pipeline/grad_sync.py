@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
-from lightning_3d.parallel.grad_accumulation import accumulating
+from lightning_3d.pipeline.grad_accumulation import accumulating
 
 
 class GradSyncStage(PipelineStage):

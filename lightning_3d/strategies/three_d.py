@@ -97,6 +97,7 @@ class ThreeDStrategy(ParallelStrategy):
         tensor_parallel_size: Union[int, Literal["auto"]] = 1,
         pipeline_parallel_size: Union[int, Literal["auto"]] = 1,
         data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        data_parallel_shard_size: Union[int, Literal["auto"]] = "auto",
         policy: Any = "auto",
         pipeline_schedule: str = "1f1b",
         num_microbatches: Union[int, None, Literal["auto"]] = None,
@@ -114,6 +115,8 @@ class ThreeDStrategy(ParallelStrategy):
         layout: Optional[Literal["auto"]] = None,
         max_memory_per_device: Optional[int] = None,
         layout_check_steps: int = 20,
+        compile: bool = False,
+        async_checkpoint: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -138,6 +141,7 @@ class ThreeDStrategy(ParallelStrategy):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
+            data_parallel_shard_size=data_parallel_shard_size,
             policy=policy,
             pipeline_schedule=pipeline_schedule,
             num_microbatches=num_microbatches,
@@ -155,6 +159,8 @@ class ThreeDStrategy(ParallelStrategy):
             layout=layout,
             max_memory_per_device=max_memory_per_device,
             layout_check_steps=layout_check_steps,
+            compile=compile,
+            async_checkpoint=async_checkpoint,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -199,7 +199,7 @@ def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its
     import torch
 
     from lightning_3d.callbacks.grad_checks import GradientChecks
-    from lightning_3d.parallel.grad_accumulation import accumulating
+    from lightning_3d.pipeline.grad_accumulation import accumulating
 
     def micro_batches(model, poisoned: int, moved_away: bool = False) -> None:
         held = [torch.zeros_like(p) for p in model.parameters()]  # FSDP2's own buffer, under a reduce dtype
