@@ -10,12 +10,16 @@ from lightning_3d.callbacks.layout import dims_of
 from lightning_3d.callbacks.comm_recorder import CommRecorder, clock_for, union_seconds
 
 DIMS = ("tp", "pp", "dp", "other")
+HSDP_DIMS = ("dp_shard", "dp_replicate")
+"""Under HSDP, ZeRO's collectives run on these groups (reduce-scatter and all-gather within a shard group, the
+all-reduce across replicas); "dp" then keeps what runs on the whole dp group (e.g. a logged value's mean)."""
 
 
 class CommTimer(L.Callback):
     """Logs, every ``every_n_steps`` training batches (default: the Trainer's ``log_every_n_steps``), for each
-    parallel dimension ``d`` in ``tp``, ``pp``, ``dp`` (and ``other``: groups outside the mesh, e.g. the whole
-    world for other callbacks' all-gathers):
+    parallel dimension ``d`` in ``tp``, ``pp``, ``dp`` (under HSDP also ``dp_shard`` and ``dp_replicate``, see
+    ``HSDP_DIMS``), and ``other`` (groups outside the mesh, e.g. the whole world for other callbacks'
+    all-gathers):
 
     * ``comm/{d}_bytes`` -- bytes this rank communicated over its ``d`` group in the batch (forward, backward
       and optimizer step): all-reduce counts its tensor, all-gather its gathered output, reduce-scatter its full
@@ -61,11 +65,14 @@ class CommTimer(L.Callback):
         self.last_ops: list[tuple[str, str, int]] = []
         """This rank's operations of the last logged batch: (dimension, operator, bytes)."""
         self._dim_of_ranks: dict[tuple[int, ...], str] = {}
+        self._dims: tuple[str, ...] = DIMS
         self._recorder: CommRecorder | None = None
         self._step_start = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._dim_of_ranks = _dimension_groups(trainer)
+        hsdp = HSDP_DIMS if set(HSDP_DIMS) & set(self._dim_of_ranks.values()) else ()
+        self._dims = (*DIMS[:-1], *hsdp, DIMS[-1])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if batch_idx % (self.every_n_steps or trainer.log_every_n_steps):
@@ -83,8 +90,8 @@ class CommTimer(L.Callback):
         step_end = clock.now()
         clock.synchronize()
         step_time = clock.seconds(step_end, self._step_start)
-        intervals: dict[str, list[tuple[float, float]]] = {d: [] for d in DIMS}
-        values = {f"{d}_bytes": 0.0 for d in DIMS}
+        intervals: dict[str, list[tuple[float, float]]] = {d: [] for d in self._dims}
+        values = {f"{d}_bytes": 0.0 for d in self._dims}
         self.last_ops = []
         for op in recorder.collectives:
             if len(op.group_ranks) == 1:  # a group of one moves nothing
@@ -94,12 +101,12 @@ class CommTimer(L.Callback):
             end = step_end if op.end is None else op.end  # still in flight when the batch ended
             intervals[dim].append((clock.seconds(op.start, self._step_start), clock.seconds(end, self._step_start)))
             self.last_ops.append((dim, op.op, op.bytes))
-        for d in DIMS:
+        for d in self._dims:
             values[f"{d}_time_s"] = union_seconds(intervals[d])
         values["step_time_s"] = step_time
         self.per_rank = _gather(values, pl_module.device)
         metrics = {}
-        for d in DIMS:
+        for d in self._dims:
             metrics[f"comm/{d}_bytes"] = max(r[f"{d}_bytes"] for r in self.per_rank)
             metrics[f"comm/{d}_time_s"] = max(r[f"{d}_time_s"] for r in self.per_rank)
             metrics[f"comm/{d}_share"] = max(r[f"{d}_time_s"] / r["step_time_s"] for r in self.per_rank)
@@ -113,11 +120,13 @@ class CommTimer(L.Callback):
 
 def _dimension_groups(trainer: L.Trainer) -> dict[tuple[int, ...], str]:
     """The global ranks of this rank's tp, pp and dp groups -> "tp" / "pp" / "dp" (the layout of any
-    strategy other than ThreeDStrategy: the world is one data-parallel group)."""
+    strategy other than ThreeDStrategy: the world is one data-parallel group); under HSDP also its
+    "dp_shard" and "dp_replicate" groups, where ZeRO's collectives run."""
     if not dist.is_initialized():
         return {}
     dims, rank = dims_of(trainer), dist.get_rank()
-    return {tuple(dims.group_ranks(d, rank)): d for d in ("tp", "pp", "dp")}
+    names = ("tp", "pp", "dp") + (("dp_shard", "dp_replicate") if dims.hsdp else ())
+    return {tuple(dims.group_ranks(d, rank)): d for d in names}
 
 
 def _gather(values: dict[str, float], device: torch.device) -> list[dict[str, float]]:

@@ -141,9 +141,9 @@ class NaNGuard(L.Callback):
             return
         dims = dims_of(trainer)
         report = "; ".join(
-            f"rank {rank} (dp={c.dp}, pp={c.pp}, tp={c.tp}): first at {grad}"
+            f"rank {rank} ({_where(dims, rank)}): first at {grad}"
             + (f", first non-finite activation in {activation}" if activation else "")
-            for rank, (grad, activation) in sorted(bad.items()) for c in [dims.coords(rank)]
+            for rank, (grad, activation) in sorted(bad.items())
         )
         if self.action == "raise":
             raise FloatingPointError(f"NaN/Inf gradient at step {trainer.global_step} on {report}")
@@ -159,6 +159,16 @@ class NaNGuard(L.Callback):
         self.rollbacks.append((trainer.global_step, checkpoint))
         pl_module.print(f"NaNGuard rolled back to {checkpoint} at step {trainer.global_step} (learning rates x"
                         f" {self.rollback_lr_factor}): NaN/Inf gradient on {report}")
+
+
+def _where(dims, rank: int) -> str:
+    """A rank's coordinates, as "dp=1, pp=0, tp=1"; under HSDP its replica and shard too."""
+    c = dims.coords(rank)
+    hsdp = ""
+    if dims.hsdp:
+        replica, shard = dims.replica_and_shard(rank)
+        hsdp = f" (replica {replica}, shard {shard})"
+    return f"dp={c.dp}{hsdp}, pp={c.pp}, tp={c.tp}"
 
 
 def _first_bad_activation(activations: list[tuple[str, torch.Tensor]]) -> str | None:

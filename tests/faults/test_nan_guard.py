@@ -53,8 +53,8 @@ def test_nan_guard_rolls_back_to_the_newest_checkpoint_with_a_lower_learning_rat
 
 
 def _layouts_run(tmp_path, layouts: list[str]) -> list[dict]:
-    """nan_worker.py's fits, one per "dp,pp,tp,zero_stage" layout (same world size), in one launch."""
-    dp, pp, tp, _ = (int(x) for x in layouts[0].split(","))
+    """nan_worker.py's fits, one per "dp,pp,tp,zero_stage[,dp_shard]" layout (same world size), in one launch."""
+    dp, pp, tp, *_ = (int(x) for x in layouts[0].split(","))
     forkrun(dp * pp * tp, str(WORKERS / "nan_worker.py"), str(tmp_path), "layouts", *layouts,
             rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(dp * pp * tp)]
@@ -67,8 +67,8 @@ def _assert_skipped_then_rolled_back(tmp_path, results: list[dict], layout: str)
 
     from lightning_3d import ParallelDims
 
-    dp, pp, tp, _ = (int(x) for x in layout.split(","))
-    dims = ParallelDims(dp=dp, pp=pp, tp=tp)
+    dp, pp, tp, _, *shard = (int(x) for x in layout.split(","))
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, dp_shard=shard[0] if shard else 0)
     checkpoint = str(tmp_path / layout / "checkpoints" / "epoch=0-step=2.ckpt")
     for rank, result in enumerate(r[layout] for r in results):
         weights = result["at_start"]  # this rank's shards, at the start of each step
@@ -84,12 +84,15 @@ def _assert_skipped_then_rolled_back(tmp_path, results: list[dict], layout: str)
         "NaNGuard skipped step 1 (no checkpoint to roll back to yet)", f"NaNGuard rolled back to {checkpoint} at step 3 (learning rates x 0.5)"]
     replica_1 = {rank for rank in range(dims.world_size) if dims.coords(rank).dp == 1}
     for line in printed:
-        named = {int(r): ((int(d), int(p), int(t)), param)
-                 for r, d, p, t, param in re.findall(r"rank (\d+) \(dp=(\d+), pp=(\d+), tp=(\d+)\): first at ([\w.]+)", line)}
+        named = {int(r): ((int(d), int(p), int(t)), (h and (int(h), int(s))), param)
+                 for r, d, h, s, p, t, param in re.findall(
+                     r"rank (\d+) \(dp=(\d+)(?: \(replica (\d+), shard (\d+)\))?, pp=(\d+), tp=(\d+)\): first at ([\w.]+)",
+                     line)}
         assert named.keys() == replica_1, line  # replica 0's gradients only turned NaN in the dp reduction
-        for rank, (coords, param) in named.items():
+        for rank, (coords, hsdp, param) in named.items():
             c = dims.coords(rank)
             assert coords == (c.dp, c.pp, c.tp), line
+            assert hsdp == (dims.replica_and_shard(rank) if dims.hsdp else ""), line  # HSDP: named in full
             assert param in results[rank][layout]["names"], (rank, param)
         assert line.count("first non-finite activation in model.blocks.1") == tp  # born in the last stage's block
 
@@ -106,3 +109,9 @@ def test_nan_guard_skips_and_rolls_back_under_zero_1_with_tp_and_zero_3_with_a_p
 def test_nan_guard_skips_and_rolls_back_at_dp2_pp2_tp2(tmp_path):
     results = _layouts_run(tmp_path, ["2,2,2,0"])  # FSDP2's replicate over dp, per stage, on DTensors
     _assert_skipped_then_rolled_back(tmp_path, results, "2,2,2,0")
+
+
+@pytest.mark.multiprocess
+def test_nan_guard_names_the_replica_and_the_shard_under_hsdp(tmp_path):
+    layout = "4,1,1,2,2"  # dp 4 = 2 replicas x 2 shards, ZeRO-2: the NaN on dp rank 1 is replica 0's shard 1
+    _assert_skipped_then_rolled_back(tmp_path, _layouts_run(tmp_path, [layout]), layout)

@@ -21,6 +21,7 @@ from lightning_3d.models import GPT, GPTConfig
 
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
 L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2)
+HSDP = dict(data_parallel_size=4, data_parallel_shard_size=2, tensor_parallel_size=2, zero_stage=3)
 
 
 def _step3(directory: Path) -> str:
@@ -30,9 +31,10 @@ def _step3(directory: Path) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One launch of 8 ranks at (dp, pp, tp) = (2, 2, 2) and the layouts it reshards to; then 2 ranks; then 1.
-    The checkpoint is written with zero_stage=0; (4, 1, 2) reads it with ZeRO-2, (2, 1, 1) with ZeRO-3."""
+    The checkpoint is written with zero_stage=0; (4, 1, 2) reads it with ZeRO-2, (2, 1, 1) with ZeRO-3, HSDP
+    (4 = 2 replicas x 2 shards, 1, 2) with ZeRO-3; and (2, 2, 2) reads one that HSDP wrote."""
     root = tmp_path_factory.mktemp("ckpt")
-    dropout, plain = root / "dropout", root / "plain"
+    dropout, plain, hsdp = root / "dropout", root / "plain", root / "hsdp"
     big = dict(MODEL, dropout=0.1)
     results = launch_jobs(8, [
         dict(name="dropout_through", layout=L222, model=big, steps=6, save_every=3, ckpt_dir=str(dropout)),
@@ -43,6 +45,10 @@ def runs(tmp_path_factory):
              steps=6, resume=_step3(plain)),
         dict(name="to_1_2_4", layout=dict(pipeline_parallel_size=2, tensor_parallel_size=4,
                                           pipeline_schedule="gpipe"), model=MODEL, steps=6, resume=_step3(plain)),
+        # HSDP (2 replicas x 2 shards, tp 2) reads the plain checkpoint; a plain layout reads an HSDP one.
+        dict(name="to_hsdp", layout=HSDP, model=MODEL, steps=6, resume=_step3(plain)),
+        dict(name="hsdp_through", layout=HSDP, model=MODEL, steps=6, save_every=3, ckpt_dir=str(hsdp)),
+        dict(name="hsdp_to_2_2_2", layout=L222, model=MODEL, steps=6, resume=_step3(hsdp)),
     ], root / "eight")
     results.update(launch_jobs(2, [
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
@@ -75,7 +81,7 @@ def test_the_same_seed_and_layout_give_bit_identical_losses(runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("target", ["to_1_1_1", "to_2_1_1", "to_4_1_2", "to_1_2_4"])
+@pytest.mark.parametrize("target", ["to_1_1_1", "to_2_1_1", "to_4_1_2", "to_1_2_4", "to_hsdp", "hsdp_to_2_2_2"])
 def test_a_checkpoint_of_2_2_2_reshards_to_another_layout_and_trains_on_as_one_process(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference", model=MODEL, steps=6))

@@ -58,6 +58,7 @@ LAYOUTS = {  # comm_worker.py's layouts: (dp, pp, tp, micro-batches, sequence pa
     "dp2_pp1_tp2_sp": (2, 1, 2, 1, True),
     "lightning_ddp": (4, 1, 1, 1, False),  # Lightning's DDPStrategy: counted as dp over the world
 }
+HSDP = "hsdp_rep2_shard2_zero2"  # comm_worker.py: dp 4 = 2 replicas x 2 shards, ZeRO-2
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,17 @@ def test_logged_values_are_the_maximum_over_ranks(measured):
     shares = [r["dp1_pp2_tp2"]["values"]["pp_time_s"] / r["dp1_pp2_tp2"]["values"]["step_time_s"] for r in measured]
     assert logged["comm/pp_share"] == pytest.approx(max(shares))
     assert 0 < logged["comm/pp_share"] < 1
+
+
+@pytest.mark.multiprocess
+def test_hsdp_reports_its_shard_and_replica_groups_apart(measured):
+    # ZeRO-2 within each shard group (all-gather of the parameters, reduce-scatter of the gradients: the whole
+    # model's bytes each), then the all-reduce of this rank's half across the 2 replicas; "dp" keeps the loss sync.
+    whole = FP32 * local_parameters(tp=1, blocks=L, first=True, last=True)
+    for rank, result in enumerate(measured):
+        ops, values = result[HSDP]["ops"], result[HSDP]["values"]
+        on = lambda dim, kinds: sum(b for d, op, b in ops if d == dim and op in kinds)  # noqa: E731
+        assert (on("dp_shard", ALL_GATHERS), on("dp_shard", REDUCTIONS)) == (whole, whole), (rank, ops)
+        assert values["dp_replicate_bytes"] == on("dp_replicate", ("allreduce_",)) == whole // 2, (rank, ops)
+        assert values["dp_bytes"] == LOSS_SYNC and values["tp_bytes"] == values["pp_bytes"] == 0, (rank, values)
+        assert values["other_bytes"] == 0, (rank, ops)

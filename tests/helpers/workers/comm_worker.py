@@ -25,6 +25,7 @@ LAYOUTS = {  # name: ThreeDStrategy arguments (or another strategy's name) on 4 
     "dp4_pp1_tp1": dict(),
     "dp2_pp1_tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True),
     "lightning_ddp": "ddp",  # not ThreeDStrategy: the world is one data-parallel group
+    "hsdp_rep2_shard2_zero2": dict(data_parallel_size=4, data_parallel_shard_size=2, zero_stage=2),
 }
 PIPELINE = dict(pipeline_parallel_size=2, num_microbatches=2)
 ACCUMULATING = {  # name: ThreeDStrategy arguments at (dp, pp, tp) = (2, 2, 1), with accumulate_grad_batches=2

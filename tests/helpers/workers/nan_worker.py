@@ -3,7 +3,7 @@ NaNGuard must name those ranks -- not replica 0's, whose gradients only turn NaN
 raise, skip or roll back on every rank.
 
     python -m torch.distributed.run --nproc-per-node 2 nan_worker.py OUT_DIR ACTION
-    python -m torch.distributed.run --nproc-per-node 4 nan_worker.py OUT_DIR layouts DP,PP,TP,ZERO ...
+    python -m torch.distributed.run --nproc-per-node 4 nan_worker.py OUT_DIR layouts DP,PP,TP,ZERO[,SHARD] ...
 
 With ACTION (2 ranks, DDP): the NaN comes at step 2 (3 with rollback, so that a checkpoint of step 2 exists).
 With ``layouts``: one fit per layout, one after another in this launch, each with ``action="rollback"`` and a
@@ -118,9 +118,9 @@ def main(out_dir: str, action: str, layouts: list[str]) -> None:
     else:
         result = {}
         for layout in layouts:
-            dp, pp, tp, zero = (int(x) for x in layout.split(","))
+            dp, pp, tp, zero, *shard = (int(x) for x in layout.split(","))  # shard: HSDP's dp shard size
             strategy = ThreeDStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                                      zero_stage=zero)
+                                      zero_stage=zero, data_parallel_shard_size=shard[0] if shard else "auto")
             result[layout] = fit(out / layout, "rollback", [1, 3], 3, strategy)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     end_process_group()
