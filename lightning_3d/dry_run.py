@@ -57,8 +57,8 @@ def dry_run(trainer: pl.Trainer, module: pl.LightningModule, datamodule: Optiona
                                                            per_node, device)
     config = strategy.parallel_config
     dims = ParallelDims.from_config(config, per_node * trainer.num_nodes)
-    lines = [f"lightning-3d dry run (no process started): dp={dims.dp} x pp={dims.pp} x tp={dims.tp}"
-             f" = {dims.world_size} ranks, {per_node} per node x {trainer.num_nodes} node(s), on {device.type}",
+    lines = [f"lightning-3d dry run (no process started): {dims}, {per_node} per node x {trainer.num_nodes}"
+             f" node(s), on {device.type}",
              *chosen]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -143,6 +143,10 @@ def _settings(config: ParallelConfig, dims: ParallelDims) -> str:
     if config.sequence_parallel and dims.tp > 1:
         parts.append("sequence parallel")
     parts.append(f"zero_stage={config.zero_stage}")
+    if dims.hsdp:
+        parts.append(f"HSDP: ZeRO over {dims.dp_shard} dp ranks, {dims.dp_replicate} replicas")
+    if config.compile:
+        parts.append("compile=True (its speed is assumed, not modelled: the estimates are eager's)")
     if config.activation_checkpointing:
         parts.append(f"activation_checkpointing={config.activation_checkpointing!r}")
     return ", ".join(parts)
@@ -185,7 +189,8 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
     layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, micro_batch_size=micro, num_microbatches=m,
                     schedule=config.pipeline_schedule, virtual_stages=config.virtual_pipeline_size,
                     sequence_parallel=config.sequence_parallel, zero_stage=config.zero_stage,
-                    recompute=config.activation_checkpointing, pipeline_reduce_grads=config.pipeline_reduce_grads)
+                    recompute=config.activation_checkpointing, pipeline_reduce_grads=config.pipeline_reduce_grads,
+                    dp_shard=dims.dp_shard if dims.hsdp else 0)
     estimates = [estimate_memory(spec, layout, precision, r) for r in range(dims.pp)]
     if dims.pp > 1 and config.pipeline_split != "blocks":  # the planner splits by count (planner.memory.rank_blocks)
         notes.append(f"the memory estimate splits the blocks evenly by count, not by pipeline_split"

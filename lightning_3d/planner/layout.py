@@ -38,12 +38,25 @@ class Layout:
     """Activation checkpointing: None, "selective" (every second block, as lightning-3d does it) or "full"."""
     pipeline_reduce_grads: str = "per_step"
     """ZeRO under the pipeline: reduce-scatter once per step or per micro-batch (``ParallelConfig``'s field)."""
+    dp_shard: int = 0
+    """HSDP: ZeRO shards over groups of this many dp ranks and replicates across the dp / dp_shard groups
+    (``ParallelConfig.data_parallel_shard_size``); 0: over all of dp."""
 
     def __post_init__(self) -> None:
         self.to_parallel_config()  # raises ParallelConfigError with the strategy's own message
         if self.micro_batch_size < 1 or self.num_microbatches < 1:
             raise PlannerError(f"micro_batch_size ({self.micro_batch_size}) and num_microbatches"
                                f" ({self.num_microbatches}) must be positive.")
+
+    @property
+    def shard(self) -> int:
+        """The dp ranks ZeRO shards over: ``dp_shard``, or all of dp."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the ZeRO-sharded model across dp (HSDP); 1 without HSDP."""
+        return self.dp // self.shard
 
     @property
     def world_size(self) -> int:
@@ -62,11 +75,14 @@ class Layout:
             num_microbatches=self.num_microbatches if pipelined else None,
             virtual_pipeline_size=self.virtual_stages, sequence_parallel=self.sequence_parallel,
             zero_stage=self.zero_stage, activation_checkpointing=self.recompute,
-            pipeline_reduce_grads=self.pipeline_reduce_grads)
+            pipeline_reduce_grads=self.pipeline_reduce_grads,
+            data_parallel_shard_size=self.dp_shard if self.dp_shard and self.dp_shard < self.dp else "auto")
 
     def describe(self) -> str:
-        """A short name: ``dp2 tp2 pp2 1f1b m8 b2 sp z1 ac=selective``."""
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        """A short name: ``dp2 tp2 pp2 1f1b m8 b2 sp z1 ac=selective``; under HSDP ``dp8(2x4)`` (replicas x
+        shards)."""
+        hsdp = f"({self.replicas}x{self.shard})" if self.replicas > 1 else ""
+        parts = [f"dp{self.dp}{hsdp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
         parts += [f"m{self.num_microbatches}", f"b{self.micro_batch_size}"]

@@ -152,12 +152,12 @@ def step_gradient_bytes(model: ModelSpec, layout: Layout, precision: Precision, 
     params = rank_parameters(model, layout, pp_rank)
     whole = params * precision.grad_bytes
     if layout.zero_stage == 0 or layout.dp == 1 or layout.pp == 1:
-        return whole / (layout.dp if layout.zero_stage else 1)
+        return whole / (layout.shard if layout.zero_stage else 1)
     if layout.pipeline_reduce_grads == "per_step":
         return whole
     block = model.block_params().per_rank(layout.tp)
     root = params - len(rank_blocks(model, layout, pp_rank)) * block  # embeddings, final norm, head
-    return whole / layout.dp + (root + block) * precision.grad_bytes
+    return whole / layout.shard + (root + block) * precision.grad_bytes
 
 
 def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, *, checkpointed: bool = False,
@@ -303,13 +303,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
     # keeping the parameters gathered from forward to backward ("gathered" below). Modelled: the stage that runs
     # (1 runs as 2, and 3 as 2 under the pipeline).
     zero = zero_stage_that_runs(layout.zero_stage, layout.pp > 1)[0]
-    states = zero_model_state_bytes(params, layout.dp, 3 if zero else 0, precision)
+    states = zero_model_state_bytes(params, layout.shard, 3 if zero else 0, precision)  # HSDP: its shard group
     blocks = rank_blocks(model, layout, pp_rank)
     block_params = model.block_params().per_rank(layout.tp)
     gathered = 0.0
-    if layout.dp > 1 and zero == 2:
-        gathered = params * precision.param_bytes * (1 - 1 / layout.dp)  # every block gathered until backward
-    elif layout.dp > 1 and zero == 3:
+    if layout.shard > 1 and zero == 2:
+        gathered = params * precision.param_bytes * (1 - 1 / layout.shard)  # every block gathered until backward
+    elif layout.shard > 1 and zero == 3:
         gathered = 2 * block_params * precision.param_bytes  # the block in use and the one prefetched
     gathered += step_gradient_bytes(model, layout, precision, pp_rank) - states["gradients"]
     if checkpointed_blocks(model, layout) & set(blocks):

@@ -80,12 +80,20 @@ def _search(model, cluster, global_batch_size, precision, options,
     return results, fitting
 
 
+def _hsdp_shards(dp: int, tp: int, gpus_per_node: int) -> tuple[int, ...]:
+    """ZeRO over all of dp (0), and HSDP's usual layout where dp crosses nodes: shard within a node (the
+    shard group's tp * shard ranks fill one), replicate across nodes."""
+    shard = gpus_per_node // tp
+    return (0, shard) if 1 < shard < dp and dp % shard == 0 else (0,)
+
+
 def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, global_batch_size: int, *,
                       schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0, 2, 3),
                       recompute=(None, "selective", "full"), fixed: Mapping[str, Any] | None = None):
     """The layouts the strategy would accept: tp within a node and dividing heads, kv heads and the
     vocabulary; pp at most the layer count; dp dividing the batch; SP whenever tp > 1 (same communication,
-    less memory); schedules, ZeRO stages and recompute modes as given; ``fixed`` fields at their value."""
+    less memory); schedules, ZeRO stages and recompute modes as given, under ZeRO also HSDP where dp crosses
+    nodes (:func:`_hsdp_shards`); ``fixed`` fields at their value."""
     fixed = fixed or {}
 
     def options(name: str, choices) -> list:
@@ -106,18 +114,19 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
                     continue
                 for schedule, virtual in _schedules(pp, model.num_layers, schedules, fixed):
                     for zero in options("zero_stage", zero_stages if dp > 1 else (0,)):
-                        for mode in options("recompute", recompute):
-                            if mode and model.dropout > 0 and tp > 1:
-                                continue  # refused by lightning-3d: the recompute would redraw dropout masks
-                            sp = fixed.get("sequence_parallel", tp > 1 and model.seq_length % tp == 0)
-                            try:
-                                yield Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b,
-                                             num_microbatches=per_replica // b, schedule=schedule,
-                                             virtual_stages=virtual, zero_stage=zero, recompute=mode,
-                                             sequence_parallel=sp, pipeline_reduce_grads=fixed.get(
-                                                 "pipeline_reduce_grads", "per_step"))
-                            except ParallelConfigError:
-                                continue  # e.g. fewer micro-batches than stages under 1F1B
+                        for shard in options("dp_shard", _hsdp_shards(dp, tp, gpus_per_node) if zero else (0,)):
+                            for mode in options("recompute", recompute):
+                                if mode and model.dropout > 0 and tp > 1:
+                                    continue  # refused by lightning-3d: the recompute would redraw dropout masks
+                                sp = fixed.get("sequence_parallel", tp > 1 and model.seq_length % tp == 0)
+                                try:
+                                    yield Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b,
+                                                 num_microbatches=per_replica // b, schedule=schedule,
+                                                 virtual_stages=virtual, zero_stage=zero, recompute=mode,
+                                                 sequence_parallel=sp, dp_shard=shard, pipeline_reduce_grads=fixed.get(
+                                                     "pipeline_reduce_grads", "per_step"))
+                                except ParallelConfigError:
+                                    continue  # e.g. fewer micro-batches than stages under 1F1B
 
 
 def _schedules(pp: int, layers: int, allowed, fixed) -> list[tuple[str, int]]:

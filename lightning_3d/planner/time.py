@@ -18,7 +18,9 @@ A step is (m + (p - 1) / v) micro-batch times of the slowest rank: the bubble is
 ideal time (Narayanan et al. 2021, section 2.2); the zero-bubble schedule is taken to leave a third of it
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": ZB-H1). Data-parallel gradient reduction (all-reduce,
 or reduce-scatter + all-gather under ZeRO) overlaps with the last micro-batch's backward; what does not fit
-in it is exposed. The optimizer step reads and writes the rank's Adam state at memory bandwidth.
+in it is exposed. Under HSDP the reduce-scatter and all-gather run within a shard group (within a node) and
+each rank's gradient shard is then all-reduced across the replicas; ZeRO's memory and optimizer work divide by
+the shard group, not all of dp. The optimizer step reads and writes the rank's Adam state at memory bandwidth.
 
 With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms take measured speeds instead
 (and, where CPU ranks outnumber the host's cores, a bubble shrinks -- idle stages leave their cores to busy
@@ -32,6 +34,9 @@ counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over
 and an all-gather, the pair sequence parallelism makes of a tp region), k - 1 for an all-gather or
 reduce-scatter, one per send; one data-parallel call per FSDP unit (a block, or the rest of the stage) and
 per direction, or per 25 MiB bucket of DDP.
+
+``compile=True`` (torch.compile per block) is not modelled: the terms are eager's, and the speed a compiled
+block gains (fused non-matmul work, fewer kernel launches) is assumed, not estimated (``COMPILE_ASSUMED``).
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ written in forward, read in backward, and its gradient written (an estimate; fus
 
 DDP_BUCKET_BYTES = 25 * 2**20
 """``DistributedDataParallel``'s default bucket (25 MiB): one all-reduce call per bucket."""
+
+COMPILE_ASSUMED = ("compile=True: step times are eager estimates; torch.compile's speed-up is assumed, not"
+                   " modelled (benchmarks/compile_vs_eager.py measures it on these devices)")
+"""What the planner's report and the YAML it writes say when the run compiles its blocks."""
 
 ZERO_BUBBLE_SHARE = 1 / 3
 """The share of 1F1B's bubble the zero-bubble schedule leaves (ZB-H1; an estimate for PyTorch's version)."""
@@ -162,14 +171,22 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
 
     def dp_call(collective: str, nbytes: float) -> float:  # one unit's share
+        if zero and layout.replicas > 1 and collective != "all_reduce":  # HSDP: ZeRO within a shard group
+            return speeds.collective("dp_shard", collective, nbytes / units, layout.shard)
         return speeds.collective("dp", collective, nbytes / units, d)
+
+    def across_replicas(nbytes: float) -> float:  # HSDP: a unit's gradient shard all-reduced over the replicas
+        if not (zero and layout.replicas > 1):
+            return 0.0
+        return speeds.collective("dp_replicate", "all_reduce", nbytes / units / layout.shard, layout.replicas)
 
     def dp_calls(collective: str, nbytes: float) -> float:
         return units * dp_call(collective, nbytes)
 
     if zero and p > 1 and layout.pipeline_reduce_grads == "per_microbatch":
         # A reduce-scatter of the stage's gradients in each micro-batch, each overlapping that backward.
-        scatter, gather = dp_calls("reduce_scatter", grads), dp_calls("all_gather", weights)
+        scatter = dp_calls("reduce_scatter", grads) + units * across_replicas(grads)
+        gather = dp_calls("all_gather", weights)
         dp_time = m * scatter + gather
         exposed = m * max(0.0, scatter - backward) + max(0.0, gather - backward) if dp_overlap else dp_time
     else:
@@ -177,7 +194,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         # gradients (the last bucket or unit, after the last backward) has none, nor under ZeRO the first
         # unit's gather (before the first forward); at least these are exposed.
         if zero:
-            unhidden = dp_call("reduce_scatter", grads) + dp_call("all_gather", weights)
+            unhidden = dp_call("reduce_scatter", grads) + across_replicas(grads) + dp_call("all_gather", weights)
             dp_time = units * unhidden
         elif t == 1 and p == 1:  # DistributedDataParallel: one all-reduce per bucket
             buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
@@ -192,7 +209,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         # prefetched during the previous block's compute.
         gathers = 2 * dp_calls("all_gather", weights)
         exposed += m * max(0.0, gathers - compute)
-    optimizer = speeds.optimizer(params) / (d if zero else 1)
+    optimizer = speeds.optimizer(params) / (layout.shard if zero else 1)
     return StepTime(
         compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
@@ -232,12 +249,14 @@ class _Speeds:
     def collective(self, dimension: str, collective: str, nbytes: float, ranks: int) -> float:
         """Seconds of one ``collective`` of an ``nbytes`` tensor over ``ranks`` ranks of ``dimension``'s group."""
         wire = wire_bytes(collective, nbytes, ranks)
-        if self.calibration is not None:
-            return self.calibration.link(dimension).seconds(wire, latency_steps(collective, ranks))
+        if self.calibration is not None:  # HSDP's two groups: dp's measured link (not calibrated apart)
+            link = self.calibration.link("dp" if dimension.startswith("dp") else dimension)
+            return link.seconds(wire, latency_steps(collective, ranks))
         t, d = self.layout.tp, self.layout.dp
         # Mesh order (pp, dp, tp): a tp group spans t consecutive ranks, a dp group t * d, and neighbouring
-        # pipeline stages lie t * d ranks apart.
-        span = {"tp": t, "dp": t * d, "pp": t * d + 1}[dimension]
+        # pipeline stages lie t * d ranks apart; under HSDP a shard group spans t * shard ranks (shard fastest
+        # within dp), a replica group all of dp's.
+        span = {"tp": t, "dp": t * d, "pp": t * d + 1, "dp_shard": t * self.layout.shard, "dp_replicate": t * d}[dimension]
         return wire / self.cluster.bandwidth(span)
 
     def optimizer(self, params: float) -> float:

@@ -231,3 +231,21 @@ def test_dry_run_of_layout_auto_shows_the_planners_choice_and_says_it_is_not_cal
     chosen = next(line for line in out.splitlines() if "layout='auto' chose" in line).split(" chose ")[1]
     dp, tp, pp = (int(part[2:]) for part in chosen.split()[:3])
     assert f"dp={dp} x pp={pp} x tp={tp} = 8 ranks" in out, out  # the rest of the report is of that layout
+
+
+def test_dry_run_of_hsdp_shows_replicas_and_shards_and_the_memory_of_a_shard_group(no_process_starts, capsys):
+    """issue 32: data_parallel_shard_size from the CLI; ZeRO's states per rank divide by the shard group (2
+    ranks), not all of dp (4): twice those of ZeRO over all of dp."""
+    layout = ["--trainer.strategy.init_args.pipeline_parallel_size=1", "--trainer.strategy.init_args.zero_stage=3"]
+    rows = {}
+    for shard in ("2", "auto"):
+        out, code, _ = _dry_run(*layout, f"--trainer.strategy.init_args.data_parallel_shard_size={shard}",
+                                "--dry_run", capsys=capsys)
+        assert code is None, code
+        rows[shard] = next([float(v) for v in line.split()[1:4]] for line in out.splitlines()
+                           if line.strip().startswith("0-7 "))
+        if shard == "2":
+            assert "dp=4 (2 replicas x 2 shards) x pp=1 x tp=2 = 8 ranks" in out, out
+            assert "HSDP: ZeRO over 2 dp ranks, 2 replicas" in out, out
+    for hsdp, fsdp in zip(rows["2"], rows["auto"]):  # parameters, gradients, optimizer state (MiB)
+        assert hsdp == pytest.approx(2 * fsdp, rel=0.1), rows
