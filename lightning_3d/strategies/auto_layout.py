@@ -118,6 +118,9 @@ def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, 
                 continue
             if config.data_parallel_size != "auto" and dp != config.data_parallel_size:
                 continue
+            shard = config.data_parallel_shard_size
+            if shard != "auto" and dp % shard:
+                continue  # the run's HSDP shard groups must divide dp
             for schedule, virtual, m in _pipelines(pp, spec.num_layers, batch_size, config, auto):
                 for zero in options("zero_stage", (0, 2, 3) if dp > 1 else (0,)):
                     for recompute in options("activation_checkpointing", (None, "selective", "full")):
@@ -126,9 +129,17 @@ def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, 
                         try:
                             yield Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=batch_size // m, num_microbatches=m,
                                          schedule=schedule, virtual_stages=virtual, zero_stage=zero,
-                                         recompute=recompute, sequence_parallel=config.sequence_parallel and tp > 1)
+                                         recompute=recompute, sequence_parallel=config.sequence_parallel and tp > 1,
+                                         dp_shard=_hsdp_shard(config, dp))
                         except ParallelConfigError:
                             continue
+
+
+def _hsdp_shard(config: ParallelConfig, dp: int) -> int:
+    """The user's HSDP shard size where it splits this dp into replicas (the run will use it), else 0 (ZeRO
+    over all of dp)."""
+    shard = config.data_parallel_shard_size
+    return shard if shard != "auto" and shard < dp else 0
 
 
 def _pipelines(pp: int, layers: int, batch_size: int, config: ParallelConfig, auto: set) -> Iterator[tuple]:
