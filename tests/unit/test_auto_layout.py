@@ -108,3 +108,12 @@ def test_a_measured_step_time_close_to_the_prediction_does_not_warn(monkeypatch,
     for step in range(0, 8):
         check.on_step(step)
     assert check.measured_step_s == pytest.approx(0.11) and not [w for w in recwarn if "layout='auto'" in str(w.message)]
+
+
+def test_with_a_fixed_hsdp_shard_size_the_decision_weighs_the_hsdp_the_run_will_use():
+    config = ParallelConfig(layout="auto", zero_stage=3, data_parallel_shard_size=2)
+    layouts = list(candidate_layouts(SPEC, config, 8, 8, 8))
+    assert layouts and all(layout.dp % 2 == 0 for layout in layouts)  # dp 1 cannot be cut in shard groups of 2
+    assert {(layout.dp, layout.shard) for layout in layouts} == {(8, 2), (4, 2), (2, 2)}
+    with pytest.raises(ParallelConfigError, match="HSDP needs ZeRO"):
+        ParallelConfig(layout="auto", data_parallel_shard_size=2)  # zero_stage left to the decision
