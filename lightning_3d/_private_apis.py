@@ -34,6 +34,16 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.utils._pytree": Private(
         "flatten and rebuild nested batches, step outputs and model call arguments (pipeline engine, callbacks)",
         "torch 2.13 ships no public pytree module; the optree package would be one more dependency"),
+    "torch.utils._python_dispatch.is_in_torch_dispatch_mode": Private(
+        "compile=True runs a block eagerly under a dispatch mode (fake tensors of the shape check, CommTimer's"
+        " recorder): compiled kernels would run on tensors without data",
+        "none in torch 2.13"),
+    "torch._dynamo.utils": Private(
+        "compile=True's one log line per rank: graphs, graph breaks and compile time (counters,"
+        " cumulative_time_spent_ns)", "none in torch 2.13: TORCH_LOGS prints them, no API returns them"),
+    "torch._dynamo.exc.TorchDynamoException": Private(
+        "compile=True falls back to eager on what dynamo raises while tracing or compiling a block, and only on"
+        " that", "none in torch 2.13: torch.compile's errors have no public base class"),
     "torch.utils._python_dispatch.TorchDispatchMode": Private(
         "see each collective after DTensor has lowered it (CommRecorder, the pipeline's step checks)",
         "torch.overrides.TorchFunctionMode is public but sees DTensor calls before their collectives exist"),

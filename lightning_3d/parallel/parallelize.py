@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims
@@ -146,9 +147,12 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     #    whose partner another stage holds.
     tied_copies = retie(module, plan.tied_parameters)
 
-    # 4. Activation checkpointing of the blocks, before data parallel wraps them.
+    # 4. Activation checkpointing of the blocks, then torch.compile of each block (over its tp shards and its
+    #    checkpoint, as torchtitan orders them), before data parallel wraps them (parallel/compile.py).
     if config.activation_checkpointing:
         apply_activation_checkpointing(module, plan, config.activation_checkpointing)
+    if config.compile:
+        apply_compile(module, plan, rank)
 
     # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
     #    fill them from rank 0's build as written, one full tensor at a time (exact, streamed), or replay the

@@ -25,6 +25,7 @@ from lightning_3d.planner.cluster import GPUS, Cluster
 from lightning_3d.planner.memory import PRECISIONS
 from lightning_3d.planner.model import ModelSpec, PlannerError
 from lightning_3d.planner.search import plan
+from lightning_3d.planner.time import COMPILE_ASSUMED
 
 SIZE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
               "ffn": "ffn_hidden_size", "vocab": "vocab_size", "seq_len": "seq_length"}
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--precision", choices=sorted(PRECISIONS), default=None, help="default bf16-mixed")
     run.add_argument("--top", type=int, default=10, help="rows of the table")
     run.add_argument("--yaml-out", help="write the best layout's `lightning-3d fit` config here")
+    run.add_argument("--compile", action="store_true", help="the config compiles each block (compile=True);"
+                     " its speed-up is assumed, not modelled")
     return parser
 
 
@@ -65,11 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:  # PlannerError included
         sys.exit(f"lightning-3d plan: {err}")
     print(result.table(args.top))
+    if args.compile:
+        print(COMPILE_ASSUMED + ".")
     if args.yaml_out:
-        Path(args.yaml_out).write_text(result.to_yaml())
+        Path(args.yaml_out).write_text(result.to_yaml(compile=args.compile))
         print(f"\nwrote the config of #1 to {args.yaml_out}: lightning-3d fit --config {args.yaml_out}")
     else:
-        print("\n" + result.to_yaml())
+        print("\n" + result.to_yaml(compile=args.compile))
 
 
 def inputs(args: argparse.Namespace) -> tuple[ModelSpec, Cluster, int, str]:

@@ -12,7 +12,7 @@ from lightning_3d.planner.cluster import GIB, Cluster, gib
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import MemoryEstimate, Precision
 from lightning_3d.planner.model import ModelSpec
-from lightning_3d.planner.time import StepTime
+from lightning_3d.planner.time import COMPILE_ASSUMED, StepTime
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,10 @@ class LayoutPlan:
     def table(self, top: int = 10) -> str:
         return format_table(self, top)
 
-    def to_yaml(self, candidate: Candidate | None = None) -> str:
-        """A config for ``lightning-3d fit`` running ``candidate`` (default: the best)."""
-        return to_yaml(self, candidate or self.best)
+    def to_yaml(self, candidate: Candidate | None = None, compile: bool = False) -> str:
+        """A config for ``lightning-3d fit`` running ``candidate`` (default: the best), its blocks compiled with
+        ``compile=True`` (whose speed the step time does not model)."""
+        return to_yaml(self, candidate or self.best, compile)
 
 
 STEP_TERMS = {"compute": "compute", "tp_communication": "tensor-parallel communication",
@@ -154,9 +155,10 @@ def format_table(plan: LayoutPlan, top: int = 10) -> str:
     return "\n".join([header, *lines])
 
 
-def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
-    """A LightningCLI config (the format of ``example_configs/``) that runs ``candidate``'s layout. The model
-    section is the reference GPT when the planned model is one; otherwise it is left for the user to fill."""
+def to_yaml(plan: LayoutPlan, candidate: Candidate, compile: bool = False) -> str:
+    """A LightningCLI config (the format of ``example_configs/``) that runs ``candidate``'s layout, with
+    ``compile: true`` if asked. The model section is the reference GPT when the planned model is one;
+    otherwise it is left for the user to fill."""
     layout, model, cluster = candidate.layout, plan.model, plan.cluster
     pipelined = layout.pp > 1
     m, t = candidate.memory, candidate.time
@@ -165,6 +167,10 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
         "sequence_parallel": layout.sequence_parallel, "zero_stage": layout.zero_stage,
         "activation_checkpointing": layout.recompute,
     }
+    if layout.replicas > 1:  # HSDP
+        strategy["data_parallel_shard_size"] = layout.shard
+    if compile:
+        strategy["compile"] = True
     if pipelined:
         strategy.update(pipeline_schedule=layout.schedule, num_microbatches=layout.num_microbatches,
                         virtual_pipeline_size=layout.virtual_stages, pipeline_reduce_grads=layout.pipeline_reduce_grads)
@@ -182,6 +188,7 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate) -> str:
         f" dp {t.dp_communication:.3g}),",
         f"# {candidate.tokens_per_second:,.0f} tokens/s"
         + ("" if candidate.mfu is None else f", MFU {candidate.mfu:.1%}") + ". See docs/planner.md.",
+        *([f"# {COMPILE_ASSUMED}."] if compile else []),
         "seed_everything: 1234",
         "trainer:",
         f"  accelerator: {cluster.device}",

@@ -43,3 +43,4 @@ def test_the_search_offers_hsdp_where_dp_crosses_nodes_and_takes_a_fixed_shard_s
     held = plan(MODEL, CLUSTER, global_batch_size=64, fixed={"tp": 2, "pp": 1, "zero_stage": 3, "dp_shard": 4,
                                                               "recompute": "full"})
     assert {c.layout.shard for c in held.candidates} == {4}
+    assert "data_parallel_shard_size: 4" in held.to_yaml()  # the config it writes runs that HSDP
