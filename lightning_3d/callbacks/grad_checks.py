@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_3d.common import local
-from lightning_3d.pipeline.grad_accumulation import is_accumulating
+from lightning_3d.pipeline.reduction_checks import before_reduction
 
 
 class GradientChecks:
@@ -32,19 +32,20 @@ class GradientChecks:
     the sum overflows past 3e38); the step's sums are checked together (:meth:`collect`), and only a step
     that was not finite reads them on the host to name the parameter (:func:`first_not_finite`).
 
-    A pipeline stage's backwards before its last only accumulate (``pipeline/grad_accumulation.py``): their
-    gradients are looked at once, at the last backward, as what the tensor holds plus that backward's. Where a
-    layout keeps the accumulated gradient elsewhere than on the tensor (FSDP2 with a reduce dtype other than
-    the parameters': its own fp32 buffer), the reduced gradients are also checked (:meth:`collect_reduced`),
-    so a NaN/Inf is never missed, though its rank of origin may then be unknown.
+    Under a pipeline (``at_reduction=True``) no hook runs per micro-batch: the stage's gradients accumulate
+    unreduced over the step's micro-batches, and they are looked at once per step, right before the stage
+    reduces them (``pipeline/reduction_checks.py``): one sum per tensor its modules then hold. Where a layout keeps the accumulated gradient away from those
+    tensors (FSDP2 with a reduce dtype other than the parameters': its own fp32 buffer), the reduced gradients
+    are checked too (:meth:`collect_reduced`): a NaN/Inf is never missed, though its rank of origin is then
+    unknown.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, at_reduction: bool = False) -> None:
         self.active = False  # this step is checked
         self._sums: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient's float32 sum), backward order
         self._hooked = WeakIdKeyDictionary()  # tensor -> its hook's handle
         self._warned = False
-        self._deferred = False  # a backward of this step only accumulated: see collect_reduced
+        self._at_reduction = at_reduction  # the step's gradients looked at before the reduction: see collect_reduced
         # Under the name root.named_parameters() gives it (the first path to it, for a tied one).
         first_name: dict[int, str] = {}
         self._names: dict[tuple[int, str], str] = {}  # (id(module), parameter's name in it) -> name
@@ -55,10 +56,12 @@ class GradientChecks:
             for short, param in held:
                 name = first_name.setdefault(id(param), f"{module_name}.{short}" if module_name else short)
                 self._names[(id(module), short)] = name
-                self._hook(param, name)
-            if held:
+                if not at_reduction:
+                    self._hook(param, name)
+            if held and not at_reduction:
                 # prepend=False: runs after FSDP2's own pre-forward hook (prepended), which swaps its tensors in.
                 self._module_hooks.append(module.register_forward_pre_hook(self._hook_module_tensors))
+        self._unregister = before_reduction(self._check_stage) if at_reduction else None
 
     def _hook_module_tensors(self, module: nn.Module, args) -> None:
         # _parameters (private): named_parameters(recurse=False) builds a generator and a memo set per call,
@@ -81,17 +84,21 @@ class GradientChecks:
 
     def _hook(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.requires_grad and tensor not in self._hooked:
-            self._hooked[tensor] = tensor.register_hook(partial(self._record, name, weakref.ref(tensor)))
+            self._hooked[tensor] = tensor.register_hook(partial(self._record, name))
 
-    def _record(self, name: str, tensor: weakref.ref, grad: torch.Tensor) -> None:
-        if not self.active:  # no host sync here: the sums are looked at once, before the optimizer step
+    def _record(self, name: str, grad: torch.Tensor) -> None:
+        if self.active:  # no host sync here: the sums are looked at once, before the optimizer step
+            self._sums.append((name, _sum(grad)))
+
+    def _check_stage(self, stage: nn.Module) -> None:
+        """Before ``stage``'s gradients are reduced: the sum of each, as its modules hold it then (the tensors
+        the micro-batches' backwards accumulated into)."""
+        if not self.active:
             return
-        if is_accumulating():  # looked at with the stage's last backward, from what the tensor then holds
-            self._deferred = True
-            return
-        held = tensor()
-        accumulated = held.grad if held is not None else None  # the hook runs before this grad is added
-        self._sums.append((name, _sum(grad) if accumulated is None else _sum(grad) + _sum(accumulated)))
+        held = [(self._names.get((id(module), short)), tensor.grad) for module in stage.modules()
+                for short, tensor in module._parameters.items() if tensor is not None and tensor.grad is not None]
+        held = [(name, grad) for name, grad in held if name is not None]  # not a copy of a module (shape inference)
+        self._sums.extend((name, _sum(grad)) for name, grad in held)
 
     def collect(self, root: nn.Module, step: int) -> tuple[list[str], torch.Tensor | None]:
         """This step's gradients (those seen in backward, in backward order, then the others) and whether each
@@ -107,17 +114,15 @@ class GradientChecks:
         return [name for name, _ in sums], torch.stack([value for _, value in sums]).isfinite()  # (gradients,)
 
     def collect_reduced(self, root: nn.Module) -> tuple[list[str], torch.Tensor | None]:
-        """After the reduction, in a step where some backward only accumulated: every gradient's name and
-        whether it is finite (None when no backward was deferred). A NaN/Inf shows here on every dp rank alike;
-        it is the net under layouts that accumulate away from the tensors the hooks see (class doc)."""
-        if not self._deferred:
+        """After the reduction, with ``at_reduction``: every gradient's name and whether it is finite (None
+        otherwise). A NaN/Inf shows here on every dp rank alike; it is the net under layouts that accumulate
+        away from the tensors the stage's modules hold (class doc)."""
+        if not self._at_reduction:
             return [], None
-        self._deferred = False
-        named = [(name, local(p.grad)) for name, p in root.named_parameters() if p.grad is not None]
+        named = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None]
         if not named:
             return [], None
-        largest = torch._foreach_norm([grad for _, grad in named], ord=float("inf"))  # per (device, dtype)
-        return [name for name, _ in named], torch.stack(largest).isfinite()
+        return [name for name, _ in named], torch.stack([_sum(grad) for _, grad in named]).isfinite()
 
     def _warn_unseen(self, unseen: list[str], seen: int, step: int) -> None:
         if self._warned:
@@ -134,6 +139,9 @@ class GradientChecks:
     def remove(self) -> None:
         for handle in [*self._module_hooks, *self._hooked.values()]:
             handle.remove()
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
         self._module_hooks = []
         self._hooked = WeakIdKeyDictionary()
 

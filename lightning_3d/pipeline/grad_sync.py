@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 
-from lightning_3d.pipeline.grad_accumulation import accumulating
+from lightning_3d.pipeline.reduction_checks import run_before_reduction
 
 
 class GradSyncStage(PipelineStage):
@@ -38,9 +38,7 @@ class GradSyncStage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if not (self.reduce_per_microbatch and backward_type == "full" and isinstance(self.submod, FSDPModule)):
-            # Gradients of all but the last backward only accumulate: checks before the reduction wait for it.
-            with accumulating(not last_backward):
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # Sync on: FSDP2's post-backward hook of each block reduce-scatters its gradient into the sharded one
         # (accumulating over micro-batches). The parameters stay gathered for the next micro-batch; the
         # end-of-backward work (waiting for reductions, freeing) waits for perform_reduce_grad.
@@ -63,6 +61,7 @@ class GradSyncStage(PipelineStage):
                 if isinstance(module, FSDPModule):
                     module.reshard()
             return None
+        run_before_reduction(self.submod)  # what the micro-batches accumulated, before dp spreads it
         if self.sync_grads or not isinstance(self.submod, FSDPModule):
             return super().perform_reduce_grad(grad_scale_factor)
         # An accumulation micro-step: what the parent does, with sync off -- each FSDP2 group ends its backward

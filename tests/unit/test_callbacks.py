@@ -192,35 +192,37 @@ def test_comm_recorder_times_a_collective_whose_work_unboxes_to_none():
 
 
 def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its_micro_batches():
-    """Issue 30: a pipeline stage's backwards before its last only accumulate, so NaNGuard sums each gradient
-    once per step (was once per micro-batch), and a NaN from the first micro-batch is still found there, named,
-    before any reduction; where the accumulated gradient is held away from the tensor (FSDP2's fp32 buffer
-    under a reduce dtype), the reduced gradients catch it instead."""
+    """Issue 30: under a pipeline NaNGuard runs no hook per gradient per micro-batch; it looks once per step, right
+    before the stage reduces its gradients, at what the micro-batches accumulated (one foreach reduction), and
+    a NaN from the first micro-batch is still found there, named, before any reduction; where the accumulated
+    gradient is held away from the tensors (FSDP2's fp32 buffer under a reduce dtype), the reduced gradients
+    catch it instead."""
     import torch
 
     from lightning_3d.callbacks.grad_checks import GradientChecks
-    from lightning_3d.pipeline.grad_accumulation import accumulating
+    from lightning_3d.pipeline.reduction_checks import run_before_reduction
 
     def micro_batches(model, poisoned: int, moved_away: bool = False) -> None:
         held = [torch.zeros_like(p) for p in model.parameters()]  # FSDP2's own buffer, under a reduce dtype
         for index in range(4):
             x = torch.ones(1, 2) * (float("nan") if index == poisoned else 1.0)
-            with accumulating(index < 3):  # as GradSyncStage marks all but the last backward
-                model(x).sum().backward()
+            model(x).sum().backward()
             if moved_away and index < 3:
                 for buffer, param in zip(held, model.parameters()):
                     buffer += param.grad
                     param.grad = None
+        run_before_reduction(model)  # as GradSyncStage does, before it reduces
         if moved_away:  # the reduction adds it back
             for buffer, param in zip(held, model.parameters()):
                 param.grad += buffer
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    checks = GradientChecks(model)
+    checks = GradientChecks(model, at_reduction=True)
     checks.active = True
+    assert not checks._hooked and not checks._module_hooks  # nothing runs per micro-batch
     micro_batches(model, poisoned=-1)
     names, finite = checks.collect(model, step=0)
-    assert sorted(names) == ["0.bias", "0.weight", "1.bias", "1.weight"] and bool(finite.all())  # one sum each
+    assert sorted(names) == ["0.bias", "0.weight", "1.bias", "1.weight"] and bool(finite.all())  # once each
     assert checks.collect_reduced(model)[1].all()
     model.zero_grad()
 
@@ -231,6 +233,9 @@ def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its
 
     micro_batches(model, poisoned=0, moved_away=True)
     names, finite = checks.collect(model, step=2)
-    assert bool(finite.all())  # what the hooks can see: the last micro-batch's
+    assert bool(finite.all())  # what the modules held before the reduction: the last micro-batch's
     reduced_names, reduced_finite = checks.collect_reduced(model)
     assert sorted(n for n, ok in zip(reduced_names, reduced_finite.tolist()) if not ok) == ["0.weight", "1.weight"]
+    checks.remove()
+    run_before_reduction(model)  # removed: no longer looks
+    assert checks._sums == []
