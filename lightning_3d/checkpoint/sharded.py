@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -40,21 +41,41 @@ TRUSTED_HINT = " (or, to run its code, pass weights_only=False to trainer.fit)"
 
 def save(path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
     """Write ``state`` (tensors, sharded or not) with DCP, ``meta`` from rank 0 and ``rank_state`` from every
-    rank, atomically, to ``path``. Collective: every rank of the default process group calls it."""
-    rank = dist.get_rank()
+    rank, atomically, to ``path``. Collective: every rank of the default process group calls it.
+    (``checkpoint/async_save.py`` writes the same directory while training goes on.)"""
+    partial = begin(path)
+    dcp.save(state, storage_writer=writer(partial), planner=BoxesSavePlanner())
+    write_small_files(partial, meta, rank_state)
+    dist.barrier()  # every rank's files are on disk
+    if dist.get_rank() == 0:
+        atomic.commit(path)
+    dist.barrier()
+
+
+def begin(path: Path) -> Path:
+    """The empty temporary directory of ``path`` (``atomic.start``), made by rank 0 and seen by every rank on
+    return. Collective over the default process group."""
     partial = atomic.partial_path(path)
-    if rank == 0:
+    if dist.get_rank() == 0:
         atomic.start(path)
         (partial / RNG_DIR).mkdir()
     dist.barrier()
-    dcp.save(state, storage_writer=FileSystemWriter(partial, sync_files=True), planner=BoxesSavePlanner())
+    return partial
+
+
+def writer(partial: Path) -> FileSystemWriter:
+    """DCP's writer into the temporary directory: every file fsynced before the save returns (and before
+    a commit can rename the directory)."""
+    return FileSystemWriter(partial, sync_files=True)
+
+
+def write_small_files(partial: Path, meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
+    """This rank's random streams and, on rank 0, Lightning's ``meta``, into the temporary directory, on disk
+    when it returns. Tensors in them are written from host copies: nothing device-side is pickled."""
+    rank = dist.get_rank()
     atomic.write_synced(_dumps(rank_state), partial / RNG_DIR / f"rank{rank}.pt")
     if rank == 0:
         atomic.write_synced(_dumps({**meta, "format": FORMAT}), partial / META_FILE)
-    dist.barrier()  # every rank's files are on disk
-    if rank == 0:
-        atomic.commit(path)
-    dist.barrier()
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -133,5 +154,5 @@ def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _dumps(obj: Any) -> bytes:
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(apply_to_collection(obj, torch.Tensor, lambda t: t.detach().cpu()), buffer)
     return buffer.getvalue()

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_3d.checkpoint import atomic, sharded
+from lightning_3d.checkpoint.async_save import AsyncSaves
 from lightning_3d.checkpoint.resumable import ResumableLoader
 from lightning_3d.checkpoint.safe_load import torch_load
 from lightning_3d.parallel.config import ParallelConfig
@@ -41,12 +42,15 @@ class ShardedCheckpoints:
 
     Each method takes what it works on -- the module, its optimizers, this run's ``sharding`` (from
     :func:`sharding_of`) -- and runs inside the ``phases``' checkpoint phase (``strategies/faults.py``). It
-    keeps one thing between calls: the random streams read from a checkpoint of this very sharding, until
-    the strategy restores them (:meth:`take_rank_state`)."""
+    keeps between calls the random streams read from a checkpoint of this very sharding, until the strategy
+    restores them (:meth:`take_rank_state`), and, with ``async_save``, the save still being written
+    (``checkpoint/async_save.py``): every load and the end of the run (:meth:`finish`) wait for it."""
 
-    def __init__(self, phases: RunPhases) -> None:
+    def __init__(self, phases: RunPhases, async_save: bool = False) -> None:
         self.phases = phases
         self._rank_state_to_load: Optional[dict] = None
+        self._async = AsyncSaves() if async_save else None
+        self._failed = False
 
     def model_state(self, module: nn.Module) -> dict[str, Any]:
         """This rank's shards of the model's state, by single-device name: nothing is gathered."""
@@ -66,17 +70,38 @@ class ShardedCheckpoints:
             checkpoint["optimizer_states"] = [_IN_SHARDS] * len(optimizers)
         checkpoint["lightning_3d"] = {"layout": sharding, "world_size": dist.get_world_size()}
         with self.phases.phase("checkpoint save", "checkpoint_timeout"):
-            sharded.save(path, state, checkpoint, rank_state)
+            if self._async is not None:
+                self._async.save(path, state, checkpoint, rank_state)  # written while training goes on
+            else:
+                sharded.save(path, state, checkpoint, rank_state)
 
     def remove(self, path: Path) -> None:
+        """Rank 0. With asynchronous saves, once the pending one is committed: until then ``path`` may be the
+        only whole checkpoint."""
+        if self._async is not None:
+            self._async.after_pending(lambda: atomic.remove(path))
+            return
         with self.phases.phase("checkpoint removal", "checkpoint_timeout"):
             atomic.remove(path)
+
+    def on_failure(self) -> None:
+        """The run is ending on an error: :meth:`finish` reports a pending save that fails, not raises."""
+        self._failed = True
+
+    def finish(self) -> None:
+        """At the end of the run: the pending asynchronous save is committed when this returns."""
+        if self._async is not None:
+            with self.phases.phase("checkpoint save: waiting for the asynchronous write", "checkpoint_timeout"):
+                self._async.close(failed=self._failed)
+        self._failed = False
 
     def load(self, path: Path, module: pl.LightningModule, optimizers: list[Optimizer], sharding: dict[str, int],
              weights_only: Optional[bool], barrier: Callable[[str], None]) -> dict[str, Any]:
         """Lightning's checkpoint dict from ``path``; a sharded one fills the module (and, when fitting, the
         optimizers) here, resharded from the sharding it was written at. Collective."""
         with self.phases.phase("checkpoint load", "checkpoint_timeout"):
+            if self._async is not None:
+                self._async.wait(f"loading {path}")  # it may be the very checkpoint to load
             if path.is_file():
                 if weights_only is False:  # the user vouched for the file: Lightning's documented opt-out
                     return torch.load(path, map_location="cpu", mmap=True, weights_only=False)

@@ -167,7 +167,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.num_nodes = 1
         # The fault watch over the run's phases, started with the process group.
         self._phases = RunPhases(dict(zip(TIMEOUTS, (hang_timeout, setup_timeout, checkpoint_timeout))), exit_timeout)
-        self._checkpoints = ShardedCheckpoints(self._phases)
+        self._checkpoints = ShardedCheckpoints(self._phases, async_save=async_checkpoint)
         self._build = WatchedBuild(model_init)  # configure_model() on the meta device, watched
         self._parallel_dims: Optional[ParallelDims] = None
         self._device_mesh = None
@@ -543,9 +543,11 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._phases.announce_failure(exception)
+        self._checkpoints.on_failure()
 
     @override
     def teardown(self) -> None:
+        self._checkpoints.finish()  # an asynchronous save still being written is committed first
         self._phases.stop()
         self.model = self.lightning_module  # as Lightning's strategies leave it; setup() hands over the wrapper again
         assert self.cluster_environment is not None

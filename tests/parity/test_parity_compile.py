@@ -1,6 +1,7 @@
 """``compile=True`` (torch.compile per block, inductor on CPU) trains as one eager process does, at tp=2, pp=2
-(1F1B) and (dp, pp, tp) = (2, 2, 2); each rank logs one line with its graphs, graph breaks, recompiles and
-compile time; a block dynamo cannot trace falls back to eager with one warning per rank and trains on.
+(1F1B) and (dp, pp, tp) = (2, 2, 2), with full activation checkpointing at tp=2 and under ZeRO-3 at dp=2; each
+rank logs one line with its graphs, graph breaks, recompiles and compile time; a block dynamo cannot trace
+falls back to eager with one warning per rank and trains on.
 
 Per-step losses, gradient norms and all parameters after ``SWEEP_STEPS`` AdamW steps, against the
 single-process eager reference at 1e-5 (``assert_parity``). Two launches (world 2, then world 8), several
@@ -24,15 +25,19 @@ LAUNCH_TIMEOUT_S = 540
 2 busy cores costs ~30 s of C++ compile per distinct graph and rank (measured)."""
 
 
-def compile_case(name, dp, pp, tp, module="gpt"):
-    strategy = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, compile=True)
+def compile_case(name, dp, pp, tp, module="gpt", **extra):
+    strategy = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp, compile=True,
+                    **extra)
     if pp > 1:
         strategy.update(pipeline_schedule="1f1b", num_microbatches=4)
     return Case(name=name, dp=dp, strategy_kwargs=strategy, steps=SWEEP_STEPS, module=module, learning_rate=3e-3)
 
 
 WORLD2 = [compile_case("tp2", 1, 1, 2), compile_case("pp2_1f1b", 1, 2, 1),
-          compile_case("pp2_graph_break", 1, 2, 1, module="gpt_graph_break")]
+          compile_case("pp2_graph_break", 1, 2, 1, module="gpt_graph_break"),
+          # composed with activation checkpointing (compiled inside the checkpoint) and with ZeRO-3 (FSDP2 around)
+          compile_case("tp2_full_ac", 1, 1, 2, activation_checkpointing="full"),
+          compile_case("dp2_zero3", 2, 1, 1, zero_stage=3)]
 WORLD8 = [compile_case("dp2_pp2_tp2", 2, 2, 2)]
 
 
@@ -67,7 +72,7 @@ def _assert_compiled(seen, name):
         assert by_case[name]["warnings"] == [], by_case[name]["warnings"]
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2_1f1b"])
+@pytest.mark.parametrize("name", ["tp2", "pp2_1f1b", "tp2_full_ac", "dp2_zero3"])
 def test_compiled_blocks_train_as_eager_one_process(world2, name):
     results, seen = world2
     assert_parity(results[name], _eager_reference(next(c for c in WORLD2 if c.name == name)))
