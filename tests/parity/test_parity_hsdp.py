@@ -1,8 +1,8 @@
 """HSDP (issue 32): ZeRO within groups of ``data_parallel_shard_size`` dp ranks, replicated across them, matches
-one process step by step -- at (dp_replicate 2, dp_shard 2, tp 2) and (replicate 2, shard 2, pp 2), with
-clipping by the global norm -- and holds the model ``dp_replicate`` times over the ranks (plain ZeRO over all of
-dp holds it once, replicas ``dp`` times): what tells HSDP from both, since parity alone would hold for them too.
-One launch of 8 ranks runs every case."""
+one process step by step -- at (dp_replicate 2, dp_shard 2, tp 2) and (replicate 2, shard 2, pp 2), under
+ZeRO-1, 2 and 3, with clipping by the global norm -- and holds the model ``dp_replicate`` times over the ranks
+(plain ZeRO over all of dp holds it once, replicas ``dp`` times): what tells HSDP from both, since parity alone
+would hold for them too. One launch of 8 ranks runs every case."""
 
 import pytest
 
@@ -23,7 +23,8 @@ def hsdp_case(zero: int, pp: int, tp: int, **kwargs) -> Case:
                 **kwargs)
 
 
-CASES = [hsdp_case(3, 1, 2), hsdp_case(2, 2, 1), hsdp_case(3, 2, 1, gradient_clip_val=0.3)]
+CASES = [hsdp_case(3, 1, 2), hsdp_case(2, 2, 1), hsdp_case(3, 2, 1, gradient_clip_val=0.3),
+         hsdp_case(1, 1, 2, gradient_clip_val=0.3)]  # ZeRO-1 (runs as 2) with tp and clipping
 BY_NAME = {c.name: c for c in CASES}
 
 
