@@ -20,10 +20,18 @@ A save does, in order (``AsyncSaves.save``):
 
 Removing an old checkpoint (``ModelCheckpoint(save_top_k=...)``) is queued after the pending commit: the
 checkpoint it replaces stays until the new one is complete.
+
+A second save of the step being written -- ``ModelCheckpoint(save_last=True)`` saves ``last.ckpt`` right after
+the step's top-k checkpoint -- holds the same weights and optimizer state (they change only in an optimizer
+step, which moves the step on). It does not wait for the first or stage and write them again: it writes its
+own small files now, and its completion step, after the first's, links the first's shard files into it
+(hard links; copies where the filesystem has none) and commits it (``AsyncSaves._save_again``).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,11 +66,17 @@ class AsyncSaves:
         self._completion: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None  # the last completion step or removal queued
         self._pending_path: Optional[Path] = None
+        self._pending_step: Optional[int] = None  # the global step whose state the pending save holds
+        self._pending_source: Optional[Path] = None  # where that state's shards are written (the first save's)
         self._stager: Optional[DefaultStager] = None  # the host copy of the state, kept between saves
 
     def save(self, path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Start writing ``state`` (DCP), ``meta`` (rank 0) and ``rank_state`` (every rank) to ``path``; the
         directory appears, whole, once every rank has written. Collective over the default process group."""
+        step = meta.get("global_step")
+        if self._pending is not None and step is not None and step == self._pending_step:
+            self._save_again(path, meta, rank_state)
+            return
         self.wait(f"saving {path}")
         group = self._process_group()
         partial = sharded.begin(path)
@@ -70,6 +84,16 @@ class AsyncSaves:
         written = dcp.async_save(state, storage_writer=sharded.writer(partial), planner=BoxesSavePlanner(),
                                  process_group=group, async_stager=self._host_copy())
         self._pending = self._executor().submit(_complete, written, path, dist.get_rank() == 0)
+        self._pending_path, self._pending_step, self._pending_source = path, step, path
+
+    def _save_again(self, path: Path, meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        """A save of the step whose state is being written (module doc): its small files now, its shards linked
+        from the first save's once that is committed, then committed itself; training does not wait."""
+        partial = sharded.begin(path)
+        sharded.write_small_files(partial, meta, rank_state)
+        dist.barrier()  # every rank's small files are on disk before rank 0 can commit
+        previous, source = self._pending, self._pending_source
+        self._pending = self._executor().submit(_complete_linked, previous, source, path, dist.get_rank() == 0)
         self._pending_path = path
 
     def after_pending(self, work: Callable[[], None]) -> None:
@@ -139,6 +163,30 @@ class AsyncSaves:
         if self._completion is None:
             self._completion = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_3d-checkpoint")
         return self._completion
+
+
+def _complete_linked(previous: Future, source: Path, path: Path, commits: bool) -> None:
+    """The completion step of a second save of a step: once the first is committed (rank 0; elsewhere: once
+    this rank's write is done), rank 0 links the first's shard files into this one and commits it."""
+    previous.result()
+    if not commits:
+        return
+    partial = atomic.partial_path(path)
+    for item in source.iterdir():
+        if item.name in (sharded.META_FILE, sharded.RNG_DIR):
+            continue  # this save's own, written already
+        _link_or_copy(item, partial / item.name)
+    atomic.commit(path)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (the bytes are on disk already), or where the filesystem has none a copy, synced."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+        with open(target, "rb") as copied:
+            os.fsync(copied.fileno())
 
 
 def _complete(written: Future, path: Path, commits: bool) -> None:

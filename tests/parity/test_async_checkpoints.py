@@ -24,15 +24,17 @@ def runs(tmp_path_factory):
     killed_dir, through_dir = root / "killed", root / "through"
     killed = dict(layout=dict(data_parallel_size=2), model=MODEL, steps=6, save_every=2, save_last=True,
                   ckpt_dir=str(killed_dir))
-    # Saves: 1 = step=2, 2 = last (step 2), 3 = step=4, 4 = last (step 4): rank 1 dies in the 4th DCP write.
-    launch_jobs(2, [dict(killed, name="killed", kill_rank_during_save=1, kill_at_save=4)], root / "one",
+    # Saves: step=2, last (step 2: its shards linked from step=2's, no DCP write), step=4, last (step 4): rank 1
+    # dies in the 2nd DCP write, step 4's.
+    launch_jobs(2, [dict(killed, name="killed", kill_rank_during_save=1, kill_at_save=2)], root / "one",
                 expect_failure=True, timeout=120)
     died_in = killed_dir / "killed_in_thread"  # written by rank 1 just before it kills itself
     after_kill = {"killed_in_thread": died_in.read_text() if died_in.exists() else None,
-                  "partial": (killed_dir / ".last.ckpt.partial").is_dir(), "last_step": _step_of(killed_dir / "last.ckpt")}
+                  "partial": (killed_dir / ".epoch=0-step=4.ckpt.partial").is_dir(),
+                  "step_4": (killed_dir / "epoch=0-step=4.ckpt").exists(), "last_step": _step_of(killed_dir / "last.ckpt")}
     results = launch_jobs(2, [
-        dict(name="through", layout=TP2, model=MODEL, steps=6, save_every=3, ckpt_dir=str(through_dir),
-             write_delay=DELAY, capture_at=3),
+        dict(name="through", layout=TP2, model=MODEL, steps=6, save_every=3, save_last=True,
+             ckpt_dir=str(through_dir), write_delay=DELAY, capture_at=3),
         dict(name="resumed", layout=TP2, model=MODEL, steps=6, resume=str(through_dir / "epoch=0-step=3.ckpt")),
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
              resume=str(through_dir / "epoch=0-step=3.ckpt")),
@@ -51,7 +53,7 @@ def test_a_rank_killed_during_an_async_write_leaves_the_previous_checkpoint_whol
     _, results = runs
     after_kill = results["after_kill"]
     assert after_kill["killed_in_thread"] not in (None, "MainThread")  # rank 1 died in the background write
-    assert after_kill["partial"]  # the unfinished save: never committed, never loaded
+    assert after_kill["partial"] and not after_kill["step_4"]  # the unfinished save: never committed, never loaded
     assert after_kill["last_step"] == 2  # last.ckpt is still the previous save's, whole
     assert "resumed_from_last" in results, "resuming from last failed (see the launch's output)"
     resumed = results["resumed_from_last"]
@@ -100,12 +102,25 @@ def test_an_async_checkpoint_of_tp_2_reshards_to_zero_3_and_trains_on_as_one_pro
 def test_at_most_one_save_is_in_flight_the_next_waits_and_says_how_long_and_fit_ends_with_it_committed(runs):
     _, results = runs
     through = results["through"]
-    assert through["max_writes_in_flight"] == 1 and len(through["write_threads"]) == 2  # steps 3 and 6
+    # Two DCP writes (steps 3 and 6): each step's last.ckpt, saved right after, took its shards from them
+    # without waiting (four writes and two more waits without that).
+    assert through["max_writes_in_flight"] == 1 and len(through["write_threads"]) == 2
     # The save at step 6 came while step 3's slept in its write: it waited, and rank 0 said for how long; the
-    # end of fit waited for step 6's.
+    # end of fit waited for step 6's (its last.ckpt the last to commit).
     before_6, at_the_end = through["waits"]
-    assert "step=3.ckpt to finish before saving" in before_6 and "step=6.ckpt" in before_6, before_6
-    assert "step=6.ckpt to finish before the end of the run" in at_the_end, at_the_end
+    assert "last.ckpt to finish before saving" in before_6 and "step=6.ckpt" in before_6, before_6
+    assert "last.ckpt to finish before the end of the run" in at_the_end, at_the_end
     for wait in through["waits"]:
         assert 0 < float(wait.split("waited ")[1].split(" s")[0]) <= DELAY + 1, wait
     assert through["committed_when_fit_returned"] == 6  # committed by the time fit returned
+
+
+@pytest.mark.multiprocess
+def test_the_last_checkpoint_saved_right_after_a_step_s_top_k_one_holds_the_same_shards(runs):
+    root, _ = runs
+    through = root / "through"
+    assert _step_of(through / "last.ckpt") == _step_of(through / "epoch=0-step=6.ckpt") == 6
+    shards = sorted(p.name for p in (through / "epoch=0-step=6.ckpt").iterdir() if p.suffix == ".distcp")
+    assert shards and shards == sorted(p.name for p in (through / "last.ckpt").iterdir() if p.suffix == ".distcp")
+    for name in shards:  # hard links of the step's files (or byte-equal copies)
+        assert (through / "last.ckpt" / name).read_bytes() == (through / "epoch=0-step=6.ckpt" / name).read_bytes()
