@@ -49,10 +49,27 @@ def apply_compile(module: nn.Module, plan: Plan, rank: int) -> CompileReport:
     """
     blocks = list(held_modules(module, plan.blocks).values())
     report = CompileReport(rank=rank, blocks=len(blocks), codes=len({type(b).forward.__code__ for b in blocks}))
+    converted = _hidden_states_converted_inside(plan)
+    if converted is not None:
+        report.run_eagerly(
+            f"under tensor parallelism the plan converts hidden states between DTensor and local tensors inside"
+            f" the block ({converted}: policy='auto' splitting a model by its structure), which PyTorch 2.13's"
+            " compiled backward does not take (seen with Phi-3: \"'Tensor' object has no attribute"
+            " '_local_tensor'\" in the first backward)")
     for block in blocks:
         block.forward = CompiledForward(block, report)
     report.log_after_first_step()
     return report
+
+
+def _hidden_states_converted_inside(plan: Plan) -> str | None:
+    """The first module inside a block whose tp style is ``HiddenStates`` (the structural plan's), or None."""
+    from lightning_3d.policies.hidden_states import HiddenStates
+
+    for name, style in plan.tp_plan.items():
+        if isinstance(style, HiddenStates) and any(name.startswith(block + ".") for block in plan.blocks):
+            return name
+    return None
 
 
 @dataclass
@@ -65,22 +82,31 @@ class CompileReport:
     codes: int
     """Distinct ``forward`` functions among them: the graphs a compile without recompiles traces."""
     eager_because: str | None = None
-    """The first graph break, once the rank fell back to eager; None while it runs compiled."""
+    """Why the rank's blocks run eagerly (the first graph break, or what set-up saw); None while compiled."""
+    broke: bool = False
+    """The rank fell back on a graph break (fullgraph raised it: dynamo's counters miss that one)."""
     _start: dict[str, float] = field(default_factory=lambda: _compile_counters(), init=False, repr=False)
 
     def fall_back(self, error: TorchDynamoException) -> None:
         """Every block of the rank runs eagerly from now on: warn once, naming the first graph break."""
-        self.eager_because = _describe_break(error)
+        self.eager_because, self.broke = _describe_break(error), True
         warnings.warn(f"lightning_3d: torch.compile could not compile a block on rank {self.rank} as one graph:"
                       f" {self.eager_because}. Every block of this rank runs eagerly instead (compile=True has"
                       " no effect). Remove the graph break from the block's forward, or set compile=False.")
+
+    def run_eagerly(self, why: str) -> None:
+        """Every block of the rank runs eagerly, decided before any compile: warn once, saying why."""
+        self.eager_because = why
+        warnings.warn(f"lightning_3d: torch.compile could not compile the blocks on rank {self.rank}: {why}. They"
+                      " run eagerly instead (compile=True has no effect here; it does at tp=1, and under tp with"
+                      " the registered policies).")
 
     def line(self) -> str:
         """The rank's one log line: graphs, graph breaks, recompiles and compile time."""
         now = _compile_counters()
         delta = {key: now[key] - self._start.get(key, 0.0) for key in now}
         graphs = int(delta["graphs"])
-        breaks = int(delta["graph_breaks"]) + (self.eager_because is not None)  # fullgraph raised the first one
+        breaks = int(delta["graph_breaks"]) + self.broke  # fullgraph raised the first one
         state = f"eager fallback ({self.eager_because})" if self.eager_because else "compiled"
         return (f"lightning_3d: torch.compile on rank {self.rank}: {self.blocks} blocks {state}, {graphs} graphs,"
                 f" {breaks} graph breaks, {max(0, graphs - self.codes)} recompiles,"
