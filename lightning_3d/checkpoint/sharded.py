@@ -18,6 +18,7 @@ exactly the slices it holds -- resharding is a load at another layout. Writing g
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +85,14 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 def check_complete(path: Path) -> None:
     if not path.exists():
-        unfinished = atomic.partial_path(path)
-        hint = f" (an unfinished save is at {unfinished}: it was never completed and is never loaded)" \
+        # A link to a save that never completed: ModelCheckpoint(save_last="link") links last.ckpt to the
+        # step's checkpoint as soon as its save returns, which under async_checkpoint is before the commit.
+        target = path.parent / os.readlink(path) if path.is_symlink() else path
+        linked = f" (a link to {target}, which does not exist)" if target != path else ""
+        unfinished = atomic.partial_path(target)
+        hint = f"; an unfinished save is at {unfinished}: it was never completed and is never loaded" \
             if unfinished.exists() else ""
-        raise FileNotFoundError(f"No checkpoint at {path}{hint}.")
+        raise FileNotFoundError(f"No checkpoint at {path}{linked}{hint}. Resume from an earlier checkpoint.")
     missing = [name for name in (".metadata", META_FILE) if not (path / name).exists()]
     if missing:
         raise CheckpointError(f"{path} is not a complete lightning_3d checkpoint: {', '.join(missing)} missing."
