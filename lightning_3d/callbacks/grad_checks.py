@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_3d.common import local
@@ -34,18 +35,19 @@ class GradientChecks:
 
     Under a pipeline (``at_reduction=True``) no hook runs per micro-batch: the stage's gradients accumulate
     unreduced over the step's micro-batches, and they are looked at once per step, right before the stage
-    reduces them (``pipeline/reduction_checks.py``): one sum per tensor its modules then hold. Where a layout keeps the accumulated gradient away from those
-    tensors (FSDP2 with a reduce dtype other than the parameters': its own fp32 buffer), the reduced gradients
-    are checked too (:meth:`collect_reduced`): a NaN/Inf is never missed, though its rank of origin is then
-    unknown.
+    reduces them (``pipeline/reduction_checks.py``): one sum per tensor its modules then hold. Where a layout
+    keeps the accumulated gradient away from those tensors (``reduced_net``: FSDP2 with a reduce dtype other
+    than the parameters', :func:`accumulates_apart`), the reduced gradients are checked too
+    (:meth:`collect_reduced`): a NaN/Inf is never missed, though its rank of origin is then unknown. Elsewhere
+    that second sum per gradient would find nothing the first did not, and is not taken.
     """
 
-    def __init__(self, root: nn.Module, at_reduction: bool = False) -> None:
+    def __init__(self, root: nn.Module, at_reduction: bool = False, reduced_net: bool = False) -> None:
         self.active = False  # this step is checked
         self._sums: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient's float32 sum), backward order
         self._hooked = WeakIdKeyDictionary()  # tensor -> its hook's handle
         self._warned = False
-        self._at_reduction = at_reduction  # the step's gradients looked at before the reduction: see collect_reduced
+        self._reduced_net = at_reduction and reduced_net  # the reduced gradients checked too: see collect_reduced
         # Under the name root.named_parameters() gives it (the first path to it, for a tied one).
         first_name: dict[int, str] = {}
         self._names: dict[tuple[int, str], str] = {}  # (id(module), parameter's name in it) -> name
@@ -114,10 +116,10 @@ class GradientChecks:
         return [name for name, _ in sums], torch.stack([value for _, value in sums]).isfinite()  # (gradients,)
 
     def collect_reduced(self, root: nn.Module) -> tuple[list[str], torch.Tensor | None]:
-        """After the reduction, with ``at_reduction``: every gradient's name and whether it is finite (None
-        otherwise). A NaN/Inf shows here on every dp rank alike; it is the net under layouts that accumulate
-        away from the tensors the stage's modules hold (class doc)."""
-        if not self._at_reduction:
+        """After the reduction, with ``at_reduction`` and ``reduced_net``: every gradient's name and whether it is
+        finite (None otherwise). A NaN/Inf shows here on every dp rank alike; it is the net under layouts that
+        accumulate away from the tensors the stage's modules hold (class doc)."""
+        if not self._reduced_net:
             return [], None
         named = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None]
         if not named:
@@ -144,6 +146,13 @@ class GradientChecks:
             self._unregister = None
         self._module_hooks = []
         self._hooked = WeakIdKeyDictionary()
+
+
+def accumulates_apart(policy: MixedPrecisionPolicy, dp: int) -> bool:
+    """Whether FSDP2 accumulates a stage's gradients over micro-batches away from the tensors its modules hold:
+    with dp > 1 (FSDP2 then wraps the stage) and a reduce dtype other than the parameters' (``bf16-mixed``:
+    bf16 compute, fp32 reductions), it keeps the running sum in its own fp32 buffer until the reduction."""
+    return dp > 1 and policy.reduce_dtype is not None and policy.reduce_dtype != policy.param_dtype
 
 
 def first_not_finite(names: list[str], finite: torch.Tensor) -> str | None:

@@ -217,7 +217,7 @@ def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its
                 param.grad += buffer
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    checks = GradientChecks(model, at_reduction=True)
+    checks = GradientChecks(model, at_reduction=True, reduced_net=True)
     checks.active = True
     assert not checks._hooked and not checks._module_hooks  # nothing runs per micro-batch
     micro_batches(model, poisoned=-1)
@@ -239,3 +239,25 @@ def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its
     checks.remove()
     run_before_reduction(model)  # removed: no longer looks
     assert checks._sums == []
+
+
+def test_gradient_checks_sum_the_reduced_gradients_again_only_where_fsdp2_accumulates_apart():
+    """The second sum per gradient after the reduction (the net) is taken only where FSDP2 keeps the running sum
+    away from the module's tensors: dp > 1 with bf16-mixed (fp32 reductions); not at fp32, not at dp 1."""
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from lightning_3d.callbacks.grad_checks import GradientChecks, accumulates_apart
+    from lightning_3d.parallel.precision import mixed_precision_policy
+
+    bf16 = mixed_precision_policy(MixedPrecision("bf16-mixed", "cpu"))
+    assert accumulates_apart(bf16, dp=2)
+    assert not accumulates_apart(bf16, dp=1)
+    assert not accumulates_apart(mixed_precision_policy(Precision()), dp=2)
+
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    checks = GradientChecks(model, at_reduction=True)  # no net: fp32, or no FSDP2
+    checks.active = True
+    assert checks.collect_reduced(model) == ([], None)
+    checks.remove()
