@@ -122,7 +122,9 @@ class Calibration:
 
     block_seconds_per_token: Mapping[int, float]
     """Forward + backward of one whole block (not split over tp), seconds per token, by the micro-batch size
-    (sequences) it was timed at; other sizes are interpolated, and clamped to the nearest one timed."""
+    (sequences) it was timed at; other sizes are interpolated, and clamped to the nearest one timed. Kept
+    non-increasing in the size (:func:`_non_increasing`): a size timed cheaper per token than a larger one
+    takes the larger one's time."""
     head_seconds_per_token: float
     """Forward + backward of the output head and loss (whole vocabulary), seconds per token."""
     tp: LinkSpeed
@@ -171,8 +173,9 @@ class Calibration:
                                    f" sizes >= 1 and finite times > 0, got {tp}: {times!r}.")
             tp_sizes[int(tp)] = dict(sorted(timed.items()))
         # Frozen: the normalized copies replace what was given (sorted int keys; LinkSpeed from any form).
-        object.__setattr__(self, "block_seconds_per_token", dict(sorted(sizes.items())))
-        object.__setattr__(self, "tp_block_seconds_per_token", dict(sorted(tp_sizes.items())))
+        object.__setattr__(self, "block_seconds_per_token", _non_increasing(sizes))
+        object.__setattr__(self, "tp_block_seconds_per_token",
+                           {tp: _non_increasing(times) for tp, times in sorted(tp_sizes.items())})
         for dim in DIMENSIONS:
             object.__setattr__(self, dim, LinkSpeed.of(getattr(self, dim)))
 
@@ -236,6 +239,20 @@ class Calibration:
                    tp_block_seconds_per_token=tp_block_seconds_per_token or {},
                    host_cores_per_rank=host_cores_per_rank,
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
+
+
+def _non_increasing(per_token: Mapping[int, float]) -> dict[int, float]:
+    """Seconds per token by micro-batch size, sorted, each size's at least any larger size's. A larger
+    micro-batch does the same work per token in fewer, larger calls (the same matmuls with more rows, the
+    fixed cost of each call spread over more tokens), so a smaller size timed cheaper per token is the timing's
+    noise -- ranks sharing cores overlap differently from one repetition to the next -- and choosing it
+    for that would pick a layout for a speed it does not have."""
+    sizes = sorted(per_token)
+    result, floor = {}, 0.0
+    for size in reversed(sizes):
+        floor = max(floor, per_token[size])
+        result[size] = floor
+    return dict(sorted(result.items()))
 
 
 def _interpolated(per_token: Mapping[int, float], size: int) -> float:

@@ -7,8 +7,8 @@ model, every rank:
    the first training batch (the per-replica batch size and the sequence length, as Lightning's loader
    gives them);
 2. calibrates (``strategies/calibrate.py``): one of the model's blocks forward and backward at the candidate
-   micro-batch sizes, the output head, and the links (all-reduce, point-to-point) at two message sizes,
-   keeping the slowest rank's numbers;
+   micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, and the links
+   (all-reduce, point-to-point) at two message sizes, keeping the slowest rank's numbers;
 3. takes its memory budget (free device memory on CUDA; on CPU ``max_memory_per_device`` or the host's
    available memory divided among its ranks), the smallest over the ranks.
 
@@ -283,19 +283,24 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
     call = calibrate.capture_block_call(module, block, batch, module.training_step)
     batch_size = _batch_size(batch)
     sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
+    cores = calibrate.host_cores_per_rank(per_node, device)
+    repeat_s = calibrate.repeat_seconds(cores)
     # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        block_s = calibrate.slowest_rank(calibrate.block_seconds_per_token(block, call, batch_size, sizes, device),
-                                         device)
+        block_s = calibrate.slowest_rank(calibrate.block_seconds_per_token(block, call, batch_size, sizes, device,
+                                                                           repeat_s), device)
         split = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
-                                                     sorted({sizes[0], sizes[-1]}), device)
+                                                     sorted({sizes[0], sizes[-1]}), device, repeat_s)
         tp_block_s = {tp: calibrate.slowest_rank(times, device) for tp, times in split.items()}
         head_s = calibrate.slowest_rank({0: calibrate.head_seconds_per_token(
-            spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device)}, device)[0]
+            spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device, repeat_s)},
+            device)[0]
+        optimizer_s = calibrate.slowest_rank({0: calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)},
+                                             device)[0]
     links = calibrate.link_speeds(world_size, per_node, device)
     calibration = Calibration.from_measurements(
-        block_s, head_s, links, tp_block_seconds_per_token=tp_block_s,
-        host_cores_per_rank=calibrate.host_cores_per_rank(per_node, device))
+        block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
+        optimizer_seconds_per_parameter=optimizer_s or None)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -1,14 +1,15 @@
 """How fast these devices and links are, measured in seconds at launch, for ``layout="auto"`` (issue 31).
 
-Two measurements, both on the real ranks, before the model is sharded:
+Two kinds of measurement, both on the real ranks, before the model is sharded:
 
 * **compute**: one of the model's own blocks, copied from the meta build, materialized with random weights on
   this rank's device, run forward and backward on inputs shaped as the model really calls it (the call is
   taken from the user's ``training_step`` run on the meta device up to that block, so a block that takes
   masks or rotary tables gets them), at each candidate micro-batch size; the same block split over each
   candidate tensor-parallel size by the policy's plan, on real tp groups (its collectives and DTensor's costs
-  included), at the smallest and largest size; and the output head as a matrix multiply of its size. Seconds
-  per token.
+  included), at the smallest and largest size; and the output head as a matrix multiply of its size with the
+  cross-entropy over its logits. Seconds per token. And an AdamW step on the block's parameters: seconds per
+  parameter.
 * **communication**: all-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point
   sends between the two halves of the world (as pipeline neighbours lie), each at two message sizes, so that
   ``time = ring steps x latency + bytes / bandwidth`` gives both numbers.
@@ -43,6 +44,19 @@ REPEATS = 5
 MIN_REPEAT_SECONDS = 0.02
 """The shortest timed repetition: a call is repeated within one until it lasts this long. A single short call
 measures the clock and the scheduler's time slices (milliseconds where ranks share cores) more than the work."""
+SHARED_CORES_REPEAT_SECONDS = 0.1
+"""The shortest timed repetition where the ranks outnumber the host's cores. There one call of a block takes
+tens of milliseconds of wall time, so a 0.02 s repetition is a single call, and how much the ranks' calls
+overlap -- they leave the barrier several milliseconds apart -- changes from one repetition to the next: on 8
+ranks over 2 cores a block timed at 2 sequences came out 0.63-0.99 of its time per token at 8 over six
+calibrations, though alone it is 1.09 (issue 31's sweep, "wide"). Several calls per repetition keep all the
+ranks busy together, as in a step."""
+
+
+def repeat_seconds(cores_per_rank: float | None) -> float:
+    """The shortest timed repetition for ranks with ``cores_per_rank`` cores each (:func:`host_cores_per_rank`;
+    None on GPUs)."""
+    return SHARED_CORES_REPEAT_SECONDS if cores_per_rank is not None and cores_per_rank < 1 else MIN_REPEAT_SECONDS
 
 
 class _Captured(Exception):
@@ -74,15 +88,16 @@ def capture_block_call(module: nn.Module, block: nn.Module, batch: Any, step: Ca
 
 
 def block_seconds_per_token(block: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
-                            device: torch.device) -> dict[int, float]:
+                            device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, float]:
     """Forward + backward seconds per token of ``block`` (a meta copy is fine) at each micro-batch size, the
-    call's batch dimension (size ``batch_size``) resized to it. Collective (every rank times at once)."""
-    return _seconds_per_token(_materialized(block, device), call, batch_size, micro_batch_sizes, device)
+    call's batch dimension (size ``batch_size``) resized to it, each repetition at least ``repeat_s``
+    (:func:`repeat_seconds`). Collective (every rank times at once)."""
+    return _seconds_per_token(_materialized(block, device), call, batch_size, micro_batch_sizes, device, repeat_s)
 
 
 def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping[int, Plan], call: tuple,
-                               batch_size: int, micro_batch_sizes: list[int], device: torch.device
-                               ) -> dict[int, dict[int, float]]:
+                               batch_size: int, micro_batch_sizes: list[int], device: torch.device,
+                               repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, dict[int, float]]:
     """As :func:`block_seconds_per_token`, with the block split by each tensor-parallel size's plan (``plans``:
     tp -> the policy's plan for the model; ``block_name`` the block's name in it) over groups of tp consecutive
     ranks, every group timing at once as a dp x tp layout runs: the even split of the matmuls, the block's
@@ -103,12 +118,12 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
         parent.add_module(leaf, copy.deepcopy(block))
         apply_tensor_parallel(root, plan, mesh["tp"])
         split = _materialized(root.get_submodule(block_name), device)
-        result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device)
+        result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
     return result
 
 
 def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
-                       device: torch.device) -> dict[int, float]:
+                       device: torch.device, repeat_s: float) -> dict[int, float]:
     result = {}
     for b in micro_batch_sizes:
         args, kwargs = _inputs(call, batch_size, b, device)
@@ -120,20 +135,39 @@ def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_bat
             out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
             out.backward(torch.ones_like(out))
 
-        result[b] = _median_seconds(run, device, barrier=True) / tokens
+        result[b] = _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / tokens
     return result
 
 
 def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, dtype: torch.dtype,
-                           device: torch.device) -> float:
-    """Forward + backward seconds per token of the output head, a ``hidden_size x vocab_size`` matrix multiply."""
+                           device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """Forward + backward seconds per token of the output head and its loss: a ``hidden_size x vocab_size``
+    matrix multiply and the cross-entropy over its logits (the softmax over the vocabulary, which on a large
+    vocabulary costs as much again as the matmul's non-matmul work). Collective (every rank times at once)."""
     x = torch.randn(micro_tokens, hidden_size, device=device, dtype=dtype, requires_grad=True)
     weight = torch.randn(vocab_size, hidden_size, device=device, dtype=dtype, requires_grad=True) * 0.02
+    targets = torch.randint(0, vocab_size, (micro_tokens,), device=device)
 
     def run() -> None:
-        torch.nn.functional.linear(x, weight).sum().backward(retain_graph=True)
+        logits = torch.nn.functional.linear(x, weight)
+        torch.nn.functional.cross_entropy(logits.float(), targets).backward(retain_graph=True)
 
-    return _median_seconds(run, device, barrier=True) / micro_tokens
+    return _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / micro_tokens
+
+
+def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device,
+                                    repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """Seconds of one AdamW step per parameter, on the parameters of ``block`` (a meta copy is fine) as the
+    model has them -- their count and sizes, which set the per-tensor cost of a step that loops over them.
+    AdamW stands for the user's optimizer, which is not built yet when the layout is chosen. Collective."""
+    timed = _materialized(block, device)
+    params = [p for p in timed.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    return _median_seconds(optimizer.step, device, barrier=True, min_seconds=repeat_s) / sum(p.numel() for p in params)
 
 
 def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:
@@ -208,9 +242,10 @@ def slowest_rank(seconds: dict[int, float], device: torch.device) -> dict[int, f
     return dict(zip(keys, values.tolist()))
 
 
-def _median_seconds(run: Callable[[], None], device: torch.device, barrier: bool = False) -> float:
+def _median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool = False,
+                    min_seconds: float = MIN_REPEAT_SECONDS) -> float:
     """Seconds of one ``run()``: the median over ``REPEATS`` timed repetitions after a warm-up, each repeating
-    the call until it lasts ``MIN_REPEAT_SECONDS``. Collective where the process group is up: every rank
+    the call until it lasts ``min_seconds``. Collective where the process group is up: every rank
     repeats the call as often as the slowest needs (collectives match); with ``barrier`` the ranks start each
     repetition together, so that they run at once, as they do in a step; and each repetition counts at its
     slowest rank's time, as a step waits for its slowest rank each time (the median of those maxima, not the
@@ -230,7 +265,7 @@ def _median_seconds(run: Callable[[], None], device: torch.device, barrier: bool
 
     run()  # warm-up: first-call allocations, kernel selection
     synchronize()
-    calls = math.ceil(MIN_REPEAT_SECONDS / max(timed(1), 1e-9))
+    calls = math.ceil(min_seconds / max(timed(1), 1e-9))
     if not dist.is_initialized():
         return statistics.median(timed(calls) for _ in range(REPEATS))
     agreed = torch.tensor([calls], dtype=torch.int64, device=device)

@@ -117,3 +117,19 @@ def test_with_a_fixed_hsdp_shard_size_the_decision_weighs_the_hsdp_the_run_will_
     assert {(layout.dp, layout.shard) for layout in layouts} == {(8, 2), (4, 2), (2, 2)}
     with pytest.raises(ParallelConfigError, match="HSDP needs ZeRO"):
         ParallelConfig(layout="auto", data_parallel_shard_size=2)  # zero_stage left to the decision
+
+
+def test_the_wide_shapes_noisy_calibration_no_longer_picks_a_pipeline_for_a_speed_it_does_not_have():
+    """Issue 31's sweep, "wide" (2 blocks of 256, 8 ranks on 2 cores): one calibration timed the block at 2
+    sequences cheaper per token than at 8 (noise; alone it is dearer), auto chose dp4 pp2 with micro-batches of 2
+    predicted at 140 ms, and it measured 309 ms, 0.52x dp8's tokens/s. With the per-token times kept
+    non-increasing in the micro-batch size the same numbers choose dp8, the fastest layout measured."""
+    spec = ModelSpec.from_gpt_config(GPTConfig(n_layer=2, n_embd=256, n_head=8, block_size=64, vocab_size=256),
+                                     seq_length=64)
+    cross_node = LinkSpeed(latency_s=1.2e-3, bandwidth_bytes_per_s=610e6)
+    measured = Calibration(block_seconds_per_token={1: 213e-6, 2: 195e-6, 4: 280e-6, 8: 268e-6},
+                           head_seconds_per_token=25e-6, tp=cross_node, dp=cross_node,
+                           pp=LinkSpeed(latency_s=0.4e-3, bandwidth_bytes_per_s=1.2e9), host_cores_per_rank=0.25)
+    best = ranked(spec, ParallelConfig(layout="auto"), world_size=8, per_node=8, batch_size=8, precision=FP32,
+                  memory_per_rank=GIB, calibration=measured)[0].layout
+    assert (best.dp, best.tp, best.pp) == (8, 1, 1)

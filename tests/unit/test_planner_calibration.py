@@ -102,6 +102,57 @@ def test_block_time_is_interpolated_between_measured_sizes_and_clamped_outside()
     assert [cal.block_seconds(b) for b in (1, 2, 4, 8, 16)] == pytest.approx([4e-6, 4e-6, call_4 / 4, 2e-6, 2e-6])
 
 
+def test_a_smaller_micro_batch_timed_cheaper_per_token_than_a_larger_one_takes_the_larger_ones_time():
+    # Issue 31's wide shape: on 8 ranks over 2 cores one calibration timed a block at 2 sequences 1.4x cheaper
+    # per token than at 8 (alone it is 1.09x dearer), and auto chose a pipeline of micro-batches of 2 for it.
+    noisy = calibration(block={1: 213e-6, 2: 195e-6, 4: 280e-6, 8: 268e-6})
+    assert noisy.block_seconds_per_token == pytest.approx({1: 280e-6, 2: 280e-6, 4: 280e-6, 8: 268e-6})
+    steady = calibration(block={2: 3.3e-4, 8: 2.5e-4})  # falling per-token times are kept as timed
+    assert steady.block_seconds_per_token == {2: 3.3e-4, 8: 2.5e-4}
+    split = Calibration.from_dict({**steady.to_dict(), "tp_block_seconds_per_token": {2: {1: 1e-4, 8: 2e-4}}})
+    assert split.tp_block_seconds_per_token == {2: {1: 2e-4, 8: 2e-4}}
+
+
+def test_a_timed_repetition_lasts_longer_where_ranks_share_cores():
+    from lightning_3d.strategies.calibrate import (
+        MIN_REPEAT_SECONDS,
+        SHARED_CORES_REPEAT_SECONDS,
+        repeat_seconds,
+    )
+
+    assert repeat_seconds(None) == repeat_seconds(2.0) == repeat_seconds(1.0) == MIN_REPEAT_SECONDS  # GPUs; cores
+    assert repeat_seconds(0.25) == SHARED_CORES_REPEAT_SECONDS > MIN_REPEAT_SECONDS  # 8 ranks on 2 cores
+
+
+def test_the_head_is_timed_with_its_loss_and_the_optimizer_on_a_blocks_own_parameters():
+    """One process: the head's time covers the cross-entropy (its backward reaches the weight through the softmax),
+    and the optimizer's per-parameter time comes from an AdamW step over the block's own tensors."""
+    import torch
+
+    from lightning_3d.models.gpt import Block, GPTConfig
+    from lightning_3d.strategies import calibrate
+
+    calls = []
+    original = torch.nn.functional.cross_entropy
+    torch.nn.functional.cross_entropy = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        head = calibrate.head_seconds_per_token(16, 64, 32, torch.float32, torch.device("cpu"), repeat_s=0.001)
+    finally:
+        torch.nn.functional.cross_entropy = original
+    assert calls and 0 < head < 1
+    with torch.device("meta"):
+        block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
+    adam_steps = []
+    original_step = torch.optim.AdamW.step
+    torch.optim.AdamW.step = lambda self, *a, **k: adam_steps.append(len(self.param_groups[0]["params"])) \
+        or original_step(self, *a, **k)
+    try:
+        per_parameter = calibrate.optimizer_seconds_per_parameter(block, torch.device("cpu"), repeat_s=0.001)
+    finally:
+        torch.optim.AdamW.step = original_step
+    assert adam_steps and set(adam_steps) == {len(list(block.parameters()))} and 0 < per_parameter < 1e-3
+
+
 def test_wire_bytes_are_the_ring_algorithms():
     assert wire_bytes("all_reduce", 100, 4) == 150 and wire_bytes("all_gather", 100, 4) == 75
     assert wire_bytes("send", 100, 2) == 100 and wire_bytes("all_reduce", 100, 1) == 0
