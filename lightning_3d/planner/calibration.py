@@ -142,6 +142,10 @@ class Calibration:
     Below 1 the ranks outnumber the cores: a pipeline stage idle in its bubble leaves its core time to the busy
     ones, which then run up to 1 / this faster. At 1 or below no core is left for gloo's collectives to run
     beside compute, so the data-parallel reduction is all exposed, none hidden behind backward."""
+    pipeline_microbatch_s: float = 0.0
+    """What a pipeline stage spends per micro-batch beyond its compute and its sends: the schedule's own work
+    (``torch.distributed.pipelining``'s forward and backward of a chunk, receive buffers, waits and wake-ups),
+    measured with a two-stage schedule on the real pipeline pairs. Paid per micro-batch and model chunk."""
     tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     """Forward + backward of one block split over tp ranks as the run splits it, its collectives included,
     seconds per token of the micro-batch: ``{tp: {micro-batch size: seconds}}``. Where a tp size is timed, the
@@ -162,6 +166,9 @@ class Calibration:
         if self.host_cores_per_rank is not None and not self.host_cores_per_rank > 0:
             raise PlannerError(f"Calibration.host_cores_per_rank must be > 0 or None, got"
                                f" {self.host_cores_per_rank!r}.")
+        if not (self.pipeline_microbatch_s >= 0 and math.isfinite(self.pipeline_microbatch_s)):
+            raise PlannerError(f"Calibration.pipeline_microbatch_s must be a finite number >= 0, got"
+                               f" {self.pipeline_microbatch_s!r}.")
         if not (self.head_seconds_per_token >= 0 and math.isfinite(self.head_seconds_per_token)):
             raise PlannerError(f"Calibration.head_seconds_per_token must be a finite number >= 0, got"
                                f" {self.head_seconds_per_token!r}.")
@@ -208,6 +215,7 @@ class Calibration:
                "head_seconds_per_token": self.head_seconds_per_token,
                "optimizer_seconds_per_parameter": self.optimizer_seconds_per_parameter,
                "host_cores_per_rank": self.host_cores_per_rank,
+               "pipeline_microbatch_s": self.pipeline_microbatch_s,
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
             link = self.link(dim)
@@ -216,7 +224,8 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
-        optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token"}
+        optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
+                    "pipeline_microbatch_s"}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -227,7 +236,8 @@ class Calibration:
     def from_measurements(cls, block_seconds_per_token: Mapping[int, float], head_seconds_per_token: float,
                           links: Mapping[str, Any], optimizer_seconds_per_parameter: float | None = None,
                           tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None,
-                          host_cores_per_rank: float | None = None) -> "Calibration":
+                          host_cores_per_rank: float | None = None,
+                          pipeline_microbatch_s: float = 0.0) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair."""
@@ -237,7 +247,7 @@ class Calibration:
         return cls(block_seconds_per_token=block_seconds_per_token, head_seconds_per_token=head_seconds_per_token,
                    optimizer_seconds_per_parameter=optimizer_seconds_per_parameter,
                    tp_block_seconds_per_token=tp_block_seconds_per_token or {},
-                   host_cores_per_rank=host_cores_per_rank,
+                   host_cores_per_rank=host_cores_per_rank, pipeline_microbatch_s=pipeline_microbatch_s,
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 
 

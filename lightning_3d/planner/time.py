@@ -13,7 +13,8 @@ Time on one GPU, per micro-batch, for the blocks and head its pipeline rank hold
   * tensor parallel: per block 2 all-reduces (or reduce-scatter + all-gather pairs with SP, the same bytes)
     of b s h activations in forward, 2 in backward, 2 more for a recomputed forward; ring all-reduce moves
     2 (t - 1) / t of the message per GPU;
-  * pipeline: one activation sent and one gradient sent per micro-batch and model chunk (v per rank).
+  * pipeline: one activation sent and one gradient sent per micro-batch and model chunk (v per rank), and
+    with a calibration the schedule's own work per micro-batch and chunk (counted with the sends).
 A step is (m + (p - 1) / v) micro-batch times of the slowest rank: the bubble is (p - 1) / (v m) of the
 ideal time (Narayanan et al. 2021, section 2.2); the zero-bubble schedule is taken to leave a third of it
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": ZB-H1). Data-parallel gradient reduction (all-reduce,
@@ -151,6 +152,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     # Each of a rank's v model chunks receives its input and sends its output once per micro-batch, forward
     # and backward: interleaving multiplies the point-to-point traffic by v (Narayanan et al. 2021, 2.2.2).
     send = 2 * v * speeds.collective("pp", "send", message / (t if sp else 1), p)
+    send += v * speeds.pipeline_microbatch if p > 1 else 0.0  # the schedule's own work per chunk and micro-batch
     microbatch = compute + tp_comm + send
     bubble_share = (ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 1.0) * (p - 1) / v
     bubble = bubble_share * microbatch
@@ -228,6 +230,8 @@ class _Speeds:
         self.tp_block_extra: float | None = None
         """Where the block was timed split over tp: what the split adds to the even split (its collectives, its
         overheads), per block and micro-batch."""
+        self.pipeline_microbatch = calibration.pipeline_microbatch_s if calibration is not None else 0.0
+        """The pipeline schedule's own seconds per micro-batch and model chunk (measured; 0 from datasheets)."""
         if calibration is not None:
             self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
             self.recompute = self.block / 3  # a forward is a third of forward + backward (backward: 2 matmuls)

@@ -7,8 +7,9 @@ model, every rank:
    the first training batch (the per-replica batch size and the sequence length, as Lightning's loader
    gives them);
 2. calibrates (``strategies/calibrate.py``): one of the model's blocks forward and backward at the candidate
-   micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, and the links
-   (all-reduce, point-to-point) at two message sizes, keeping the slowest rank's numbers;
+   micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, the links
+   (all-reduce, point-to-point) at two message sizes, and a pipeline schedule's own cost per micro-batch,
+   keeping the slowest rank's numbers;
 3. takes its memory budget (free device memory on CUDA; on CPU ``max_memory_per_device`` or the host's
    available memory divided among its ranks), the smallest over the ranks.
 
@@ -298,9 +299,13 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         optimizer_s = calibrate.slowest_rank({0: calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)},
                                              device)[0]
     links = calibrate.link_speeds(world_size, per_node, device)
+    pipeline_s = 0.0
+    if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
+        pipeline_s = calibrate.pipeline_microbatch_seconds(world_size, spec.hidden_size, min(sizes) * spec.seq_length,
+                                                           device, links["pp"], repeat_s)
     calibration = Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
-        optimizer_seconds_per_parameter=optimizer_s or None)
+        optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -25,6 +25,7 @@ import math
 import os
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable, Mapping
 
 import torch
@@ -119,6 +120,7 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
         apply_tensor_parallel(root, plan, mesh["tp"])
         split = _materialized(root.get_submodule(block_name), device)
         result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
+        # (The mesh's groups are kept: torch reuses a mesh of the same shape in the next fit's calibration.)
     return result
 
 
@@ -185,7 +187,54 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
         dp_group = tp_group
     speeds = {"tp": _allreduce_speed(tp_group, device), "dp": _allreduce_speed(dp_group, device),
               "pp": _p2p_speed(world_size, device)}
-    return {dim: _slowest(speed, device) for dim, speed in speeds.items()}
+    speeds = {dim: _slowest(speed, device) for dim, speed in speeds.items()}
+    _release(tp_group, dp_group)
+    return speeds
+
+
+PIPELINE_PROBE_MICROBATCHES = (2, 6)
+"""The two micro-batch counts :func:`pipeline_microbatch_seconds` runs its schedule at: their difference is the
+cost of 4 micro-batches, the schedule's fixed costs (its start, the last backward's wait) cancelled."""
+
+
+def pipeline_microbatch_seconds(world_size: int, hidden_size: int, micro_tokens: int, device: torch.device,
+                                pp: LinkSpeed, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """What a pipeline stage spends per micro-batch beyond its compute and its sends: a two-stage 1F1B schedule
+    of ``torch.distributed.pipelining`` over the world's two halves (rank r with r + world/2, as
+    :func:`link_speeds` times p2p), every pair at once, each stage a ``hidden_size`` linear layer, timed at
+    :data:`PIPELINE_PROBE_MICROBATCHES` micro-batches of ``micro_tokens`` tokens; the difference per
+    micro-batch, less the layer's forward and backward (timed alone, every rank at once) and the two sends
+    (activation, gradient) the step-time model charges with ``pp``. What is left is the schedule's own work
+    and the waits of its hand-offs, which on ranks sharing cores (a wake-up per receive) the link speeds do not
+    hold. Collective: every rank calls it. 0 on one rank."""
+    if world_size < 2:
+        return 0.0
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, half = dist.get_rank(), world_size // 2
+    group, _ = dist.new_subgroups_by_enumeration([[r, r + half] for r in range(half)])  # an odd world's last: none
+    layer = nn.Linear(hidden_size, hidden_size, device=device)
+    x = torch.randn(1, micro_tokens, hidden_size, device=device, requires_grad=True)
+
+    def layer_alone() -> None:
+        layer(x).sum().backward()
+
+    layer_s = _median_seconds(layer_alone, device, barrier=True, min_seconds=repeat_s)
+    steps = []
+    for count in PIPELINE_PROBE_MICROBATCHES:
+        run: Callable[[], Any] = lambda: None  # noqa: E731  (a rank in no pair still joins the timing's collectives)
+        if rank < 2 * half:
+            first = rank < half
+            stage = PipelineStage(layer, 0 if first else 1, 2, device, group=group)
+            schedule = Schedule1F1B(stage, count, loss_fn=lambda output, target: output.float().pow(2).mean())
+            batch = torch.randn(count, micro_tokens, hidden_size, device=device)
+            run = partial(schedule.step, batch) if first else partial(schedule.step, target=batch, losses=[])
+        steps.append(_median_seconds(run, device, barrier=True, min_seconds=repeat_s))
+    _release(group)
+    low, high = PIPELINE_PROBE_MICROBATCHES
+    per_microbatch = max(0.0, steps[1] - steps[0]) / (high - low)
+    sends = 2 * pp.seconds(micro_tokens * hidden_size * x.element_size())
+    return max(0.0, per_microbatch - layer_s - sends)
 
 
 def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
@@ -222,6 +271,20 @@ def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
 
         times.append(_median_seconds(exchange, device, barrier=True) / 2)  # one way
     return LinkSpeed.fit(wire=MESSAGE_BYTES, seconds=tuple(times))
+
+
+def _release(*groups: Any) -> None:
+    """Destroy this rank's side of process groups made for one measurement, once every rank is past their last
+    use (the measurement ended on a collective of the world). Left alive, each kept a gloo group's three
+    threads and its sockets for the life of the process, for every ``layout="auto"`` fit. Never the default
+    group (a mesh dimension that spans the world may be it)."""
+    seen = set()
+    for group in groups:
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or group == dist.group.WORLD:
+            continue
+        if id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)
 
 
 def _slowest(speed: LinkSpeed, device: torch.device) -> LinkSpeed:

@@ -34,3 +34,18 @@ def test_a_budget_below_the_free_choice_gives_a_layout_that_fits_it(ranks):
     assert budget["layout"] != free["layout"]
     assert budget["predicted_memory"] <= budget["budget"]
     assert all(rank["budget"]["states"] <= budget["budget"] for rank in ranks), [r["budget"] for r in ranks]
+
+
+def test_the_calibration_measured_the_optimizer_and_the_pipeline_schedules_own_cost(ranks):
+    """Measured on the ranks, not assumed: an AdamW step per parameter and, pp being left to the decision, the
+    pipeline schedule's own seconds per micro-batch (a two-stage schedule on the world's halves)."""
+    for rank in ranks:
+        calibration = rank["free"]["calibration"]
+        assert 0 < calibration["optimizer_seconds_per_parameter"] < 1e-5
+        assert 0 <= calibration["pipeline_microbatch_s"] < 1.0
+
+
+def test_the_calibrations_own_process_groups_are_destroyed_after_their_measurement(ranks):
+    # Each layout="auto" fit had left the link and pipeline measurements' groups alive: three gloo threads and
+    # their sockets each, for the life of the process (a sweep of fits in one process ran hundreds of them).
+    assert all(rank["groups"]["after"] == rank["groups"]["before"] for rank in ranks), [r["groups"] for r in ranks]

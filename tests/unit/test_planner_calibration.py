@@ -54,7 +54,7 @@ def test_calibration_goes_through_a_plain_dict_and_json_unchanged():
     original = Calibration(block_seconds_per_token={4: 2e-6, 1: 4e-6}, head_seconds_per_token=1e-7, tp=FAST,
                            pp=SLOW, dp=LinkSpeed(latency_s=2e-5, bandwidth_bytes_per_s=3e9),
                            optimizer_seconds_per_parameter=1e-9, tp_block_seconds_per_token={2: {8: 1e-6, 1: 3e-6}},
-                           host_cores_per_rank=0.25)
+                           host_cores_per_rank=0.25, pipeline_microbatch_s=2e-3)
     values = original.to_dict()
     assert json.loads(json.dumps(values)) != values  # JSON turns the micro-batch keys into strings ...
     assert Calibration.from_dict(json.loads(json.dumps(values))) == original  # ... which come back as ints
@@ -151,6 +151,24 @@ def test_the_head_is_timed_with_its_loss_and_the_optimizer_on_a_blocks_own_param
     finally:
         torch.optim.AdamW.step = original_step
     assert adam_steps and set(adam_steps) == {len(list(block.parameters()))} and 0 < per_parameter < 1e-3
+
+
+def test_the_pipeline_schedules_own_cost_is_paid_per_micro_batch_and_chunk_and_only_under_a_pipeline():
+    # Measured at launch by a two-stage schedule on the pipeline pairs (calibrate.pipeline_microbatch_seconds).
+    plain, probed = calibration(), calibration(block={1: 4e-6, 4: 2e-6})
+    probed = Calibration.from_dict({**probed.to_dict(), "pipeline_microbatch_s": 1e-3})
+    for layout, chunks in ((Layout(dp=2, pp=4, num_microbatches=8, micro_batch_size=1), 1),
+                           (Layout(dp=2, pp=4, num_microbatches=8, micro_batch_size=1, virtual_stages=2,
+                                   schedule="interleaved_1f1b"), 2)):
+        before = estimate_step_time(MODEL, layout, cpu(), FP32, calibration=plain)
+        after = estimate_step_time(MODEL, layout, cpu(), FP32, calibration=probed)
+        assert after.pp_communication - before.pp_communication == pytest.approx(8 * chunks * 1e-3)
+        assert after.pp_bubble > before.pp_bubble  # a longer micro-batch, a longer bubble
+    single = Layout(dp=8, micro_batch_size=1, num_microbatches=1)
+    assert (estimate_step_time(MODEL, single, cpu(), FP32, calibration=probed).total
+            == estimate_step_time(MODEL, single, cpu(), FP32, calibration=plain).total)
+    with pytest.raises(PlannerError, match="pipeline_microbatch_s"):
+        Calibration.from_dict({**plain.to_dict(), "pipeline_microbatch_s": -1.0})
 
 
 def test_wire_bytes_are_the_ring_algorithms():

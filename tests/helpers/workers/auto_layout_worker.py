@@ -37,13 +37,32 @@ def run(**strategy_kwargs) -> dict:
             "dims": [strategy.parallel_dims.dp, strategy.parallel_dims.pp, strategy.parallel_dims.tp],
             "layout": decision.layout.describe(), "predicted_memory": decision.predicted_memory_bytes,
             "budget": decision.memory_per_rank, "states": sum(held.values()),
-            "loss": float(trainer.callback_metrics["train_loss"]), "steps": trainer.global_step}
+            "loss": float(trainer.callback_metrics["train_loss"]), "steps": trainer.global_step,
+            "calibration": decision.calibration.to_dict()}
+
+
+def measurement_groups() -> dict:
+    """Process groups alive before and after the calibration's link and pipeline measurements, which make
+    groups of their own (they must leave none behind: gloo keeps three threads per group)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from lightning_3d.strategies import calibrate
+
+    before = len(_world.pg_map)
+    cpu = torch.device("cpu")
+    links = calibrate.link_speeds(dist.get_world_size(), dist.get_world_size(), cpu)
+    calibrate.pipeline_microbatch_seconds(dist.get_world_size(), 16, 16, cpu, links["pp"], repeat_s=0.001)
+    return {"before": before, "after": len(_world.pg_map)}
 
 
 def main(out_dir: str) -> None:
     free = run()
     budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
-    (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(json.dumps({"free": free, "budget": budgeted}))
+    groups = measurement_groups()
+    (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(
+        json.dumps({"free": free, "budget": budgeted, "groups": groups}))
     end_process_group()
 
 
