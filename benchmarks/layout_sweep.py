@@ -279,7 +279,7 @@ def print_table(name: str, args, runs: list[Run], auto: Run, budgeted: Run | Non
     print(f"  goal: auto's tokens/s {speed:.2f} x the best swept layout's (>= {SPEED_GOAL:.2f}):"
           f" {'met' if speed >= SPEED_GOAL else 'NOT met'}"
           + (" (auto chose that very layout: the two runs differ by the machine's noise)"
-             if best.layout == auto.layout and not auto.later_choices else ""))
+             if best.layout == auto.layout and all(c == auto.name for c, _ in auto.later_choices) else ""))
     print(f"  goal: predictions within {PREDICTION_GOAL:.0%}: {len(runs) + 1 - len(off)} of {len(runs) + 1} are:"
           f" {'met' if not off else 'NOT met'}")
     if budgeted:
