@@ -12,10 +12,12 @@ Two kinds of measurement, both on the real ranks, before the model is sharded:
   parameter.
 * **communication**: all-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point
   sends between the two halves of the world (as pipeline neighbours lie), each at two message sizes, so that
-  ``time = ring steps x latency + bytes / bandwidth`` gives both numbers.
+  ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule
+  between those halves, for what the schedule itself costs per micro-batch beyond compute and sends.
 
 Every rank takes part (collectives), each measures its own, and the slowest rank's numbers are kept (a step
-runs at the pace of its slowest rank). The random generators are left as they were found.
+runs at the pace of its slowest rank). The random generators are left as they were found, and the process
+groups made for a measurement are destroyed after it.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
         apply_tensor_parallel(root, plan, mesh["tp"])
         split = _materialized(root.get_submodule(block_name), device)
         result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
-        # (The mesh's groups are kept: torch reuses a mesh of the same shape in the next fit's calibration.)
+        # The mesh's groups are kept: DTensor's caches take an equal mesh made later (the next fit's) for this
+        # one, and would reach its groups destroyed ("Could not resolve the process group").
     return result
 
 
