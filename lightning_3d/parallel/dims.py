@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 from lightning_3d.common import divisors, is_positive_int
 from lightning_3d.parallel.config import ParallelConfig, ParallelConfigError
+from lightning_3d.parallel.group_cache import once_per_world
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 HSDP_MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -159,15 +160,20 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str):
         """The ``DeviceMesh`` of this layout; collective: every rank of the world must call it. Under HSDP its
-        dims are ``HSDP_MESH_DIM_NAMES`` with "dp" their flattened pair (module doc)."""
+        dims are ``HSDP_MESH_DIM_NAMES`` with "dp" their flattened pair (module doc). Made once per process and
+        layout: a later fit of the same layout gets the same mesh (``parallel/group_cache.py``)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if not self.hsdp:
-            return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=HSDP_MESH_DIM_NAMES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        def make():
+            if not self.hsdp:
+                return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+            mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                    mesh_dim_names=HSDP_MESH_DIM_NAMES)
+            mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            return mesh
+
+        key = ("mesh", device_type, self.pp, self.dp, self.dp_replicate, self.dp_shard, self.tp, self.hsdp)
+        return once_per_world(key, make)
 
     def dp_mesh_for_zero(self, mesh):
         """The mesh ZeRO shards over: "dp", or under HSDP the 2D ("dp_replicate", "dp_shard") mesh, on which

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.common import local
 from lightning_3d.parallel.clip import mark_stage_copies
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
+from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.policies.base import PolicyError
 
 
@@ -49,15 +50,14 @@ def _set_parameter(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
 
 def embedding_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup:
     """This rank's pair of (first stage, last stage) ranks at its (dp, tp). Collective: every rank of the
-    world creates every pair, in the same order, as ``new_group`` requires."""
-    mine = None
-    for dp in range(dims.dp):
-        for tp in range(dims.tp):
-            ranks = [dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in (0, dims.pp - 1)]
-            group = dist.new_group(ranks)
-            if (coords.dp, coords.tp) == (dp, tp):
-                mine = group
-    return mine
+    world creates every pair, in the same order, as ``new_group`` requires. Made once per process and layout
+    (``parallel/group_cache.py``)."""
+    def make() -> dict[tuple[int, int], dist.ProcessGroup]:
+        return {(dp, tp): dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in (0, dims.pp - 1)])
+                for dp in range(dims.dp) for tp in range(dims.tp)}
+
+    pairs = once_per_world(("embedding pairs", dims.pp, dims.dp, dims.tp), make)
+    return pairs[(coords.dp, coords.tp)]
 
 
 class TiedGradients:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.common import local
+from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
 from lightning_3d.policies.base import Plan
 
@@ -111,7 +112,9 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
 
     result = {}
     for tp, plan in sorted(plans.items()):
-        mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("rest", "tp"))
+        shape = (dist.get_world_size() // tp, tp)
+        mesh = once_per_world(("calibration tp mesh", device.type, shape),  # (parallel/group_cache.py)
+                              lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
         # The block alone, under the name the plan gives it (the plan's patterns are the model's names).
         root, (*path, leaf) = nn.Module(), block_name.split(".")
         parent = root
@@ -122,8 +125,6 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
         apply_tensor_parallel(root, plan, mesh["tp"])
         split = _materialized(root.get_submodule(block_name), device)
         result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
-        # The mesh's groups are kept: DTensor's caches take an equal mesh made later (the next fit's) for this
-        # one, and would reach its groups destroyed ("Could not resolve the process group").
     return result
 
 

@@ -49,3 +49,12 @@ def test_the_calibrations_own_process_groups_are_destroyed_after_their_measureme
     # Each layout="auto" fit had left the link and pipeline measurements' groups alive: three gloo threads and
     # their sockets each, for the life of the process (a sweep of fits in one process ran hundreds of them).
     assert all(rank["groups"]["after"] == rank["groups"]["before"] for rank in ranks), [r["groups"] for r in ranks]
+
+
+def test_a_second_fit_of_a_layout_makes_no_new_process_groups(ranks):
+    # Every fit had built its layout's device mesh (a group per dimension) and the calibration its tp meshes
+    # anew, and none was ever destroyed: a notebook or a sweep fitting many times gathered hundreds of gloo
+    # groups, three threads each. After the first auto fit and the first fixed fit, fits add none.
+    for rank in ranks:
+        after_auto, after_fixed, after_same_fixed = rank["groups"]["per_fit"]
+        assert after_same_fixed == after_fixed >= after_auto, rank["groups"]

@@ -57,10 +57,28 @@ def measurement_groups() -> dict:
     return {"before": before, "after": len(_world.pg_map)}
 
 
+def groups_per_fit() -> list[int]:
+    """Process groups alive after each of three fits: auto, then the same fixed layout twice (its mesh is made
+    once per process, parallel/group_cache.py)."""
+    from torch.distributed.distributed_c10d import _world
+
+    counts = []
+    for strategy in (ThreeDStrategy(layout="auto", layout_check_steps=1000),
+                     ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=2),
+                     ThreeDStrategy(pipeline_parallel_size=2, num_microbatches=2)):
+        module = GPTLightningModule(config=GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+        data = SyntheticDataModule(vocab_size=64, seq_len=16, batch_size=8, num_train_samples=8 * 4)
+        L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=2,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0, num_sanity_val_steps=0).fit(module, data)
+        counts.append(len(_world.pg_map))
+    return counts
+
+
 def main(out_dir: str) -> None:
     free = run()
     budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
-    groups = measurement_groups()
+    groups = {**measurement_groups(), "per_fit": groups_per_fit()}
     (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(
         json.dumps({"free": free, "budget": budgeted, "groups": groups}))
     end_process_group()
