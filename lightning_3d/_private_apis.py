@@ -55,7 +55,8 @@ PRIVATE_NAMES: dict[str, Private] = {
         "what torch.Tensor.__torch_function__ itself uses; calling that instead converts every result to the subclass"),
     "torch._foreach_norm": Private(
         "the global gradient norm: one multi-tensor norm per (device, dtype) group of local pieces, not a kernel"
-        " per parameter (clip.grad_square_terms)",
+        " per parameter (clip.grad_square_terms); NaNGuard's check of a stage's gradients, an L1 norm per"
+        " gradient from one call per (device, dtype) (grad_checks._sums_of)",
         "torch.nn.utils.get_total_norm does this, but returns the norm in the gradients' dtype and takes no"
         " per-group divisor (the copies of a replicated piece)"),
     "torch._foreach_mul_": Private(

@@ -35,7 +35,8 @@ class GradientChecks:
 
     Under a pipeline (``at_reduction=True``) no hook runs per micro-batch: the stage's gradients accumulate
     unreduced over the step's micro-batches, and they are looked at once per step, right before the stage
-    reduces them (``pipeline/reduction_checks.py``): one sum per tensor its modules then hold. Where a layout
+    reduces them (``pipeline/reduction_checks.py``): one multi-tensor reduction per (device, dtype) over the
+    tensors its modules then hold (:func:`_sums_of`). Where a layout
     keeps the accumulated gradient away from those tensors (``reduced_net``: FSDP2 with a reduce dtype other
     than the parameters', :func:`accumulates_apart`), the reduced gradients are checked too
     (:meth:`collect_reduced`): a NaN/Inf is never missed, though its rank of origin is then unknown. Elsewhere
@@ -100,7 +101,7 @@ class GradientChecks:
         held = [(self._names.get((id(module), short)), tensor.grad) for module in stage.modules()
                 for short, tensor in module._parameters.items() if tensor is not None and tensor.grad is not None]
         held = [(name, grad) for name, grad in held if name is not None]  # not a copy of a module (shape inference)
-        self._sums.extend((name, _sum(grad)) for name, grad in held)
+        self._sums.extend(_sums_of(held))
 
     def collect(self, root: nn.Module, step: int) -> tuple[list[str], torch.Tensor | None]:
         """This step's gradients (those seen in backward, in backward order, then the others) and whether each
@@ -109,7 +110,7 @@ class GradientChecks:
         unseen = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None and name not in seen]
         if unseen:
             self._warn_unseen([name for name, _ in unseen], len(seen), step)
-        sums = self._sums + [(name, _sum(grad)) for name, grad in unseen]
+        sums = self._sums + _sums_of(unseen)
         self._sums = []
         if not sums:
             return [], None
@@ -124,7 +125,7 @@ class GradientChecks:
         named = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None]
         if not named:
             return [], None
-        return [name for name, _ in named], torch.stack([_sum(grad) for _, grad in named]).isfinite()
+        return [name for name, _ in named], torch.stack([value for _, value in _sums_of(named)]).isfinite()
 
     def _warn_unseen(self, unseen: list[str], seen: int, step: int) -> None:
         if self._warned:
@@ -164,3 +165,19 @@ def first_not_finite(names: list[str], finite: torch.Tensor) -> str | None:
 
 def _sum(grad: torch.Tensor) -> torch.Tensor:
     return local(grad).sum(dtype=torch.float32)
+
+
+def _sums_of(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """For gradients looked at together (a stage's before its reduction, or after it), each one's float32 sum of
+    absolute values -- finite unless an element is not, or the sum passes 3e38, as :func:`_sum` -- from one
+    ``torch._foreach_norm`` (L1) per (device, dtype) group: one multi-tensor kernel per group on a GPU, not one
+    per gradient. In the order given."""
+    groups: dict[tuple, list[int]] = {}
+    pieces = [local(grad) for _, grad in named]
+    for index, piece in enumerate(pieces):
+        groups.setdefault((piece.device, piece.dtype), []).append(index)
+    values: list[torch.Tensor | None] = [None] * len(named)
+    for indices in groups.values():
+        for index, value in zip(indices, torch._foreach_norm([pieces[i] for i in indices], 1, dtype=torch.float32)):
+            values[index] = value
+    return [(name, value) for (name, _), value in zip(named, values)]

@@ -261,3 +261,33 @@ def test_gradient_checks_sum_the_reduced_gradients_again_only_where_fsdp2_accumu
     checks.active = True
     assert checks.collect_reduced(model) == ([], None)
     checks.remove()
+
+
+def test_a_stages_gradients_are_checked_with_one_multi_tensor_reduction_per_device_and_dtype():
+    """Issue 30: before the reduction a stage's gradients are looked at together, one torch._foreach_norm (L1, in
+    float32) per (device, dtype) group rather than a kernel per gradient; a NaN in a half-precision gradient is
+    found, and large finite half-precision values (whose sum in float16 would overflow) are not taken for one."""
+    import torch
+
+    from lightning_3d.callbacks.grad_checks import GradientChecks
+    from lightning_3d.pipeline.reduction_checks import run_before_reduction
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).half(), torch.nn.Linear(2, 1).half())
+    checks = GradientChecks(model, at_reduction=True)
+    checks.active = True
+    calls = []
+    original = torch._foreach_norm
+    torch._foreach_norm = lambda tensors, *a, **k: calls.append(len(tensors)) or original(tensors, *a, **k)
+    try:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 60000.0)  # finite; the float16 sum of two would be inf
+        run_before_reduction(model)
+        names, finite = checks.collect(model, step=0)
+        assert calls == [2, 4] and bool(finite.all()) and len(names) == 6
+        model[2].weight.grad[0, 0] = float("nan")
+        run_before_reduction(model)
+        names, finite = checks.collect(model, step=1)
+        assert [n for n, ok in zip(names, finite.tolist()) if not ok] == ["2.weight"]
+    finally:
+        torch._foreach_norm = original
+        checks.remove()
