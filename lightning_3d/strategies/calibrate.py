@@ -137,7 +137,7 @@ def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_bat
         tokens = hidden.shape[0] * hidden.shape[1] if hidden.ndim >= 3 else hidden.shape[0]
 
         def run() -> None:
-            output = timed(*args, **kwargs)
+            output = timed(*_fresh_state(args), **_fresh_state(kwargs))
             out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
             out.backward(torch.ones_like(out))
 
@@ -340,6 +340,15 @@ def _median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool 
     times = torch.tensor([timed(int(agreed.item())) for _ in range(REPEATS)], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return statistics.median(times.tolist())
+
+
+def _fresh_state(values: Any) -> Any:
+    """The call's arguments for one more call: tensors as they are, any other object (a Hugging Face
+    ``DynamicCache``, which a decoder layer appends its keys and values to) a copy of the captured one. Each step
+    of the run makes its own; reused across timed calls, a cache would grow and carry the previous call's
+    autograd graph into the next backward ("Trying to backward through the graph a second time")."""
+    plain = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+    return tree_map(lambda value: value if isinstance(value, plain) else copy.deepcopy(value), values)
 
 
 def _materialized(block: nn.Module, device: torch.device) -> nn.Module:

@@ -375,3 +375,30 @@ def test_summary_lists_the_top_layouts_and_why_the_first_won():
     assert "8 ranks" in table and "times from measured speeds" in table and table.splitlines()[1].endswith("MFU")
     assert table.splitlines()[2].endswith(" -")  # no peak, no MFU
     assert "accelerator: cpu" in result.to_yaml()
+
+
+def test_a_block_called_with_a_cache_object_is_timed_with_a_fresh_copy_each_call():
+    """layout='auto' on a model from transformers (Phi-3, Llama: use_cache defaults to True) failed in the
+    calibration with "Trying to backward through the graph a second time": the decoder layer appends its keys
+    to the DynamicCache it is called with, and the timing reused the captured one across calls."""
+    import torch
+
+    from lightning_3d.strategies import calibrate
+
+    class Cache:  # as a DynamicCache: the layer appends to it and reads all of it
+        def __init__(self) -> None:
+            self.keys: list[torch.Tensor] = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden, past_key_values=None):
+            past_key_values.keys.append(self.proj(hidden))
+            return hidden + torch.stack(past_key_values.keys).sum(0)
+
+    call = ((torch.empty(2, 3, 4, device="meta"),), {"past_key_values": Cache()})
+    seconds = calibrate.block_seconds_per_token(Layer(), call, 2, [1, 2], torch.device("cpu"), repeat_s=0.001)
+    assert set(seconds) == {1, 2} and all(0 < t < 1 for t in seconds.values())
+    assert call[1]["past_key_values"].keys == []  # the captured object itself is never used
