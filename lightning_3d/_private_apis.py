@@ -114,7 +114,12 @@ PRIVATE_NAMES: dict[str, Private] = {
         "end an accumulation micro-step's backward that ran outside FSDP2's autograd hooks (grad_sync.py)",
         "FSDP2 has no public call to finish a backward it did not see", attribute=True),
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._fsdp_param_groups": Private(
-        "as _state_ctx: each group's post-backward", "as _state_ctx", attribute=True),
+        "as _state_ctx: each group's post-backward; NaNGuard's look at the gradient sums FSDP2 holds apart"
+        " (pipeline.grad_sync.gradients_held_apart)", "as _state_ctx", attribute=True),
+    "torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam._module_info": Private(
+        "which module and parameter name a gradient sum FSDP2 holds apart (unsharded_accumulated_grad, under a"
+        " reduce dtype other than the parameters') belongs to, for NaNGuard to name it before the reduction",
+        "none in torch 2.13: FSDP2 exposes neither its accumulated gradients nor their parameters", attribute=True),
     "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState._root_post_backward_final_callback": Private(
         "as _state_ctx: the root's end-of-backward work", "as _state_ctx", attribute=True),
     "torch.nn.Module._parameters": Private(

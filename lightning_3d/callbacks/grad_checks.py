@@ -8,10 +8,10 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_3d.common import local
+from lightning_3d.pipeline.grad_sync import gradients_held_apart
 from lightning_3d.pipeline.reduction_checks import before_reduction
 
 
@@ -26,8 +26,9 @@ class GradientChecks:
     that moment -- the ones autograd will differentiate -- each tensor once; the registered parameters are
     hooked too (DDP, and parameters used outside their module's forward).
 
-    Whatever no hook saw is still checked, from ``param.grad`` after the reduction (where a NaN shows on every
-    dp rank), with a warning: the checks cannot switch themselves off silently.
+    Whatever no hook saw is still checked, from ``param.grad`` after the reduction (:meth:`collect_reduced`),
+    with a warning: there a NaN shows on every dp rank alike, so it is reported as found after the reduction,
+    its rank of origin unknown, never as any rank's own. The checks cannot switch themselves off silently.
 
     Per gradient, one reduction as backward produces it (its float32 sum: finite unless an element is not, or
     the sum overflows past 3e38); the step's sums are checked together (:meth:`collect`), and only a step
@@ -36,19 +37,17 @@ class GradientChecks:
     Under a pipeline (``at_reduction=True``) no hook runs per micro-batch: the stage's gradients accumulate
     unreduced over the step's micro-batches, and they are looked at once per step, right before the stage
     reduces them (``pipeline/reduction_checks.py``): one multi-tensor reduction per (device, dtype) over the
-    tensors its modules then hold (:func:`_sums_of`). Where a layout
-    keeps the accumulated gradient away from those tensors (``reduced_net``: FSDP2 with a reduce dtype other
-    than the parameters', :func:`accumulates_apart`), the reduced gradients are checked too
-    (:meth:`collect_reduced`): a NaN/Inf is never missed, though its rank of origin is then unknown. Elsewhere
-    that second sum per gradient would find nothing the first did not, and is not taken.
+    gradients its modules then hold, and the running sums FSDP2 keeps apart from them under a reduce dtype
+    other than the parameters' (``bf16-mixed``: ``pipeline.grad_sync.gradients_held_apart``)
+    (:func:`_sums_of`).
     """
 
-    def __init__(self, root: nn.Module, at_reduction: bool = False, reduced_net: bool = False) -> None:
+    def __init__(self, root: nn.Module, at_reduction: bool = False) -> None:
         self.active = False  # this step is checked
         self._sums: list[tuple[str, torch.Tensor]] = []  # (parameter, its gradient's float32 sum), backward order
         self._hooked = WeakIdKeyDictionary()  # tensor -> its hook's handle
         self._warned = False
-        self._reduced_net = at_reduction and reduced_net  # the reduced gradients checked too: see collect_reduced
+        self._unseen: list[str] = []  # this step's gradients no check saw before the reduction
         # Under the name root.named_parameters() gives it (the first path to it, for a tied one).
         first_name: dict[int, str] = {}
         self._names: dict[tuple[int, str], str] = {}  # (id(module), parameter's name in it) -> name
@@ -95,34 +94,35 @@ class GradientChecks:
 
     def _check_stage(self, stage: nn.Module) -> None:
         """Before ``stage``'s gradients are reduced: the sum of each, as its modules hold it then (the tensors
-        the micro-batches' backwards accumulated into)."""
+        the micro-batches' backwards accumulated into), and of the running sums FSDP2 holds apart."""
         if not self.active:
             return
         held = [(self._names.get((id(module), short)), tensor.grad) for module in stage.modules()
                 for short, tensor in module._parameters.items() if tensor is not None and tensor.grad is not None]
+        held += [(self._names.get((id(module), short)), running)
+                 for module, short, running in gradients_held_apart(stage)]
         held = [(name, grad) for name, grad in held if name is not None]  # not a copy of a module (shape inference)
         self._sums.extend(_sums_of(held))
 
     def collect(self, root: nn.Module, step: int) -> tuple[list[str], torch.Tensor | None]:
-        """This step's gradients (those seen in backward, in backward order, then the others) and whether each
-        was finite (a bool device tensor; None without gradients); forgets this step's sums."""
-        seen = {name for name, _ in self._sums}
-        unseen = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None and name not in seen]
-        if unseen:
-            self._warn_unseen([name for name, _ in unseen], len(seen), step)
-        sums = self._sums + _sums_of(unseen)
-        self._sums = []
+        """The gradients this step's checks saw before the reduction, in the order seen, and whether each was
+        finite (a bool device tensor; None without any); forgets their sums. Those of ``root``'s gradients that
+        none saw are left for :meth:`collect_reduced` (with a warning, once)."""
+        sums, self._sums = self._sums, []
+        seen = {name for name, _ in sums}
+        self._unseen = [name for name, p in root.named_parameters() if p.grad is not None and name not in seen]
+        if self._unseen:
+            self._warn_unseen(self._unseen, len(seen), step)
         if not sums:
             return [], None
         return [name for name, _ in sums], torch.stack([value for _, value in sums]).isfinite()  # (gradients,)
 
     def collect_reduced(self, root: nn.Module) -> tuple[list[str], torch.Tensor | None]:
-        """After the reduction, with ``at_reduction`` and ``reduced_net``: every gradient's name and whether it is
-        finite (None otherwise). A NaN/Inf shows here on every dp rank alike; it is the net under layouts that
-        accumulate away from the tensors the stage's modules hold (class doc)."""
-        if not self._reduced_net:
-            return [], None
-        named = [(name, p.grad) for name, p in root.named_parameters() if p.grad is not None]
+        """After :meth:`collect`: the gradients no check saw before the reduction, as the reduction left them,
+        and whether each is finite (None without any). A NaN/Inf here shows on every dp rank alike: where it
+        came from is not known."""
+        unseen, self._unseen = set(self._unseen), []
+        named = [(name, p.grad) for name, p in root.named_parameters() if name in unseen and p.grad is not None]
         if not named:
             return [], None
         return [name for name, _ in named], torch.stack([value for _, value in _sums_of(named)]).isfinite()
@@ -149,13 +149,6 @@ class GradientChecks:
         self._hooked = WeakIdKeyDictionary()
 
 
-def accumulates_apart(policy: MixedPrecisionPolicy, dp: int) -> bool:
-    """Whether FSDP2 accumulates a stage's gradients over micro-batches away from the tensors its modules hold:
-    with dp > 1 (FSDP2 then wraps the stage) and a reduce dtype other than the parameters' (``bf16-mixed``:
-    bf16 compute, fp32 reductions), it keeps the running sum in its own fp32 buffer until the reduction."""
-    return dp > 1 and policy.reduce_dtype is not None and policy.reduce_dtype != policy.param_dtype
-
-
 def first_not_finite(names: list[str], finite: torch.Tensor) -> str | None:
     """The first of ``names`` whose ``finite`` flag is False, or None. It reads the flags on the host: for a step
     already known to hold a NaN/Inf."""
@@ -177,7 +170,8 @@ def _sums_of(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Ten
     for index, piece in enumerate(pieces):
         groups.setdefault((piece.device, piece.dtype), []).append(index)
     values: list[torch.Tensor | None] = [None] * len(named)
-    for indices in groups.values():
-        for index, value in zip(indices, torch._foreach_norm([pieces[i] for i in indices], 1, dtype=torch.float32)):
+    for (_, dtype), indices in groups.items():
+        at_least_float32 = torch.promote_types(dtype, torch.float32)  # float64 stays float64
+        for index, value in zip(indices, torch._foreach_norm([pieces[i] for i in indices], 1, dtype=at_least_float32)):
             values[index] = value
     return [(name, value) for (name, _), value in zip(named, values)]

@@ -10,10 +10,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils._pytree import tree_flatten
 
-from lightning_3d.callbacks.grad_checks import GradientChecks, accumulates_apart, first_not_finite
+from lightning_3d.callbacks.grad_checks import GradientChecks, first_not_finite
 from lightning_3d.callbacks.layout import dims_of, pipeline_engine
 from lightning_3d.common import local
-from lightning_3d.parallel.precision import mixed_precision_policy
 
 ACTIONS = ("raise", "skip", "rollback")
 
@@ -82,10 +81,7 @@ class NaNGuard(L.Callback):
             raise ValueError("NaNGuard(action='rollback') reloads the newest checkpoint, but the Trainer has no"
                              " ModelCheckpoint callback. Add one (e.g. ModelCheckpoint(every_n_train_steps=500,"
                              " save_last=True)), or use action='skip'.")
-        at_reduction = _checks_at_reduction(trainer)
-        reduced_net = at_reduction and accumulates_apart(mixed_precision_policy(trainer.strategy.precision_plugin),
-                                                         dims_of(trainer).dp)
-        self._grads = GradientChecks(pl_module, at_reduction=at_reduction, reduced_net=reduced_net)
+        self._grads = GradientChecks(pl_module, at_reduction=_checks_at_reduction(trainer))
         if self.check_activations:
             for name, module in pl_module.named_modules():
                 if name:

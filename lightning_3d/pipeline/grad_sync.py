@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor, nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
@@ -72,10 +73,34 @@ class GradSyncStage(PipelineStage):
         module.set_requires_gradient_sync(False)
         module.set_reshard_after_backward(True)
         module.set_is_last_backward(True)
-        state = replicate.state(module) if isinstance(module, ReplicateModule) else fully_shard.state(module)
-        for inner in state._state_ctx.all_states:
-            for group in inner._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        for group in fsdp_param_groups(module):
+            group.post_backward()
+        _fsdp_state(module)._root_post_backward_final_callback()
         # Scaling is linear: gradients reduced by a later step are scaled there; per-micro-batch ones now.
         self.scale_grads(grad_scale_factor)
+
+
+def fsdp_param_groups(module: nn.Module) -> list:
+    """FSDP2's parameter groups under ``module``, a stage wrapped by ``fully_shard`` or ``replicate`` (the root:
+    its state knows every group's); none for a module FSDP2 does not wrap."""
+    if not isinstance(module, FSDPModule):
+        return []
+    return [group for state in _fsdp_state(module)._state_ctx.all_states for group in state._fsdp_param_groups]
+
+
+def gradients_held_apart(module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+    """The running sums of gradients FSDP2 keeps in a buffer of its own while their reduction waits, as (module,
+    parameter name in it, sum). Under a reduce dtype other than the parameters' (``bf16-mixed``: fp32), each
+    backward with gradient sync off moves the gradient out of the module's tensor into that buffer: a look at
+    the modules' tensors before the reduction would not find it."""
+    held = []
+    for group in fsdp_param_groups(module):
+        for param in group.fsdp_params:
+            if param.unsharded_accumulated_grad is not None:
+                info = param._module_info
+                held.append((info.module, info.param_name, param.unsharded_accumulated_grad))
+    return held
+
+
+def _fsdp_state(module: FSDPModule) -> Any:
+    return replicate.state(module) if isinstance(module, ReplicateModule) else fully_shard.state(module)

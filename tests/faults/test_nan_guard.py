@@ -8,6 +8,7 @@ import pytest
 
 from helpers import WORKERS
 from helpers.launchers import forkrun
+from helpers.workers.nan_worker import parse_layout
 
 
 def _nan_run(tmp_path, action):
@@ -53,8 +54,9 @@ def test_nan_guard_rolls_back_to_the_newest_checkpoint_with_a_lower_learning_rat
 
 
 def _layouts_run(tmp_path, layouts: list[str]) -> list[dict]:
-    """nan_worker.py's fits, one per "dp,pp,tp,zero_stage[,dp_shard]" layout (same world size), in one launch."""
-    dp, pp, tp, *_ = (int(x) for x in layouts[0].split(","))
+    """nan_worker.py's fits, one per "dp,pp,tp,zero_stage[,dp_shard][,bf16]" layout (same world size), in one
+    launch."""
+    dp, pp, tp, *_ = parse_layout(layouts[0])
     forkrun(dp * pp * tp, str(WORKERS / "nan_worker.py"), str(tmp_path), "layouts", *layouts,
             rank_files=tmp_path)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(dp * pp * tp)]
@@ -67,7 +69,7 @@ def _assert_skipped_then_rolled_back(tmp_path, results: list[dict], layout: str)
 
     from lightning_3d import ParallelDims
 
-    dp, pp, tp, _, *shard = (int(x) for x in layout.split(","))
+    dp, pp, tp, _, *shard = parse_layout(layout)
     dims = ParallelDims(dp=dp, pp=pp, tp=tp, dp_shard=shard[0] if shard else 0)
     checkpoint = str(tmp_path / layout / "checkpoints" / "epoch=0-step=2.ckpt")
     for rank, result in enumerate(r[layout] for r in results):
@@ -99,7 +101,9 @@ def _assert_skipped_then_rolled_back(tmp_path, results: list[dict], layout: str)
 
 @pytest.mark.multiprocess
 def test_nan_guard_skips_and_rolls_back_under_zero_1_with_tp_and_zero_3_with_a_pipeline(tmp_path):
-    layouts = ["2,1,2,1", "2,2,1,3"]  # dp,pp,tp,zero_stage: fully_shard on (dp, tp); fully_shard per stage
+    # dp,pp,tp,zero_stage: fully_shard on (dp, tp); fully_shard per stage; the same under bf16-mixed, where
+    # FSDP2 moves each micro-batch's gradient into an fp32 sum of its own until the stage reduces it
+    layouts = ["2,1,2,1", "2,2,1,3", "2,2,1,3,bf16"]
     results = _layouts_run(tmp_path, layouts)
     for layout in layouts:
         _assert_skipped_then_rolled_back(tmp_path, results, layout)

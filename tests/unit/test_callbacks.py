@@ -191,75 +191,83 @@ def test_comm_recorder_times_a_collective_whose_work_unboxes_to_none():
     assert record.end >= record.start
 
 
-def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its_micro_batches():
+def test_gradient_checks_look_once_per_step_at_what_a_stage_accumulated_over_its_micro_batches(monkeypatch):
     """Issue 30: under a pipeline NaNGuard runs no hook per gradient per micro-batch; it looks once per step, right
     before the stage reduces its gradients, at what the micro-batches accumulated (one foreach reduction), and
-    a NaN from the first micro-batch is still found there, named, before any reduction; where the accumulated
-    gradient is held away from the tensors (FSDP2's fp32 buffer under a reduce dtype), the reduced gradients
-    catch it instead."""
+    a NaN from the first micro-batch is still found there, named, before any reduction -- also where FSDP2
+    holds the running sum apart from the module's tensors (its fp32 buffer under bf16-mixed)."""
     import torch
 
+    from lightning_3d.callbacks import grad_checks
     from lightning_3d.callbacks.grad_checks import GradientChecks
     from lightning_3d.pipeline.reduction_checks import run_before_reduction
 
-    def micro_batches(model, poisoned: int, moved_away: bool = False) -> None:
-        held = [torch.zeros_like(p) for p in model.parameters()]  # FSDP2's own buffer, under a reduce dtype
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    apart: list = []  # (module, parameter name, running sum), as pipeline.grad_sync.gradients_held_apart gives
+    monkeypatch.setattr(grad_checks, "gradients_held_apart", lambda stage: apart)
+
+    def micro_batches(poisoned: int, moved_away: bool = False) -> None:
         for index in range(4):
             x = torch.ones(1, 2) * (float("nan") if index == poisoned else 1.0)
             model(x).sum().backward()
-            if moved_away and index < 3:
-                for buffer, param in zip(held, model.parameters()):
-                    buffer += param.grad
-                    param.grad = None
+            if moved_away:  # as FSDP2 does with sync off under a reduce dtype: into its buffer, grad None
+                for module in (model[0], model[1]):
+                    for short, param in module.named_parameters():
+                        if index == 0:
+                            apart.append((module, short, torch.zeros_like(param, dtype=torch.float64)))
+                        sums = {(id(m), n): t for m, n, t in apart}
+                        sums[(id(module), short)] += param.grad
+                        param.grad = None
         run_before_reduction(model)  # as GradSyncStage does, before it reduces
-        if moved_away:  # the reduction adds it back
-            for buffer, param in zip(held, model.parameters()):
-                param.grad += buffer
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    checks = GradientChecks(model, at_reduction=True, reduced_net=True)
+    checks = GradientChecks(model, at_reduction=True)
     checks.active = True
     assert not checks._hooked and not checks._module_hooks  # nothing runs per micro-batch
-    micro_batches(model, poisoned=-1)
+    micro_batches(poisoned=-1)
     names, finite = checks.collect(model, step=0)
     assert sorted(names) == ["0.bias", "0.weight", "1.bias", "1.weight"] and bool(finite.all())  # once each
-    assert checks.collect_reduced(model)[1].all()
+    assert checks.collect_reduced(model) == ([], None)  # nothing was left unseen
     model.zero_grad()
 
-    micro_batches(model, poisoned=0)  # only the first micro-batch's weight gradients are not finite
+    micro_batches(poisoned=0)  # only the first micro-batch's weight gradients are not finite
     names, finite = checks.collect(model, step=1)
     assert sorted(n for n, ok in zip(names, finite.tolist()) if not ok) == ["0.weight", "1.weight"]
     model.zero_grad()
 
-    micro_batches(model, poisoned=0, moved_away=True)
-    names, finite = checks.collect(model, step=2)
-    assert bool(finite.all())  # what the modules held before the reduction: the last micro-batch's
-    reduced_names, reduced_finite = checks.collect_reduced(model)
-    assert sorted(n for n, ok in zip(reduced_names, reduced_finite.tolist()) if not ok) == ["0.weight", "1.weight"]
+    micro_batches(poisoned=0, moved_away=True)
+    names, finite = checks.collect(model, step=2)  # before the reduction, in FSDP2's buffer
+    assert sorted(n for n, ok in zip(names, finite.tolist()) if not ok) == ["0.weight", "1.weight"]
     checks.remove()
     run_before_reduction(model)  # removed: no longer looks
     assert checks._sums == []
 
 
-def test_gradient_checks_sum_the_reduced_gradients_again_only_where_fsdp2_accumulates_apart():
-    """The second sum per gradient after the reduction (the net) is taken only where FSDP2 keeps the running sum
-    away from the module's tensors: dp > 1 with bf16-mixed (fp32 reductions); not at fp32, not at dp 1."""
+def test_a_gradient_no_check_saw_is_reported_as_found_after_the_reduction_not_as_this_ranks_own():
+    """A gradient the checks did not see as backward made it (one written outside autograd, or on tensors the
+    guard does not know) is looked at after the data-parallel reduction, where a NaN shows on every replica
+    alike: NaNGuard then reports it with its rank of origin unknown (collect_reduced), never as found here
+    before the reduction (collect), which would name every replica's ranks as its origin."""
     import torch
-    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    from lightning_3d.callbacks.grad_checks import GradientChecks, accumulates_apart
-    from lightning_3d.parallel.precision import mixed_precision_policy
+    from lightning_3d.callbacks.grad_checks import GradientChecks
 
-    bf16 = mixed_precision_policy(MixedPrecision("bf16-mixed", "cpu"))
-    assert accumulates_apart(bf16, dp=2)
-    assert not accumulates_apart(bf16, dp=1)
-    assert not accumulates_apart(mixed_precision_policy(Precision()), dp=2)
+    class Outside(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 1)
+            self.scale = torch.nn.Parameter(torch.ones(1))
 
-    model = torch.nn.Linear(2, 1)
-    model(torch.ones(1, 2)).sum().backward()
-    checks = GradientChecks(model, at_reduction=True)  # no net: fp32, or no FSDP2
+    model = Outside()
+    checks = GradientChecks(model)
     checks.active = True
-    assert checks.collect_reduced(model) == ([], None)
+    (model.inner(torch.ones(1, 2)) * float("nan")).sum().backward()
+    model.scale.grad = torch.full((1,), float("nan"))  # no hook sees it
+    with pytest.warns(RuntimeWarning, match="no hook saw"):
+        names, finite = checks.collect(model, step=0)
+    assert sorted(names) == ["inner.bias", "inner.weight"] and not bool(finite.any())  # seen, before reduction
+    late_names, late_finite = checks.collect_reduced(model)
+    assert late_names == ["scale"] and not bool(late_finite.any())
+    assert checks.collect_reduced(model) == ([], None)  # forgotten once collected
     checks.remove()
 
 

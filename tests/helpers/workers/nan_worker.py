@@ -3,7 +3,7 @@ NaNGuard must name those ranks -- not replica 0's, whose gradients only turn NaN
 raise, skip or roll back on every rank.
 
     python -m torch.distributed.run --nproc-per-node 2 nan_worker.py OUT_DIR ACTION
-    python -m torch.distributed.run --nproc-per-node 4 nan_worker.py OUT_DIR layouts DP,PP,TP,ZERO[,SHARD] ...
+    python -m torch.distributed.run --nproc-per-node 4 nan_worker.py OUT_DIR layouts DP,PP,TP,ZERO[,SHARD][,bf16] ...
 
 With ACTION (2 ranks, DDP): the NaN comes at step 2 (3 with rollback, so that a checkpoint of step 2 exists).
 With ``layouts``: one fit per layout, one after another in this launch, each with ``action="rollback"`` and a
@@ -80,7 +80,8 @@ def _checksum(module) -> float:
     return float(sum(p.detach().double().sum() for p in local))
 
 
-def fit(out_dir: Path, action: str, nan_steps: list[int], act_step: int, strategy: ThreeDStrategy) -> dict:
+def fit(out_dir: Path, action: str, nan_steps: list[int], act_step: int, strategy: ThreeDStrategy,
+        precision: str = "32-true") -> dict:
     L.seed_everything(0, verbose=False)
     guard = NaNGuard(action=action, check_activations=True, rollback_lr_factor=0.5)
     weights = Weights(act_step)
@@ -90,7 +91,8 @@ def fit(out_dir: Path, action: str, nan_steps: list[int], act_step: int, strateg
     module = NaNOnReplica1(nan_steps, config=GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16),
                            warmup_steps=0)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        strategy=strategy, max_steps=5, logger=False, enable_checkpointing=action == "rollback",
+                        strategy=strategy, precision=precision, max_steps=5, logger=False,
+                        enable_checkpointing=action == "rollback",
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         callbacks=callbacks)
     error, printed = None, io.StringIO()
@@ -118,12 +120,18 @@ def main(out_dir: str, action: str, layouts: list[str]) -> None:
     else:
         result = {}
         for layout in layouts:
-            dp, pp, tp, zero, *shard = (int(x) for x in layout.split(","))  # shard: HSDP's dp shard size
+            dp, pp, tp, zero, *shard = parse_layout(layout)  # shard: HSDP's dp shard size
             strategy = ThreeDStrategy(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                       zero_stage=zero, data_parallel_shard_size=shard[0] if shard else "auto")
-            result[layout] = fit(out / layout, "rollback", [1, 3], 3, strategy)
+            precision = "bf16-mixed" if layout.endswith(",bf16") else "32-true"
+            result[layout] = fit(out / layout, "rollback", [1, 3], 3, strategy, precision)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     end_process_group()
+
+
+def parse_layout(layout: str) -> list[int]:
+    """"dp,pp,tp,zero[,shard][,bf16]" -> [dp, pp, tp, zero(, shard)]; a trailing "bf16" runs it under bf16-mixed."""
+    return [int(x) for x in layout.split(",") if x != "bf16"]
 
 
 if __name__ == "__main__":
