@@ -1,5 +1,6 @@
 """layout="auto" on the ranks (tests/parity/test_auto_layout_on_ranks.py): one run that decides freely, one
-with a memory budget of 60% of what the first choice needs; each rank writes what it ran and what it held.
+with a memory budget of 60% of what the first choice needs, one of a model from transformers (Llama from a tiny
+config, called as users call it: its cache object included); each rank writes what it ran and what it held.
 
     python -m torch.distributed.run --nproc-per-node 4 auto_layout_worker.py OUT_DIR
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 import lightning as L
 
 from helpers.launchers import end_process_group
+from helpers.user_models import UserLlamaModule
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from lightning_3d.parallel.memory import memory_report
@@ -20,9 +22,9 @@ DECIDED = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_schedule"
            "activation_checkpointing", "virtual_pipeline_size")
 
 
-def run(**strategy_kwargs) -> dict:
+def run(module_class=GPTLightningModule, **strategy_kwargs) -> dict:
     L.seed_everything(0, verbose=False)
-    module = GPTLightningModule(config=GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, vocab_size=64))
+    module = module_class(config=GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=16, vocab_size=64))
     data = SyntheticDataModule(vocab_size=64, seq_len=16, batch_size=8, num_train_samples=8 * 16)
     # (the measured-against-predicted check is tested in unit/test_auto_layout.py; tiny steps here are mostly
     # fixed overhead, which the planner does not model)
@@ -78,9 +80,10 @@ def groups_per_fit() -> list[int]:
 def main(out_dir: str) -> None:
     free = run()
     budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
+    llama = run(UserLlamaModule)
     groups = {**measurement_groups(), "per_fit": groups_per_fit()}
     (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(
-        json.dumps({"free": free, "budget": budgeted, "groups": groups}))
+        json.dumps({"free": free, "budget": budgeted, "llama": llama, "groups": groups}))
     end_process_group()
 
 
