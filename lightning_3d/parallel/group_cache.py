@@ -31,3 +31,8 @@ def once_per_world(key: Hashable, make: Callable[[], T]) -> T:
     value = make()
     _MADE[key] = (world, value)  # the world held here cannot be freed, so a new one is never mistaken for it
     return value
+
+
+def forget() -> None:
+    """Drop every group and mesh made here (at exit, once the process groups are destroyed)."""
+    _MADE.clear()
