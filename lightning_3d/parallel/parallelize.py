@@ -26,7 +26,8 @@ from lightning_3d.parallel.activation_checkpointing import apply_activation_chec
 from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import apply_data_parallel
-from lightning_3d.parallel.dims import ParallelDims
+from lightning_3d.parallel.dims import ParallelDims, RankCoords
+from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.sharded_logits import whole
 from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
@@ -201,7 +202,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         engine = PipelineEngine(
             module=module, root_name=plan.pipeline_root, num_stages=len(stage_blocks),
             stages=stages, schedule=config.pipeline_schedule, num_microbatches=config.microbatches,
-            pp_group=mesh["pp"].get_group(), device=device,
+            pp_group=mesh["pp"].get_group(), results_group=pipeline_results_group(dims, coords), device=device,
             last_stage_rank=dims.rank(coords._replace(pp=dims.pp - 1)), loss_context=loss_context,
             random_state=partial(preserved_random_state, sharded_rng, device), stage_output=plan.stage_output,
             step_result=step_result,
@@ -211,6 +212,19 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         )
     return ParallelModel(module=module, called=called, engine=engine, sharded_rng=sharded_rng,
                          loss_context=loss_context, step_result=step_result)
+
+
+def pipeline_results_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup:
+    """This rank's pipeline (the ranks of its (dp, tp) over pp), as a group of its own for the step's results
+    (``pipeline/shared_results.py``: a receive posted there ahead of the step must not meet the schedule's or any
+    other collective). Collective: every rank of the world creates every pipeline's, in the same order. Made once
+    per process and layout (``parallel/group_cache.py``)."""
+    def make() -> dict[tuple[int, int], dist.ProcessGroup]:
+        return {(dp, tp): dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in range(dims.pp)])
+                for dp in range(dims.dp) for tp in range(dims.tp)}
+
+    pipelines = once_per_world(("pipeline results", dims.pp, dims.dp, dims.tp), make)
+    return pipelines[(coords.dp, coords.tp)]
 
 
 def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:

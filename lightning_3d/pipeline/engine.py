@@ -69,7 +69,7 @@ class PipelineEngine:
 
     def __init__(self, *, module: nn.Module, root_name: str, stages: dict[int, nn.Module], num_stages: int,
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
-                 device: torch.device, loss_context: Callable[[], Any] = nullcontext,
+                 device: torch.device, results_group: dist.ProcessGroup | None = None, loss_context: Callable[[], Any] = nullcontext,
                  random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None,
                  step_result: Callable[[Any], Any] | None = None,
                  dp_group: dist.ProcessGroup | None = None,
@@ -109,7 +109,9 @@ class PipelineEngine:
         self._pp_ranks = dist.get_process_group_ranks(pp_group)
         self._first_stage_rank = self._pp_ranks[0]  # stage 0 is on pp rank 0 (interleaved schedules too)
         self._metrics = StepMetrics(module, dp_group)
-        self._results = ResultsChannel(last_stage_rank, pp_group, device)
+        # The step's results travel over a group of their own (the pipeline's ranks), whose receive the other
+        # stages post before the step's work (shared_results.ResultsChannel.expect).
+        self._results = ResultsChannel(last_stage_rank, results_group or pp_group, device)
         self._watched: set[tuple] = set()  # schedule keys whose first step ran under CollectiveWatch
         self.timeline: PipelineTimeline | None = None  # see record_timeline
         self.costs = StepCosts()
@@ -193,6 +195,8 @@ class PipelineEngine:
         ``loss_scale`` multiplies the loss the schedule back-propagates (1 / accumulate_grad_batches)."""
         with self.costs.step():
             key, num_microbatches = self._shape_key(batch, train)
+            with self.costs.part("sharing"):
+                self._results.expect()
             explicit = train and callable(getattr(self.module, "pipeline_inputs", None))
             replay: list[RandomState | None] = [None] * num_microbatches
             with self.costs.part("capture"):

@@ -12,7 +12,8 @@ GPUs), as Megatron-LM sends its step results.
 of a step's results is nearly always the previous step's -- the same loss, the same logged names -- so it
 travels only when it changes. A steady-state step costs one one-byte host broadcast (did the structure
 change?) and one device broadcast of the packed tensors: no pickling and no host sync of device values. On
-CPU, where host and device are one, the flag is the packed buffer's first byte: one broadcast.
+CPU, where host and device are one, the flag is the packed buffer's first byte: one broadcast, whose receive
+the receiving ranks post before the step's work (:meth:`ResultsChannel.expect`).
 """
 
 from __future__ import annotations
@@ -41,32 +42,40 @@ class _Slot:
 class ResultsChannel:
     """Sends what global rank ``src`` computes every step to every rank of ``group``, the structure only when
     it differs from the previous step's (module doc). Every rank of the group calls :meth:`share` in the same
-    steps."""
+    steps; the group serves nothing else (a receive posted ahead by :meth:`expect` would hold up, or be taken
+    for, any other collective on it)."""
 
     def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
         self.src, self.group, self.device = src, group, device
         self._host = host_side(group, device)
         self._layout: tuple[Any, int] | None = None  # (structure, bytes of tensors) of the last shared object
+        self._posted: _Posted | None = None  # this step's receive, posted ahead (expect)
         self.structure_sends = 0  # how often the structure travelled (pickled): once, unless the step changes
+
+    def expect(self) -> None:
+        """On a receiving rank, before the work whose results the next :meth:`share` brings: post that receive
+        now, so that the bytes land while this rank computes and :meth:`share` finds them there. Left to
+        :meth:`share`, the receive waits then for the sender to answer its handshake: a wake-up of the sending
+        process, ~0.6 ms on 2 CPU ranks and 20-40 ms per step on 8 ranks sharing 2 cores. Where host and device
+        are one (CPU), once the structure is known; on a GPU a receive posted ahead would be an NCCL kernel
+        waiting on the device through the whole step, and an answer takes microseconds there."""
+        if self.device.type == "cpu" and self._layout is not None and self._posted is None \
+                and dist.get_rank() != self.src:
+            self._posted = self._post()
 
     def share(self, obj: Any) -> Any:
         """``obj`` (on ``src``; anything on the others) on every rank, its tensors on ``device``."""
         sending = dist.get_rank() == self.src
         layout = _without_tensors(obj) if sending else None
-        changed = sending and layout != self._layout
-        if self.device.type == "cpu":  # host and device are one: the flag leads the tensors' bytes, one broadcast
-            previous = self._layout[1] if self._layout is not None else 0
-            flagged = _broadcast_bytes(obj if sending and not changed else None, previous, self.src, self.group,
-                                       self.device, flag=changed)
-            if not flagged.numpy()[0]:  # numpy(): a host read that dispatches no op
-                return _rebuilt(self._layout[0], flagged[1:])
-        else:  # the flag on the host, where the group has a host side: reading it syncs no device
-            flag = torch.tensor([changed], dtype=torch.uint8, device=self._host)
-            dist.broadcast(flag, src=self.src, group=self.group)
-            if not (flag.numpy()[0] if flag.device.type == "cpu" else flag.item()):  # numpy(): no device copy
-                structure, nbytes = self._layout
-                return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, self.src, self.group,
-                                                            self.device))
+        if self._layout is not None:  # every rank knows the last structure: a flag, then bytes of its size
+            if sending:
+                changed = layout != self._layout
+                data = self._send(None if changed else obj, changed)
+            else:
+                posted, self._posted = self._posted or self._post(), None
+                changed, data = posted.wait(), posted.data
+            if not changed:
+                return _rebuilt(self._layout[0], data)
         box = [layout]
         dist.broadcast_object_list(box, src=self.src, group=self.group, device=self._host)
         self._layout = box[0]
@@ -74,6 +83,51 @@ class ResultsChannel:
         structure, nbytes = self._layout
         return _rebuilt(structure, _broadcast_bytes(obj if sending else None, nbytes, self.src, self.group,
                                                     self.device))
+
+    def _post(self) -> "_Posted":
+        """The receive of a flag (did the structure change?) and of the last structure's bytes after it."""
+        nbytes = self._layout[1]
+        if self.device.type == "cpu":  # host and device are one: the flag leads the bytes, one broadcast
+            buffer = torch.empty(1 + nbytes, dtype=torch.uint8)
+            return _Posted(buffer[:1], buffer[1:], [dist.broadcast(buffer, src=self.src, group=self.group,
+                                                                   async_op=True)])
+        flag = torch.empty(1, dtype=torch.uint8, device=self._host)  # on the host, where the group has a host side
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        works = [dist.broadcast(flag, src=self.src, group=self.group, async_op=True)]
+        if nbytes:
+            works.append(dist.broadcast(data, src=self.src, group=self.group, async_op=True))
+        return _Posted(flag, data, works)
+
+    def _send(self, obj: Any, changed: bool) -> Tensor:
+        """What :meth:`_post` receives: the flag, then ``obj``'s bytes, or zeros of the last structure's size when
+        the structure changed (its bytes follow the new structure). Returns those bytes."""
+        nbytes = self._layout[1]
+        data = _bytes_of(obj, self.device) if obj is not None else torch.zeros(nbytes, dtype=torch.uint8,
+                                                                              device=self.device)
+        flag = torch.tensor([changed], dtype=torch.uint8, device=self.device if self.device.type == "cpu"
+                            else self._host)
+        if self.device.type == "cpu":
+            dist.broadcast(torch.cat([flag, data]), src=self.src, group=self.group)
+            return data
+        dist.broadcast(flag, src=self.src, group=self.group)
+        if nbytes:
+            dist.broadcast(data, src=self.src, group=self.group)
+        return data
+
+
+@dataclass
+class _Posted:
+    """A receive of :meth:`ResultsChannel._post`, in flight until :meth:`wait`."""
+
+    flag: Tensor
+    data: Tensor
+    works: list
+
+    def wait(self) -> bool:
+        """Whether the structure changed, once the receive is complete (reading the flag: a host read)."""
+        for work in self.works:
+            work.wait()
+        return bool(self.flag.numpy()[0] if self.flag.device.type == "cpu" else self.flag.item())
 
 
 def share(obj: Any, src: int, group: dist.ProcessGroup, device: torch.device) -> Any:
@@ -107,22 +161,19 @@ def _without_tensors(obj: Any) -> tuple[Any, int]:
     return tree_map(slot, obj), total
 
 
-def _broadcast_bytes(obj: Any, nbytes: int, src: int, group: dist.ProcessGroup, device: torch.device,
-                     flag: bool | None = None) -> Tensor:
+def _broadcast_bytes(obj: Any, nbytes: int, src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
     """The bytes of ``obj``'s tensors (on ``src``; ``nbytes`` of them), in order, on every rank: one broadcast on
-    ``device``. With ``flag`` (True or False on ``src``) a first byte carries it; then ``obj`` may be None on
-    ``src`` too, and the bytes after the flag are not read."""
-    lead = [] if flag is None else [torch.tensor([flag], dtype=torch.uint8, device=device)]
-    if obj is not None:
-        parts = [_as_bytes(x.detach().to(device)) for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
-        buffer = torch.cat(lead + parts) if lead or parts else torch.empty(0, dtype=torch.uint8, device=device)
-    elif lead and dist.get_rank() == src:
-        buffer = torch.cat(lead + [torch.zeros(nbytes, dtype=torch.uint8, device=device)])
-    else:
-        buffer = torch.empty(len(lead) + nbytes, dtype=torch.uint8, device=device)
+    ``device``."""
+    buffer = _bytes_of(obj, device) if obj is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
     if buffer.numel():
         dist.broadcast(buffer, src=src, group=group)
     return buffer
+
+
+def _bytes_of(obj: Any, device: torch.device) -> Tensor:
+    """``obj``'s tensors as one byte tensor on ``device``, in order."""
+    parts = [_as_bytes(x.detach().to(device)) for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def _as_bytes(tensor: Tensor) -> Tensor:
