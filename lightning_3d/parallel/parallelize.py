@@ -202,7 +202,10 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         engine = PipelineEngine(
             module=module, root_name=plan.pipeline_root, num_stages=len(stage_blocks),
             stages=stages, schedule=config.pipeline_schedule, num_microbatches=config.microbatches,
-            pp_group=mesh["pp"].get_group(), results_group=pipeline_results_group(dims, coords), device=device,
+            pp_group=mesh["pp"].get_group(), device=device,
+            # (on a GPU the results' receive is not posted ahead, and a group of their own would be one more NCCL
+            # communicator, with its buffers, for nothing: the pp group's)
+            results_group=pipeline_results_group(dims, coords) if device.type == "cpu" else None,
             last_stage_rank=dims.rank(coords._replace(pp=dims.pp - 1)), loss_context=loss_context,
             random_state=partial(preserved_random_state, sharded_rng, device), stage_output=plan.stage_output,
             step_result=step_result,

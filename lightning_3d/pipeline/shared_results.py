@@ -42,8 +42,8 @@ class _Slot:
 class ResultsChannel:
     """Sends what global rank ``src`` computes every step to every rank of ``group``, the structure only when
     it differs from the previous step's (module doc). Every rank of the group calls :meth:`share` in the same
-    steps; the group serves nothing else (a receive posted ahead by :meth:`expect` would hold up, or be taken
-    for, any other collective on it)."""
+    steps. Where receives are posted ahead (:meth:`expect`, on CPU) the group must serve nothing else: such a
+    receive would hold up, or be taken for, any other collective on it."""
 
     def __init__(self, src: int, group: dist.ProcessGroup, device: torch.device) -> None:
         self.src, self.group, self.device = src, group, device
