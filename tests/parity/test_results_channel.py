@@ -31,3 +31,9 @@ def test_a_receive_posted_ahead_lets_the_sender_go_on_while_the_receiver_is_busy
     seconds = result["send_seconds"]
     assert seconds[1] < 0.5 and seconds[3] < 0.5, seconds
     assert seconds[2] > 0.5, seconds
+
+
+def test_in_a_pipelined_fit_the_first_stage_posts_its_receive_before_each_steps_work(result):
+    """The engine calls ResultsChannel.expect before the step's work, from the second step on (the first one
+    brings the structure)."""
+    assert result["posted_in_fit"] == [False, True, True, True]
