@@ -27,7 +27,6 @@ from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
-from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.sharded_logits import whole
 from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
@@ -39,6 +38,7 @@ from lightning_3d.parallel.init_tape import InitTape
 from lightning_3d.parallel.weight_init import (WeightSource, broadcast_from_rank0, check_replayable, fill_seeded,
                                               is_on_meta, materialize, replay_init, seed_of, stream_from_rank0)
 from lightning_3d.pipeline.engine import PipelineEngine
+from lightning_3d.pipeline.shared_results import awaits_results
 from lightning_3d.pipeline.random_replay import state_bytes, state_tensor
 from lightning_3d.pipeline.split import assign_blocks, check_splittable, held_modules, split_options, split_stages, stage_ids_of
 from lightning_3d.policies import Policy
@@ -220,14 +220,24 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
 def pipeline_results_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup:
     """This rank's pipeline (the ranks of its (dp, tp) over pp), as a group of its own for the step's results
     (``pipeline/shared_results.py``: a receive posted there ahead of the step must not meet the schedule's or any
-    other collective). Collective: every rank of the world creates every pipeline's, in the same order. Made once
-    per process and layout (``parallel/group_cache.py``)."""
-    def make() -> dict[tuple[int, int], dist.ProcessGroup]:
-        return {(dp, tp): dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in range(dims.pp)])
-                for dp in range(dims.dp) for tp in range(dims.tp)}
+    other collective). Collective: every rank of the world creates every pipeline's, in the same order.
 
-    pipelines = once_per_world(("pipeline results", dims.pp, dims.dp, dims.tp), make)
-    return pipelines[(coords.dp, coords.tp)]
+    A new one per pipeline engine, not one per layout: a step that fails after its receive was posted leaves that
+    receive waiting on the group for good, and a later fit in the process (a notebook's, a test's) would have it
+    take its first results. The previous engine's is destroyed once the new ones exist -- making a gloo group
+    connects its members, so they are all past the previous fit -- unless a receive still waits on it there
+    (destroying would wait for it): that one is left alive."""
+    groups = [dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in range(dims.pp)])
+              for dp in range(dims.dp) for tp in range(dims.tp)]
+    mine = groups[coords.dp * dims.tp + coords.tp]
+    for previous in _RESULTS_GROUPS:
+        if not awaits_results(previous):
+            dist.destroy_process_group(previous)
+    _RESULTS_GROUPS[:] = [mine]
+    return mine
+
+
+_RESULTS_GROUPS: list[dist.ProcessGroup] = []  # this rank's results group of the last pipeline engine built
 
 
 def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 _HOST = torch.device("cpu")
+_POSTED_ON: set[int] = set()  # id() of the groups where a receive posted ahead (expect) is still waiting
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class ResultsChannel:
         if self.device.type == "cpu" and self._layout is not None and self._posted is None \
                 and dist.get_rank() != self.src:
             self._posted = self._post()
+            _POSTED_ON.add(id(self.group))
 
     def share(self, obj: Any) -> Any:
         """``obj`` (on ``src``; anything on the others) on every rank, its tensors on ``device``."""
@@ -74,6 +76,7 @@ class ResultsChannel:
             else:
                 posted, self._posted = self._posted or self._post(), None
                 changed, data = posted.wait(), posted.data
+                _POSTED_ON.discard(id(self.group))
             if not changed:
                 return _rebuilt(self._layout[0], data)
         box = [layout]
@@ -128,6 +131,12 @@ class _Posted:
         for work in self.works:
             work.wait()
         return bool(self.flag.numpy()[0] if self.flag.device.type == "cpu" else self.flag.item())
+
+
+def awaits_results(group: dist.ProcessGroup) -> bool:
+    """Whether a receive posted ahead on ``group`` still waits: its step failed before the results came. Such a
+    receive cannot be taken back, and it would take the next results sent over the group for its own."""
+    return id(group) in _POSTED_ON
 
 
 def share(obj: Any, src: int, group: dist.ProcessGroup, device: torch.device) -> Any:
