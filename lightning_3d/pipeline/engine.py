@@ -69,7 +69,8 @@ class PipelineEngine:
 
     def __init__(self, *, module: nn.Module, root_name: str, stages: dict[int, nn.Module], num_stages: int,
                  schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup, last_stage_rank: int,
-                 device: torch.device, results_group: dist.ProcessGroup | None = None, loss_context: Callable[[], Any] = nullcontext,
+                 device: torch.device, results_group: dist.ProcessGroup | None = None,
+                 loss_context: Callable[[], Any] = nullcontext,
                  random_state: Callable[[], Any] = nullcontext, stage_output: Callable[[Any], Any] | None = None,
                  step_result: Callable[[Any], Any] | None = None,
                  dp_group: dist.ProcessGroup | None = None,
