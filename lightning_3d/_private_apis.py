@@ -178,6 +178,18 @@ PRIVATE_NAMES: dict[str, Private] = {
     "lightning.pytorch.loops.fit_loop._FitLoop._data_source": Private(
         "read the first training batch at set-up, for layout='auto' (the batch size and sequence length)",
         "no public call returns the training loader before the fit loop sets it up", attribute=True),
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._broadcast_sigterm_tensor": Private(
+        "replaced for the fit by the strategy's SIGTERM check, which broadcasts a host flag over gloo one batch"
+        " ahead instead of a device tensor and .item() before every batch (strategies/stop_signal.py)",
+        "none in lightning 2.6 (an open pull request, #21640, adds a Trainer argument to check less often)",
+        attribute=True),
+    "lightning.pytorch.Trainer._signal_connector": Private(
+        "the SIGTERM flag (received_sigterm) that the strategy's SIGTERM handler sets, and Lightning's handler"
+        " that it stands in for during the fit (strategies/stop_signal.py)", _NO_HOOK, attribute=True),
+    "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector._sigterm_notifier_fn": Private(
+        "Lightning's SIGTERM handler, swapped out of its composed handlers during the fit: it broadcasts on the"
+        " default group from inside the handler, a collective the other ranks do not match",
+        "none in lightning 2.6", attribute=True),
     "lightning.pytorch.LightningModule._device_mesh": Private(
         "what LightningModule.device_mesh returns; the strategy sets it",
         "no public setter (Lightning's ModelParallelStrategy sets it the same way)", attribute=True),

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_3d.faults.flight_recorder import FlightRecorder
 from lightning_3d.faults.watch import FaultWatch, Phase
@@ -70,7 +71,8 @@ class RunPhases:
 
     def announce_failure(self, exception: BaseException) -> None:
         """Tell every other rank that this one raised ``exception``, so none waits for it."""
-        if self._watch is not None and not isinstance(exception, KeyboardInterrupt):
+        # Not a SIGTERM: every rank stops at the same batch (strategies/stop_signal.py), none waits for another.
+        if self._watch is not None and not isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
             self._watch.announce_failure(exception)
 
     def stop(self) -> None:

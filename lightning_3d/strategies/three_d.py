@@ -52,6 +52,7 @@ from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
 from lightning_3d.strategies.model_build import WatchedBuild
 from lightning_3d.strategies.steps import run_step
+from lightning_3d.strategies.stop_signal import StopSignal
 from lightning_3d.strategies.threads import local_world_size, set_threads_per_rank
 
 
@@ -177,6 +178,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._gradient_sync = True  # False inside block_backward_sync (accumulation micro-steps)
         self._memory_logged = False
         self._prediction: Optional[PredictionCheck] = None  # layout="auto": measured vs predicted step time
+        self._stop_signal: Optional[StopSignal] = None  # during fit: Lightning's SIGTERM check, on the host
         self.layout_decision: Optional[Decision] = None
         """layout="auto": what was chosen, its predicted step time and memory, and the calibration it used."""
         # Lightning routes training_step through DDP's forward with this (as its DDPStrategy does).
@@ -526,10 +528,15 @@ class ThreeDStrategy(ParallelStrategy):
         state = self._checkpoints.take_rank_state()
         if state is not None:
             restore_rank_random_state(state, self._parallel.sharded_rng)
+        # Lightning's SIGTERM check before each batch, without its device sync (strategies/stop_signal.py).
+        self._stop_signal = StopSignal.install(self.lightning_module.trainer)
 
     @override
     def on_train_end(self) -> None:
         self._checkpoints.take_rank_state()  # from a load during training (NaNGuard's rollback): not a resume
+        if self._stop_signal is not None:
+            self._stop_signal.close()
+            self._stop_signal = None
 
     # ------------------------------------------------------------------ registration, failure and teardown
 

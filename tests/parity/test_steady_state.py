@@ -1,6 +1,8 @@
 """After the first step, a training step runs no Python mode around the model and reads no device value on the
 host (issue 30): modes on the stack while blocks run forward and backward at steps 2-4, and host syncs plus
-object collectives at steps 5-7, at pp=2 and tp=2 (helpers/workers/steady_state_worker.py), one launch. With
+object collectives at steps 5-7 -- Lightning's SIGTERM check before each batch included, which read a broadcast
+device flag with .item() until the strategy took its place (strategies/stop_signal.py) -- at pp=2 and tp=2
+(helpers/workers/steady_state_worker.py), one launch. With
 lightning_3d's callbacks logging every step (PipelineMonitor at pp=2 only), one host sync per step: NaNGuard's
 agreement on whether any rank saw a NaN, which must reach the host before the optimizer step (there were 14 at
 pp=2 and 11 at tp=2 when the callbacks read each metric with .item() and PipelineMonitor pickled its timeline)."""

@@ -11,10 +11,11 @@ plus lightning_3d's callbacks at their default intervals, which with ``log_every
   runs forward or its output's gradient is computed; ``blocks_seen`` how many such moments were recorded.
 * ``syncs``: per step of steps 5-7, on each rank, copies of a device value to the host
   (``aten._local_scalar_dense``: ``.item()``, ``bool()``, ``float()``) and object collectives
-  (``broadcast_object_list``, ``all_gather_object``, ...), counted from the first callback's
-  ``on_train_batch_start`` to the last user callback's ``on_train_batch_end`` (Lightning's own SIGTERM
-  broadcast, before the batch, is not counted; nor are its progress bar and logger, which read the logged
-  values after the user's callbacks).
+  (``broadcast_object_list``, ``all_gather_object``, ...), counted from the SIGTERM check Lightning runs
+  before each batch (Lightning's own reads a broadcast device flag with ``.item()``, a host sync per step on a
+  GPU; the strategy's, ``strategies/stop_signal.py``, reads nothing from a device) to the last user callback's
+  ``on_train_batch_end`` (Lightning's progress bar and logger, which read the logged values after the user's
+  callbacks, are not counted).
 * ``copies``: per step of steps 5-7, on each rank, ``.tolist()`` and ``.cpu()`` calls in the same window. On
   the host they read memory without any dispatched operator, so ``syncs`` cannot see them; on a GPU, those of
   a device tensor are syncs (one each for GradNormMonitor, CommTimer and PipelineMonitor in a step that logs),
@@ -72,6 +73,8 @@ class Probe(L.Callback):
         self._counter: _CountSyncs | None = None
         self._objects = 0
         self._step: int | None = None
+        self._next_batch = 0
+        self._at_check = 0  # syncs of the SIGTERM check before the batch being counted
 
     def on_fit_start(self, trainer, pl_module) -> None:
         for module in pl_module.modules():
@@ -107,14 +110,37 @@ class Probe(L.Callback):
             tensor.register_hook(lambda grad: self._seen())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            self._count_from_the_stop_check(trainer)
         if batch_idx in MODE_STEPS:
             self._step = batch_idx
         if batch_idx in SYNC_STEPS:
-            counters = {id(state["step"]) for optimizer in trainer.optimizers for state in optimizer.state.values()
-                        if isinstance(state.get("step"), torch.Tensor)}
-            self._objects, self._copies, self._counter = 0, 0, _CountSyncs(counters)
+            self._objects, self._copies, self._counter = 0, 0, _CountSyncs(self._host_counters(trainer))
             self._counter.__enter__()
             self._count_copies()
+
+    def _count_from_the_stop_check(self, trainer) -> None:
+        """Count, for a batch in SYNC_STEPS, the SIGTERM check that precedes it (whichever check runs: the
+        strategy's, installed at the start of training, or Lightning's own). Not the data loader's work between
+        the check and the batch: its sampler reads host tensors."""
+        loop = trainer.fit_loop.epoch_loop
+        check = loop._broadcast_sigterm_tensor
+
+        def counted() -> None:
+            if self._next_batch not in SYNC_STEPS:
+                return check()
+            counter, objects = _CountSyncs(self._host_counters(trainer)), self._objects
+            with counter:
+                check()
+            self._at_check = counter.count + self._objects - objects
+            self.where.extend(counter.where)
+
+        loop._broadcast_sigterm_tensor = counted
+
+    @staticmethod
+    def _host_counters(trainer) -> set[int]:
+        return {id(state["step"]) for optimizer in trainer.optimizers for state in optimizer.state.values()
+                if isinstance(state.get("step"), torch.Tensor)}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._step = None
@@ -131,11 +157,13 @@ class Probe(L.Callback):
 
     def end_of_batch(self, batch_idx: int) -> None:
         """After the last user callback's ``on_train_batch_end`` (:class:`EndOfBatch`)."""
+        self._next_batch = batch_idx + 1
         if self._counter is not None:
             for name, original in self._methods.items():
                 setattr(torch.Tensor, name, original)
             self._counter.__exit__(None, None, None)
-            self.syncs[batch_idx] = self._counter.count + self._objects
+            self.syncs[batch_idx] = self._at_check + self._counter.count + self._objects
+            self._at_check = 0
             self.copies[batch_idx] = self._copies
             self.where.extend(self._counter.where)
             self._counter = None
