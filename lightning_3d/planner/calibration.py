@@ -146,6 +146,20 @@ class Calibration:
     """What a pipeline stage spends per micro-batch beyond its compute and its sends: the schedule's own work
     (``torch.distributed.pipelining``'s forward and backward of a chunk, receive buffers, waits and wake-ups),
     measured with a two-stage schedule on the real pipeline pairs. Paid per micro-batch and model chunk."""
+    optimizer_dtensor_seconds_per_block: float = 0.0
+    """What one optimizer step over one block's parameters costs more where they are DTensors (tensor parallel;
+    FSDP2 under a pipeline or ZeRO) than as plain tensors: DTensor's dispatch, per tensor of each multi-tensor
+    op, whatever the tensors' sizes. Paid per block and for the rest of the stage (counted as one more)."""
+    tp_head_seconds_per_token: Mapping[int, float] = field(default_factory=dict)
+    """Forward + backward of the output head and loss split over the vocabulary on tp ranks, as the run splits
+    them (column-parallel matmul, vocabulary-parallel cross-entropy, their collectives), seconds per token, by
+    tp size. Where a tp size is timed, the step time takes it instead of the whole head's time / tp (what the
+    split adds beyond an even split counts as tensor-parallel communication, as for the blocks)."""
+    fsdp_block_call_s: float = 0.0
+    """What FSDP2's wrapping adds to one forward + backward of a block (its hooks, its parameters' copies in and
+    out of their DTensors), whatever the tokens: paid per block and micro-batch, and once more for the rest of
+    the stage, where data parallelism wraps each block with FSDP2 (under a pipeline, tensor parallelism or
+    ZeRO; not DistributedDataParallel's plain data parallelism)."""
     tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     """Forward + backward of one block split over tp ranks as the run splits it, its collectives included,
     seconds per token of the micro-batch: ``{tp: {micro-batch size: seconds}}``. Where a tp size is timed, the
@@ -169,6 +183,10 @@ class Calibration:
         if not (self.pipeline_microbatch_s >= 0 and math.isfinite(self.pipeline_microbatch_s)):
             raise PlannerError(f"Calibration.pipeline_microbatch_s must be a finite number >= 0, got"
                                f" {self.pipeline_microbatch_s!r}.")
+        for name in ("optimizer_dtensor_seconds_per_block", "fsdp_block_call_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise PlannerError(f"Calibration.{name} must be a finite number >= 0, got {value!r}.")
         if not (self.head_seconds_per_token >= 0 and math.isfinite(self.head_seconds_per_token)):
             raise PlannerError(f"Calibration.head_seconds_per_token must be a finite number >= 0, got"
                                f" {self.head_seconds_per_token!r}.")
@@ -179,6 +197,11 @@ class Calibration:
                 raise PlannerError(f"Calibration.tp_block_seconds_per_token needs tp sizes >= 2, each with micro-batch"
                                    f" sizes >= 1 and finite times > 0, got {tp}: {times!r}.")
             tp_sizes[int(tp)] = dict(sorted(timed.items()))
+        heads = {int(tp): float(seconds) for tp, seconds in dict(self.tp_head_seconds_per_token).items()}
+        if any(tp < 2 or not (seconds > 0 and math.isfinite(seconds)) for tp, seconds in heads.items()):
+            raise PlannerError(f"Calibration.tp_head_seconds_per_token needs tp sizes >= 2 and finite times > 0,"
+                               f" got {dict(self.tp_head_seconds_per_token)!r}.")
+        object.__setattr__(self, "tp_head_seconds_per_token", dict(sorted(heads.items())))
         # Frozen: the normalized copies replace what was given (sorted int keys; LinkSpeed from any form).
         object.__setattr__(self, "block_seconds_per_token", _non_increasing(sizes))
         object.__setattr__(self, "tp_block_seconds_per_token",
@@ -216,6 +239,9 @@ class Calibration:
                "optimizer_seconds_per_parameter": self.optimizer_seconds_per_parameter,
                "host_cores_per_rank": self.host_cores_per_rank,
                "pipeline_microbatch_s": self.pipeline_microbatch_s,
+               "optimizer_dtensor_seconds_per_block": self.optimizer_dtensor_seconds_per_block,
+               "fsdp_block_call_s": self.fsdp_block_call_s,
+               "tp_head_seconds_per_token": dict(self.tp_head_seconds_per_token),
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
             link = self.link(dim)
@@ -225,7 +251,8 @@ class Calibration:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
         optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
-                    "pipeline_microbatch_s"}
+                    "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block", "fsdp_block_call_s",
+                    "tp_head_seconds_per_token"}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -236,8 +263,10 @@ class Calibration:
     def from_measurements(cls, block_seconds_per_token: Mapping[int, float], head_seconds_per_token: float,
                           links: Mapping[str, Any], optimizer_seconds_per_parameter: float | None = None,
                           tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None,
-                          host_cores_per_rank: float | None = None,
-                          pipeline_microbatch_s: float = 0.0) -> "Calibration":
+                          host_cores_per_rank: float | None = None, pipeline_microbatch_s: float = 0.0,
+                          optimizer_dtensor_seconds_per_block: float = 0.0,
+                          fsdp_block_call_s: float = 0.0,
+                          tp_head_seconds_per_token: Mapping[int, float] | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair."""
@@ -248,6 +277,8 @@ class Calibration:
                    optimizer_seconds_per_parameter=optimizer_seconds_per_parameter,
                    tp_block_seconds_per_token=tp_block_seconds_per_token or {},
                    host_cores_per_rank=host_cores_per_rank, pipeline_microbatch_s=pipeline_microbatch_s,
+                   optimizer_dtensor_seconds_per_block=optimizer_dtensor_seconds_per_block,
+                   fsdp_block_call_s=fsdp_block_call_s, tp_head_seconds_per_token=tp_head_seconds_per_token or {},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 
 

@@ -28,13 +28,17 @@ With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms tak
 ones -- and no data-parallel call hides behind backward, no core being free to run it):
 a block's forward + backward is its measured seconds per token at the micro-batch size, divided by tp (the
 tp split divides its matmuls), a recomputed block adds a forward (a third of that), the head its measured
-time / tp (where the calibration timed the block split over tp, what it measured: the even split counts as
-compute, the rest -- the block's collectives and whatever the split adds -- as tensor-parallel communication);
+time / tp (where the calibration timed the block or the head split over tp, what it measured: the even split
+counts as compute, the rest -- their collectives and whatever the split adds -- as tensor-parallel
+communication);
 every collective costs its link's latency once per ring step + wire bytes / bandwidth, so latency
 counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over k ranks (as a reduce-scatter
 and an all-gather, the pair sequence parallelism makes of a tp region), k - 1 for an all-gather or
 reduce-scatter, one per send; one data-parallel call per FSDP unit (a block, or the rest of the stage) and
-per direction, or per 25 MiB bucket of DDP.
+per direction, or per 25 MiB bucket of DDP; the optimizer step, its measured time per parameter, plus where
+the parameters are DTensors (tp > 1, or FSDP2 over dp under a pipeline or ZeRO) the measured cost of DTensor's
+dispatch per block (FSDP unit) of them; and where data parallelism wraps each block with FSDP2 (dp > 1 under a
+pipeline, tensor parallelism or ZeRO), the measured cost of its hooks per block and micro-batch.
 
 ``compile=True`` (torch.compile per block) is not modelled: the terms are eager's, and the speed a compiled
 block gains (fused non-matmul work, fewer kernel launches) is assumed, not estimated (``COMPILE_ASSUMED``).
@@ -129,6 +133,8 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     ckpt = checkpointed_blocks(model, layout)
     message = tokens * model.hidden_size * precision.activation_bytes  # one b s h activation
     sp = layout.sequence_parallel
+    zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
+    fsdp = d > 1 and (p > 1 or t > 1 or zero > 0)  # FSDP2 per block; else DistributedDataParallel or none
 
     def tp_collectives(regions: int) -> float:
         # A region's all-reduce is, with SP, a reduce-scatter and an all-gather: the same bytes, two calls.
@@ -141,11 +147,16 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         blocks = rank_blocks(model, layout, rank)
         recomputed = len(ckpt & set(blocks))
         compute = len(blocks) * speeds.block + recomputed * speeds.recompute + (rank == p - 1) * speeds.head
+        compute += fsdp * (len(blocks) + 1) * speeds.fsdp_call  # FSDP2's hooks: each block, the stage's root
         ends = (rank == 0) + (rank == p - 1)  # the embedding's and the head's regions
+        if rank == p - 1 and speeds.tp_head_extra is not None:  # the head's collectives are in its measured time
+            ends -= 1
         if speeds.tp_block_extra is None:
             tp_time = tp_collectives(4 * len(blocks) + 2 * recomputed + ends)
         else:  # the blocks' collectives are in their measured time; a recompute repeats a forward's third
             tp_time = (len(blocks) + recomputed / 3) * speeds.tp_block_extra + tp_collectives(ends)
+        if rank == p - 1 and speeds.tp_head_extra is not None:
+            tp_time += speeds.tp_head_extra
         per_rank.append((compute, tp_time, compute * 2 / 3))
     slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1])
     compute, tp_comm, backward = per_rank[slowest]
@@ -170,7 +181,6 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     units = len(rank_blocks(model, layout, busiest)) + 1  # FSDP units: each block, and the rest of the stage
     grads = params * (dp_reduce_bytes or precision.grad_bytes)
     weights = params * precision.param_bytes
-    zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
 
     def dp_call(collective: str, nbytes: float) -> float:  # one unit's share
         if zero and layout.replicas > 1 and collective != "all_reduce":  # HSDP: ZeRO within a shard group
@@ -212,6 +222,8 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         gathers = 2 * dp_calls("all_gather", weights)
         exposed += m * max(0.0, gathers - compute)
     optimizer = speeds.optimizer(params) / (layout.shard if zero else 1)
+    if t > 1 or fsdp:  # DTensor parameters (DDP's, and a lone pipeline stage's, are plain)
+        optimizer += units * speeds.dtensor_optimizer
     return StepTime(
         compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
@@ -230,12 +242,23 @@ class _Speeds:
         self.tp_block_extra: float | None = None
         """Where the block was timed split over tp: what the split adds to the even split (its collectives, its
         overheads), per block and micro-batch."""
+        self.tp_head_extra: float | None = None
+        """As ``tp_block_extra``, for the output head and loss split over the vocabulary, per micro-batch."""
         self.pipeline_microbatch = calibration.pipeline_microbatch_s if calibration is not None else 0.0
         """The pipeline schedule's own seconds per micro-batch and model chunk (measured; 0 from datasheets)."""
+        self.dtensor_optimizer = calibration.optimizer_dtensor_seconds_per_block if calibration is not None else 0.0
+        """What an optimizer step costs more per block (FSDP unit) of DTensor parameters (measured; 0 from
+        datasheets, where GPU steps launch kernels for far longer than DTensor's dispatch takes)."""
+        self.fsdp_call = calibration.fsdp_block_call_s if calibration is not None else 0.0
+        """What FSDP2's wrapping adds to one forward + backward of a block (measured; 0 from datasheets, as
+        ``dtensor_optimizer``)."""
         if calibration is not None:
             self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
             self.recompute = self.block / 3  # a forward is a third of forward + backward (backward: 2 matmuls)
             self.head = calibration.head_seconds_per_token * tokens / t
+            split_head = calibration.tp_head_seconds_per_token.get(t) if t > 1 else None
+            if split_head is not None:
+                self.tp_head_extra = max(0.0, split_head * tokens - self.head)
             split = calibration.tp_block_seconds(layout.micro_batch_size, t) if t > 1 else None
             if split is not None:
                 self.tp_block_extra = max(0.0, split * tokens - self.block)

@@ -296,8 +296,19 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         head_s = calibrate.slowest_rank({0: calibrate.head_seconds_per_token(
             spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device, repeat_s)},
             device)[0]
+        tp_head_s = {}
+        if config.vocab_parallel_loss:  # else the head's logits are gathered whole: the block-like split is off
+            tp_head_s = calibrate.slowest_rank(calibrate.tp_head_seconds_per_token(
+                spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, sorted(tp_plans), device, repeat_s),
+                device)
         optimizer_s = calibrate.slowest_rank({0: calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)},
                                              device)[0]
+        dtensor_s = calibrate.slowest_rank({0: calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)},
+                                           device)[0]
+        fsdp_s = 0.0
+        if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
+            fsdp_s = calibrate.slowest_rank({0: calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0],
+                                                                                  device, repeat_s)}, device)[0]
     links = calibrate.link_speeds(world_size, per_node, device)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
@@ -305,7 +316,8 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
                                                            device, links["pp"], repeat_s)
     calibration = Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
-        optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s)
+        optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
+        optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -8,8 +8,10 @@ Two kinds of measurement, both on the real ranks, before the model is sharded:
   masks or rotary tables gets them), at each candidate micro-batch size; the same block split over each
   candidate tensor-parallel size by the policy's plan, on real tp groups (its collectives and DTensor's costs
   included), at the smallest and largest size; and the output head as a matrix multiply of its size with the
-  cross-entropy over its logits. Seconds per token. And an AdamW step on the block's parameters: seconds per
-  parameter.
+  cross-entropy over its logits, whole and split over the vocabulary at each candidate tp size (the
+  vocabulary-parallel loss's collectives included). Seconds per token. What FSDP2's wrapping adds to one call of the block. And
+  an AdamW step on the block's parameters: seconds per parameter, and what the step costs more on the same
+  parameters as DTensors (per block).
 * **communication**: all-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point
   sends between the two halves of the world (as pipeline neighbours lie), each at two message sizes, so that
   ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule
@@ -128,21 +130,52 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
     return result
 
 
+def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micro_batch_size: int,
+                            device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """What FSDP2 adds to one forward + backward of ``block`` at ``micro_batch_size``: the block wrapped by
+    ``replicate`` over a mesh of the world, as data parallelism wraps each block under a pipeline or tensor
+    parallelism, its gradient reduction off (the step-time model charges that apart), against the block alone.
+    Its hooks and its parameters' copies in and out of their DTensors are paid per call, whatever the tokens:
+    on a 32-wide GPT block on one CPU core, 3.3 ms alone and 11 ms wrapped. Seconds per call, >= 0.
+    Collective."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = once_per_world(("calibration world mesh", device.type, world),  # (parallel/group_cache.py)
+                          lambda: init_device_mesh(device.type, (world,)))
+    alone = _materialized(block, device)
+    wrapped = copy.deepcopy(alone)
+    replicate(wrapped, mesh=mesh)
+    wrapped.set_requires_gradient_sync(False)
+    seconds = [_call_seconds(timed, call, batch_size, micro_batch_size, device, repeat_s)[0]
+               for timed in (alone, wrapped)]
+    return max(0.0, seconds[1] - seconds[0])
+
+
 def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
                        device: torch.device, repeat_s: float) -> dict[int, float]:
     result = {}
     for b in micro_batch_sizes:
-        args, kwargs = _inputs(call, batch_size, b, device)
-        hidden = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad)
-        tokens = hidden.shape[0] * hidden.shape[1] if hidden.ndim >= 3 else hidden.shape[0]
-
-        def run() -> None:
-            output = timed(*_fresh_state(args), **_fresh_state(kwargs))
-            out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
-            out.backward(torch.ones_like(out))
-
-        result[b] = _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / tokens
+        seconds, tokens = _call_seconds(timed, call, batch_size, b, device, repeat_s)
+        result[b] = seconds / tokens
     return result
+
+
+def _call_seconds(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, device: torch.device,
+                  repeat_s: float) -> tuple[float, int]:
+    """Seconds of one forward + backward of ``timed`` on the captured call resized to ``micro_batch_size``, and
+    the tokens of that call. Collective."""
+    args, kwargs = _inputs(call, batch_size, micro_batch_size, device)
+    hidden = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad)
+    tokens = hidden.shape[0] * hidden.shape[1] if hidden.ndim >= 3 else hidden.shape[0]
+
+    def run() -> None:
+        output = timed(*_fresh_state(args), **_fresh_state(kwargs))
+        out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
+        out.backward(torch.ones_like(out))
+
+    return _median_seconds(run, device, barrier=True, min_seconds=repeat_s), tokens
 
 
 def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, dtype: torch.dtype,
@@ -161,6 +194,38 @@ def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int,
     return _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / micro_tokens
 
 
+def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, tps: list[int],
+                              device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, float]:
+    """As :func:`head_seconds_per_token`, with the head split over the vocabulary on groups of each ``tps``
+    size of consecutive ranks (every group timing at once), as tensor parallelism runs it: a column-parallel
+    matrix multiply that leaves its logits sharded, and the vocabulary-parallel cross-entropy over them (its
+    all-reduces, DTensor's dispatch). ``{tp: seconds per token}``. Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_3d.parallel.loss import vocab_parallel_ops
+
+    result = {}
+    for tp in sorted(tps):
+        shape = (dist.get_world_size() // tp, tp)
+        mesh = once_per_world(("calibration tp mesh", device.type, shape),  # the block's timing made it
+                              lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
+        head = nn.Linear(hidden_size, vocab_size, bias=False, device=device)
+        nn.init.normal_(head.weight, std=0.02)
+        parallelize_module(head, mesh["tp"], ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                              use_local_output=False))
+        x = torch.randn(micro_tokens, hidden_size, device=device, requires_grad=True)
+        targets = torch.randint(0, vocab_size, (micro_tokens,), device=device)
+
+        def run() -> None:
+            with vocab_parallel_ops():
+                torch.nn.functional.cross_entropy(head(x), targets).backward()
+
+        result[tp] = _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / micro_tokens
+    return result
+
+
 def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device,
                                     repeat_s: float = MIN_REPEAT_SECONDS) -> float:
     """Seconds of one AdamW step per parameter, on the parameters of ``block`` (a meta copy is fine) as the
@@ -174,6 +239,34 @@ def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device,
         param.grad = torch.randn_like(param)
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     return _median_seconds(optimizer.step, device, barrier=True, min_seconds=repeat_s) / sum(p.numel() for p in params)
+
+
+def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
+                                        repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """What one AdamW step over ``block``'s parameters costs more when they are DTensors (as tensor parallelism
+    and FSDP2 make them) than as plain tensors: the same values, replicated over a mesh of the world, so that
+    only DTensor's dispatch differs -- a sharding propagation and a local call per tensor of each of the
+    optimizer's multi-tensor ops, which on a block of many small tensors costs several times its arithmetic
+    (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors). Seconds, >= 0.
+    Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = once_per_world(("calibration world mesh", device.type, world),  # (parallel/group_cache.py)
+                          lambda: init_device_mesh(device.type, (world,)))
+    plain = [param for param in _materialized(block, device).parameters() if param.requires_grad]
+    if not plain:
+        return 0.0
+    spread = [nn.Parameter(DTensor.from_local(param.detach().clone(), mesh, [Replicate()], run_check=False))
+              for param in plain]
+    for param in plain:
+        param.grad = torch.randn_like(param)
+    for param, twin in zip(plain, spread):
+        twin.grad = DTensor.from_local(param.grad.clone(), mesh, [Replicate()], run_check=False)
+    seconds = [_median_seconds(torch.optim.AdamW(params, lr=1e-6).step, device, barrier=True, min_seconds=repeat_s)
+               for params in (plain, spread)]
+    return max(0.0, seconds[1] - seconds[0])
 
 
 def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:

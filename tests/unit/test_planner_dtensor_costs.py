@@ -1,0 +1,123 @@
+"""What DTensor parameters and FSDP2's wrapping cost, in the step-time model (issue 31). DTensor's dispatch costs
+the same per tensor whatever its size, several times the arithmetic of a small model's optimizer step; FSDP2's
+hooks cost per block call whatever the tokens. The calibration measures both (calibrate.
+dtensor_optimizer_seconds_per_block, calibrate.fsdp_block_call_seconds) and the step time charges them where a
+layout has them: DTensor parameters under tensor parallelism or FSDP2; FSDP2 where dp > 1 under a pipeline,
+tensor parallelism or ZeRO. Not under DistributedDataParallel, not on a lone pipeline stage."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_3d.models import GPTConfig
+from lightning_3d.models.gpt import Block
+from lightning_3d.planner import (PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec, estimate_step_time,
+                                  latency_steps, wire_bytes)
+from lightning_3d.planner.cluster import GIB
+from lightning_3d.planner.memory import rank_blocks
+from lightning_3d.strategies import calibrate
+
+FAST = LinkSpeed(latency_s=1e-6, bandwidth_bytes_per_s=1e12)
+MODEL = ModelSpec(num_layers=8, hidden_size=256, num_heads=8, vocab_size=4096, seq_length=256, name="gpt-8x256")
+CLUSTER = Cluster.cpu(ranks_per_node=8, memory_bytes_per_rank=8 * GIB)
+PER_BLOCK = 5e-3
+
+
+def step_time(layout: Layout, **measured: float):
+    calibration = Calibration(block_seconds_per_token={1: 4e-6}, head_seconds_per_token=1e-7, tp=FAST, pp=FAST,
+                              dp=FAST, optimizer_seconds_per_parameter=1e-9, **measured)
+    return estimate_step_time(MODEL, layout, CLUSTER, PRECISIONS["32-true"], calibration=calibration)
+
+
+LAYOUTS = [  # (layout, DTensor parameters, FSDP2 per block)
+    (Layout(tp=2, dp=4), True, True),                        # FSDP2's replicate on the (dp, tp) mesh
+    (Layout(tp=8), True, False),
+    (Layout(dp=4, pp=2, num_microbatches=4), True, True),    # FSDP2's replicate on each stage
+    (Layout(dp=8, zero_stage=2), True, True),                # FSDP2's fully_shard
+    (Layout(dp=8), False, False),                            # DistributedDataParallel: plain tensors
+    (Layout(pp=8, num_microbatches=8), False, False),        # a stage alone: plain tensors
+]
+
+
+def units(layout: Layout) -> int:
+    """FSDP units of the busiest stage: its blocks and the rest of the stage."""
+    return max(len(rank_blocks(MODEL, layout, rank)) for rank in range(layout.pp)) + 1
+
+
+@pytest.mark.parametrize("layout, dtensors, fsdp", LAYOUTS)
+def test_dtensor_dispatch_is_charged_per_fsdp_unit_where_the_parameters_are_dtensors(layout, dtensors, fsdp):
+    extra = (step_time(layout, optimizer_dtensor_seconds_per_block=PER_BLOCK).optimizer
+             - step_time(layout).optimizer)
+    assert extra == pytest.approx(units(layout) * PER_BLOCK if dtensors else 0.0)
+
+
+@pytest.mark.parametrize("layout, dtensors, fsdp", LAYOUTS)
+def test_fsdp_hooks_are_charged_per_block_call_where_fsdp2_wraps_the_blocks(layout, dtensors, fsdp):
+    with_hooks, without = step_time(layout, fsdp_block_call_s=PER_BLOCK), step_time(layout)
+    calls = layout.num_microbatches * units(layout)
+    assert with_hooks.compute - without.compute == pytest.approx(calls * PER_BLOCK if fsdp else 0.0)
+
+
+def test_the_calibration_measures_what_dtensor_parameters_add_to_an_adamw_step(monkeypatch):
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # ended by conftest
+    with torch.device("meta"):
+        block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
+    timed = []
+
+    def median_seconds(run, device, barrier=False, min_seconds=0.0):  # runs the step once; a fixed time
+        run()
+        timed.append({isinstance(p, DTensor) for p in run.__self__.param_groups[0]["params"]})
+        return (2e-3, 5e-3)[len(timed) - 1]
+
+    monkeypatch.setattr(calibrate, "_median_seconds", median_seconds)
+    extra = calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"))
+    assert timed == [{False}, {True}]  # the block's parameters as they are, then as DTensors
+    assert extra == pytest.approx(3e-3)
+
+
+def test_the_calibration_measures_what_fsdp2_adds_to_a_block_call(monkeypatch):
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # ended by conftest
+    with torch.device("meta"):
+        block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
+    call = ((torch.empty(4, 16, 32, device="meta"),), {})
+    timed = []
+
+    def call_seconds(module, *args):  # a fixed time per call: the test is of what is timed and how it is used
+        timed.append((type(module).__name__, any(isinstance(p, DTensor) for p in module.parameters())))
+        return (3e-3, 11e-3)[len(timed) - 1], 32
+
+    monkeypatch.setattr(calibrate, "_call_seconds", call_seconds)
+    extra = calibrate.fsdp_block_call_seconds(block, call, 4, 2, torch.device("cpu"))
+    assert timed[0] == ("Block", False) and timed[1][0] != "Block" and timed[1][1], timed  # alone, then FSDP2's
+    assert extra == pytest.approx(8e-3)
+
+
+def test_a_head_timed_split_over_tp_replaces_the_even_split_of_the_whole_heads_time():
+    layout = Layout(tp=2, dp=4)
+    tokens = layout.micro_batch_size * MODEL.seq_length
+    even, timed = step_time(layout), step_time(layout, tp_head_seconds_per_token={2: 3e-7})
+    assert timed.compute == pytest.approx(even.compute)  # the even split (1e-7 per token / 2) stays compute
+    # What the split adds is tensor-parallel work, in place of the head region's modelled all-reduce.
+    message = tokens * MODEL.hidden_size * PRECISIONS["32-true"].activation_bytes
+    head_region = FAST.seconds(wire_bytes("all_reduce", message, 2), latency_steps("all_reduce", 2))
+    added = (3e-7 - 1e-7 / 2) * tokens
+    assert timed.tp_communication - even.tp_communication == pytest.approx(added - head_region)
+    other = Layout(tp=4, dp=2)  # a tp size not timed: modelled as before
+    assert step_time(other, tp_head_seconds_per_token={2: 3e-7}) == step_time(other)
+
+
+def test_the_calibration_times_the_head_split_over_the_vocabulary_with_the_vocab_parallel_loss(monkeypatch):
+    from lightning_3d.parallel import loss
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # ended by conftest
+    entered = []
+    original = loss.vocab_parallel_ops
+
+    def vocab_parallel_ops():
+        entered.append(True)
+        return original()
+
+    monkeypatch.setattr(loss, "vocab_parallel_ops", vocab_parallel_ops)
+    times = calibrate.tp_head_seconds_per_token(32, 256, 64, [1], torch.device("cpu"), repeat_s=0.01)
+    assert list(times) == [1] and times[1] > 0 and entered
