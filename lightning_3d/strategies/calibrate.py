@@ -9,9 +9,9 @@ Two kinds of measurement, both on the real ranks, before the model is sharded:
   candidate tensor-parallel size by the policy's plan, on real tp groups (its collectives and DTensor's costs
   included), at the smallest and largest size; and the output head as a matrix multiply of its size with the
   cross-entropy over its logits, whole and split over the vocabulary at each candidate tp size (the
-  vocabulary-parallel loss's collectives included). Seconds per token. What FSDP2's wrapping adds to one call of the block. And
-  an AdamW step on the block's parameters: seconds per parameter, and what the step costs more on the same
-  parameters as DTensors (per block).
+  vocabulary-parallel loss's collectives included). Seconds per token. What FSDP2's wrapping adds to one
+  call of the block. And an AdamW step on the block's parameters: seconds per parameter, and what the step
+  costs more on the same parameters as DTensors (per block).
 * **communication**: all-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point
   sends between the two halves of the world (as pipeline neighbours lie), each at two message sizes, so that
   ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule
