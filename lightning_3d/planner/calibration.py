@@ -150,11 +150,14 @@ class Calibration:
     """What one optimizer step over one block's parameters costs more where they are DTensors (tensor parallel;
     FSDP2 under a pipeline or ZeRO) than as plain tensors: DTensor's dispatch, per tensor of each multi-tensor
     op, whatever the tensors' sizes. Paid per block and for the rest of the stage (counted as one more)."""
-    tp_head_seconds_per_token: Mapping[int, float] = field(default_factory=dict)
+    tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     """Forward + backward of the output head and loss split over the vocabulary on tp ranks, as the run splits
-    them (column-parallel matmul, vocabulary-parallel cross-entropy, their collectives), seconds per token, by
-    tp size. Where a tp size is timed, the step time takes it instead of the whole head's time / tp (what the
-    split adds beyond an even split counts as tensor-parallel communication, as for the blocks)."""
+    them (column-parallel matmul, vocabulary-parallel cross-entropy, their collectives), seconds per token of
+    the micro-batch: ``{tp: {micro-batch size: seconds}}``, as ``tp_block_seconds_per_token``. Where a tp size
+    is timed, the step time takes it instead of the whole head's time / tp (what the split adds beyond an even
+    split counts as tensor-parallel communication, as for the blocks). Its cost is mostly per call (DTensor's
+    dispatch, the loss's all-reduces), so a size's is interpolated between the sizes timed, never scaled from
+    one of them by tokens."""
     fsdp_block_call_s: float = 0.0
     """What FSDP2's wrapping adds to one forward + backward of a block (its hooks, its parameters' copies in and
     out of their DTensors), whatever the tokens: paid per block and micro-batch, and once more for the rest of
@@ -190,22 +193,10 @@ class Calibration:
         if not (self.head_seconds_per_token >= 0 and math.isfinite(self.head_seconds_per_token)):
             raise PlannerError(f"Calibration.head_seconds_per_token must be a finite number >= 0, got"
                                f" {self.head_seconds_per_token!r}.")
-        tp_sizes = {}
-        for tp, times in dict(self.tp_block_seconds_per_token).items():
-            timed = {int(b): float(seconds) for b, seconds in dict(times).items()}
-            if int(tp) < 2 or not timed or any(b < 1 or not (t > 0 and math.isfinite(t)) for b, t in timed.items()):
-                raise PlannerError(f"Calibration.tp_block_seconds_per_token needs tp sizes >= 2, each with micro-batch"
-                                   f" sizes >= 1 and finite times > 0, got {tp}: {times!r}.")
-            tp_sizes[int(tp)] = dict(sorted(timed.items()))
-        heads = {int(tp): float(seconds) for tp, seconds in dict(self.tp_head_seconds_per_token).items()}
-        if any(tp < 2 or not (seconds > 0 and math.isfinite(seconds)) for tp, seconds in heads.items()):
-            raise PlannerError(f"Calibration.tp_head_seconds_per_token needs tp sizes >= 2 and finite times > 0,"
-                               f" got {dict(self.tp_head_seconds_per_token)!r}.")
-        object.__setattr__(self, "tp_head_seconds_per_token", dict(sorted(heads.items())))
         # Frozen: the normalized copies replace what was given (sorted int keys; LinkSpeed from any form).
         object.__setattr__(self, "block_seconds_per_token", _non_increasing(sizes))
-        object.__setattr__(self, "tp_block_seconds_per_token",
-                           {tp: _non_increasing(times) for tp, times in sorted(tp_sizes.items())})
+        for name in ("tp_block_seconds_per_token", "tp_head_seconds_per_token"):
+            object.__setattr__(self, name, _by_tp_and_size(name, getattr(self, name)))
         for dim in DIMENSIONS:
             object.__setattr__(self, dim, LinkSpeed.of(getattr(self, dim)))
 
@@ -215,6 +206,12 @@ class Calibration:
         falls as 1/b, not along a line); outside them the nearest size's (per-token time flattens as
         micro-batches grow, so extrapolating a trend would overshoot)."""
         return _interpolated(self.block_seconds_per_token, micro_batch_size)
+
+    def tp_head_seconds(self, micro_batch_size: int, tp: int) -> float | None:
+        """Seconds per token of the head and loss split over ``tp`` ranks (interpolated as :meth:`block_seconds`);
+        None where that tp size was not timed."""
+        times = self.tp_head_seconds_per_token.get(tp)
+        return _interpolated(times, micro_batch_size) if times else None
 
     def tp_block_seconds(self, micro_batch_size: int, tp: int) -> float | None:
         """Seconds per token of one block split over ``tp`` ranks, collectives included (interpolated as
@@ -241,7 +238,7 @@ class Calibration:
                "pipeline_microbatch_s": self.pipeline_microbatch_s,
                "optimizer_dtensor_seconds_per_block": self.optimizer_dtensor_seconds_per_block,
                "fsdp_block_call_s": self.fsdp_block_call_s,
-               "tp_head_seconds_per_token": dict(self.tp_head_seconds_per_token),
+               "tp_head_seconds_per_token": {tp: dict(times) for tp, times in self.tp_head_seconds_per_token.items()},
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
             link = self.link(dim)
@@ -266,7 +263,7 @@ class Calibration:
                           host_cores_per_rank: float | None = None, pipeline_microbatch_s: float = 0.0,
                           optimizer_dtensor_seconds_per_block: float = 0.0,
                           fsdp_block_call_s: float = 0.0,
-                          tp_head_seconds_per_token: Mapping[int, float] | None = None) -> "Calibration":
+                          tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair."""
@@ -280,6 +277,20 @@ class Calibration:
                    optimizer_dtensor_seconds_per_block=optimizer_dtensor_seconds_per_block,
                    fsdp_block_call_s=fsdp_block_call_s, tp_head_seconds_per_token=tp_head_seconds_per_token or {},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
+
+
+def _by_tp_and_size(name: str, values: Mapping[Any, Mapping[Any, float]]) -> dict[int, dict[int, float]]:
+    """``{tp: {micro-batch size: seconds per token}}`` with int keys (JSON gives strings), sorted, each tp's
+    times non-increasing in the size (:func:`_non_increasing`); a tp below 2, an empty entry, a size below 1
+    or a time that is not finite and > 0 is refused."""
+    result = {}
+    for tp, times in dict(values).items():
+        timed = {int(b): float(seconds) for b, seconds in dict(times).items()}
+        if int(tp) < 2 or not timed or any(b < 1 or not (t > 0 and math.isfinite(t)) for b, t in timed.items()):
+            raise PlannerError(f"Calibration.{name} needs tp sizes >= 2, each with micro-batch sizes >= 1 and"
+                               f" finite times > 0, got {tp}: {times!r}.")
+        result[int(tp)] = _non_increasing(timed)
+    return dict(sorted(result.items()))
 
 
 def _non_increasing(per_token: Mapping[int, float]) -> dict[int, float]:

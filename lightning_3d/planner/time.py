@@ -256,7 +256,7 @@ class _Speeds:
             self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
             self.recompute = self.block / 3  # a forward is a third of forward + backward (backward: 2 matmuls)
             self.head = calibration.head_seconds_per_token * tokens / t
-            split_head = calibration.tp_head_seconds_per_token.get(t) if t > 1 else None
+            split_head = calibration.tp_head_seconds(layout.micro_batch_size, t) if t > 1 else None
             if split_head is not None:
                 self.tp_head_extra = max(0.0, split_head * tokens - self.head)
             split = calibration.tp_block_seconds(layout.micro_batch_size, t) if t > 1 else None

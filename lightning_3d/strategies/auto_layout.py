@@ -298,9 +298,10 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
             device)[0]
         tp_head_s = {}
         if config.vocab_parallel_loss:  # else the head's logits are gathered whole: the block-like split is off
-            tp_head_s = calibrate.slowest_rank(calibrate.tp_head_seconds_per_token(
-                spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, sorted(tp_plans), device, repeat_s),
-                device)
+            split_head = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
+                                                             sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
+                                                             repeat_s)
+            tp_head_s = {tp: calibrate.slowest_rank(times, device) for tp, times in split_head.items()}
         optimizer_s = calibrate.slowest_rank({0: calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)},
                                              device)[0]
         dtensor_s = calibrate.slowest_rank({0: calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)},

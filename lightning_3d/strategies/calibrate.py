@@ -194,19 +194,21 @@ def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int,
     return _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / micro_tokens
 
 
-def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, tps: list[int],
-                              device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, float]:
+def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int, micro_batch_sizes: list[int],
+                              tps: list[int], device: torch.device,
+                              repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, dict[int, float]]:
     """As :func:`head_seconds_per_token`, with the head split over the vocabulary on groups of each ``tps``
     size of consecutive ranks (every group timing at once), as tensor parallelism runs it: a column-parallel
     matrix multiply that leaves its logits sharded, and the vocabulary-parallel cross-entropy over them (its
-    all-reduces, DTensor's dispatch). ``{tp: seconds per token}``. Collective."""
+    all-reduces, DTensor's dispatch), at each micro-batch size of ``seq_length`` tokens per sequence.
+    ``{tp: {micro-batch size: seconds per token}}``. Collective."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from lightning_3d.parallel.loss import vocab_parallel_ops
 
-    result = {}
+    result: dict[int, dict[int, float]] = {}
     for tp in sorted(tps):
         shape = (dist.get_world_size() // tp, tp)
         mesh = once_per_world(("calibration tp mesh", device.type, shape),  # the block's timing made it
@@ -215,14 +217,16 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: i
         nn.init.normal_(head.weight, std=0.02)
         parallelize_module(head, mesh["tp"], ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                               use_local_output=False))
-        x = torch.randn(micro_tokens, hidden_size, device=device, requires_grad=True)
-        targets = torch.randint(0, vocab_size, (micro_tokens,), device=device)
+        for b in micro_batch_sizes:
+            tokens = b * seq_length
+            x = torch.randn(tokens, hidden_size, device=device, requires_grad=True)
+            targets = torch.randint(0, vocab_size, (tokens,), device=device)
 
-        def run() -> None:
-            with vocab_parallel_ops():
-                torch.nn.functional.cross_entropy(head(x), targets).backward()
+            def run() -> None:
+                with vocab_parallel_ops():
+                    torch.nn.functional.cross_entropy(head(x), targets).backward()
 
-        result[tp] = _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / micro_tokens
+            result.setdefault(tp, {})[b] = _median_seconds(run, device, barrier=True, min_seconds=repeat_s) / tokens
     return result
 
 

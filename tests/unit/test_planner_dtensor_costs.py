@@ -5,6 +5,8 @@ dtensor_optimizer_seconds_per_block, calibrate.fsdp_block_call_seconds) and the 
 layout has them: DTensor parameters under tensor parallelism or FSDP2; FSDP2 where dp > 1 under a pipeline,
 tensor parallelism or ZeRO. Not under DistributedDataParallel, not on a lone pipeline stage."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,9 +26,13 @@ CLUSTER = Cluster.cpu(ranks_per_node=8, memory_bytes_per_rank=8 * GIB)
 PER_BLOCK = 5e-3
 
 
-def step_time(layout: Layout, **measured: float):
-    calibration = Calibration(block_seconds_per_token={1: 4e-6}, head_seconds_per_token=1e-7, tp=FAST, pp=FAST,
-                              dp=FAST, optimizer_seconds_per_parameter=1e-9, **measured)
+def step_time_calibration(**measured) -> Calibration:
+    return Calibration(block_seconds_per_token={1: 4e-6}, head_seconds_per_token=1e-7, tp=FAST, pp=FAST, dp=FAST,
+                       optimizer_seconds_per_parameter=1e-9, **measured)
+
+
+def step_time(layout: Layout, **measured):
+    calibration = step_time_calibration(**measured)
     return estimate_step_time(MODEL, layout, CLUSTER, PRECISIONS["32-true"], calibration=calibration)
 
 
@@ -96,7 +102,7 @@ def test_the_calibration_measures_what_fsdp2_adds_to_a_block_call(monkeypatch):
 def test_a_head_timed_split_over_tp_replaces_the_even_split_of_the_whole_heads_time():
     layout = Layout(tp=2, dp=4)
     tokens = layout.micro_batch_size * MODEL.seq_length
-    even, timed = step_time(layout), step_time(layout, tp_head_seconds_per_token={2: 3e-7})
+    even, timed = step_time(layout), step_time(layout, tp_head_seconds_per_token={2: {1: 3e-7}})
     assert timed.compute == pytest.approx(even.compute)  # the even split (1e-7 per token / 2) stays compute
     # What the split adds is tensor-parallel work, in place of the head region's modelled all-reduce.
     message = tokens * MODEL.hidden_size * PRECISIONS["32-true"].activation_bytes
@@ -104,7 +110,7 @@ def test_a_head_timed_split_over_tp_replaces_the_even_split_of_the_whole_heads_t
     added = (3e-7 - 1e-7 / 2) * tokens
     assert timed.tp_communication - even.tp_communication == pytest.approx(added - head_region)
     other = Layout(tp=4, dp=2)  # a tp size not timed: modelled as before
-    assert step_time(other, tp_head_seconds_per_token={2: 3e-7}) == step_time(other)
+    assert step_time(other, tp_head_seconds_per_token={2: {1: 3e-7}}) == step_time(other)
 
 
 def test_the_calibration_times_the_head_split_over_the_vocabulary_with_the_vocab_parallel_loss(monkeypatch):
@@ -119,5 +125,22 @@ def test_the_calibration_times_the_head_split_over_the_vocabulary_with_the_vocab
         return original()
 
     monkeypatch.setattr(loss, "vocab_parallel_ops", vocab_parallel_ops)
-    times = calibrate.tp_head_seconds_per_token(32, 256, 64, [1], torch.device("cpu"), repeat_s=0.01)
-    assert list(times) == [1] and times[1] > 0 and entered
+    times = calibrate.tp_head_seconds_per_token(32, 256, 16, [1, 4], [1], torch.device("cpu"), repeat_s=0.01)
+    assert list(times) == [1] and list(times[1]) == [1, 4] and all(t > 0 for t in times[1].values()) and entered
+
+
+def test_the_split_heads_time_is_taken_at_the_layouts_micro_batch_size_not_scaled_from_another():
+    # Mostly a cost per call: timed at 1 sequence it is 5x dearer per token than at 8. Charging a layout of
+    # micro-batches of 8 the 1-sequence time per token had predicted tp8 layouts at 1.4-2.6x their measured steps.
+    timed = {2: {1: 1e-3, 8: 2e-4}}
+    calibration = Calibration.from_dict(json.loads(json.dumps({
+        **step_time_calibration().to_dict(), "tp_head_seconds_per_token": timed})))
+    assert calibration.tp_head_seconds_per_token == timed  # through JSON (string keys) and back
+    assert calibration.tp_head_seconds(8, 2) == 2e-4 and calibration.tp_head_seconds(1, 2) == 1e-3
+    assert calibration.tp_head_seconds(4, 2) == pytest.approx((1e-3 + (8 * 2e-4 - 1e-3) * 3 / 7) / 4)
+    assert calibration.tp_head_seconds(4, 4) is None
+    big, small = Layout(tp=2, dp=4, micro_batch_size=8), Layout(tp=2, dp=4, micro_batch_size=1)
+    per_token = [(step_time(layout, tp_head_seconds_per_token=timed).tp_communication
+                  - step_time(layout).tp_communication) / (layout.micro_batch_size * MODEL.seq_length)
+                 for layout in (big, small)]
+    assert per_token[0] < per_token[1] / 4
