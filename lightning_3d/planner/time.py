@@ -24,8 +24,9 @@ each rank's gradient shard is then all-reduced across the replicas; ZeRO's memor
 the shard group, not all of dp. The optimizer step reads and writes the rank's Adam state at memory bandwidth.
 
 With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms take measured speeds instead
-(and, where CPU ranks outnumber the host's cores, a bubble shrinks -- idle stages leave their cores to busy
-ones -- and no data-parallel call hides behind backward, no core being free to run it):
+(and, where CPU ranks outnumber the host's cores, idle stages leave their cores to busy ones -- a pipeline's
+step is the ranks' average work plus (1 - 1/P) of its critical path at a core per rank, Graham's bound for
+list scheduling on P cores -- and no data-parallel call hides behind backward, no core being free to run it):
 a block's forward + backward is its measured seconds per token at the micro-batch size, divided by tp (the
 tp split divides its matmuls), a recomputed block adds a forward (a third of that), the head its measured
 time / tp (where the calibration timed the block or the head split over tp, what it measured: the even split
@@ -169,10 +170,15 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     bubble = bubble_share * microbatch
     cores = calibration.host_cores_per_rank if calibration is not None else None
     if cores is not None and cores < 1 and p > 1:
-        # The ranks outnumber the host's cores (and the micro-batch time was measured with all of them busy): a
-        # stage idle in the bubble leaves its core time to the busy ones, up to a core each. The step lasts the
-        # longer of its busy work at the shared pace and its critical path at a core per rank.
-        bubble = max(0.0, (m + bubble_share) * microbatch * cores - m * microbatch)
+        # The ranks outnumber the host's cores (and the micro-batch times were measured with all of them busy):
+        # the cores go wherever there is work, so a stage idle in the bubble, or lighter than the slowest one,
+        # leaves its core time to the busy ones. A step is then bounded as list scheduling is (Graham 1969): the
+        # ranks' average busy work at the shared pace, plus (1 - 1/P) of the critical path at a core per rank,
+        # P the host's cores per rank thread.
+        host_cores = cores * cluster.gpus_per_node
+        compute = sum(parts[0] for parts in per_rank) / p
+        tp_comm = sum(parts[1] for parts in per_rank) / p
+        bubble = (1 - 1 / max(host_cores, 1.0)) * (m + bubble_share) * microbatch * cores
 
     # Data parallel: gradients reduced once per step (all-reduce; reduce-scatter + all-gather of the new
     # parameters under ZeRO: the same bytes), overlapped with the last micro-batch's backward.
