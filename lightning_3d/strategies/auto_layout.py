@@ -40,7 +40,7 @@ from lightning_3d.planner.memory import PRECISIONS, Precision
 from lightning_3d.planner.model import ModelSpec, model_spec
 from lightning_3d.planner.report import Candidate, why_best
 from lightning_3d.planner.search import evaluate
-from lightning_3d.strategies import calibrate
+from lightning_3d.strategies import calibrate, calibrate_links
 
 if TYPE_CHECKING:
     from lightning_3d.planner.calibration import Calibration
@@ -310,10 +310,10 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
             fsdp_s = calibrate.slowest_rank({0: calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0],
                                                                                   device, repeat_s)}, device)[0]
-    links = calibrate.link_speeds(world_size, per_node, device)
+    links = calibrate_links.link_speeds(world_size, per_node, device)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
-        pipeline_s = calibrate.pipeline_microbatch_seconds(world_size, spec.hidden_size, min(sizes) * spec.seq_length,
+        pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size, min(sizes) * spec.seq_length,
                                                            device, links["pp"], repeat_s)
     calibration = Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,

@@ -154,7 +154,7 @@ def test_the_head_is_timed_with_its_loss_and_the_optimizer_on_a_blocks_own_param
 
 
 def test_the_pipeline_schedules_own_cost_is_paid_per_micro_batch_and_chunk_and_only_under_a_pipeline():
-    # Measured at launch by a two-stage schedule on the pipeline pairs (calibrate.pipeline_microbatch_seconds).
+    # Measured at launch by a two-stage schedule on the pipeline pairs (calibrate_links.pipeline_microbatch_seconds).
     plain, probed = calibration(), calibration(block={1: 4e-6, 4: 2e-6})
     probed = Calibration.from_dict({**probed.to_dict(), "pipeline_microbatch_s": 1e-3})
     for layout, chunks in ((Layout(dp=2, pp=4, num_microbatches=8, micro_batch_size=1), 1),

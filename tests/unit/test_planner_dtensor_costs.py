@@ -76,7 +76,7 @@ def test_the_calibration_measures_what_dtensor_parameters_add_to_an_adamw_step(m
         timed.append({isinstance(p, DTensor) for p in run.__self__.param_groups[0]["params"]})
         return (2e-3, 5e-3)[len(timed) - 1]
 
-    monkeypatch.setattr(calibrate, "_median_seconds", median_seconds)
+    monkeypatch.setattr(calibrate, "median_seconds", median_seconds)
     extra = calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"))
     assert timed == [{False}, {True}]  # the block's parameters as they are, then as DTensors
     assert extra == pytest.approx(3e-3)

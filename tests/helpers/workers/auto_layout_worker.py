@@ -50,12 +50,12 @@ def measurement_groups() -> dict:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
-    from lightning_3d.strategies import calibrate
+    from lightning_3d.strategies import calibrate_links
 
     before = len(_world.pg_map)
     cpu = torch.device("cpu")
-    links = calibrate.link_speeds(dist.get_world_size(), dist.get_world_size(), cpu)
-    calibrate.pipeline_microbatch_seconds(dist.get_world_size(), 16, 16, cpu, links["pp"], repeat_s=0.001)
+    links = calibrate_links.link_speeds(dist.get_world_size(), dist.get_world_size(), cpu)
+    calibrate_links.pipeline_microbatch_seconds(dist.get_world_size(), 16, 16, cpu, links["pp"], repeat_s=0.001)
     return {"before": before, "after": len(_world.pg_map)}
 
 

@@ -1,0 +1,138 @@
+"""How fast these devices' links are, measured in seconds at launch, for ``layout="auto"`` (issue 31).
+
+All-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point sends between the two
+halves of the world (as pipeline neighbours lie), each at two message sizes, so that ``time = ring steps x
+latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule between those halves, for
+what the schedule itself costs per micro-batch beyond compute and sends. Every rank takes part (collectives);
+the slowest rank's numbers are kept, and the process groups made for a measurement are destroyed after it.
+The compute timings, and the timing helpers both use, are in ``strategies/calibrate.py``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
+from lightning_3d.strategies.calibrate import MIN_REPEAT_SECONDS, median_seconds
+
+MESSAGE_BYTES = (2**16, 2**22)
+"""The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
+the second."""
+def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:
+    """All-reduce inside groups of consecutive ranks ("tp": within a node) and across nodes ("dp": ranks of
+    equal local rank; within the node on one node), and point-to-point between the world's two halves ("pp").
+    Collective: every rank of the world calls it."""
+    if world_size == 1:
+        return {dim: LinkSpeed(latency_s=0.0, bandwidth_bytes_per_s=float("inf")) for dim in ("tp", "pp", "dp")}
+    inside = min(per_node, world_size)
+    tp_group, _ = dist.new_subgroups(group_size=inside)
+    if world_size > per_node:
+        across = [list(range(local, world_size, per_node)) for local in range(per_node)]
+        dp_group, _ = dist.new_subgroups_by_enumeration(across)
+    else:
+        dp_group = tp_group
+    speeds = {"tp": _allreduce_speed(tp_group, device), "dp": _allreduce_speed(dp_group, device),
+              "pp": _p2p_speed(world_size, device)}
+    speeds = {dim: _slowest(speed, device) for dim, speed in speeds.items()}
+    _release(tp_group, dp_group)
+    return speeds
+
+
+PIPELINE_PROBE_MICROBATCHES = (2, 6)
+"""The two micro-batch counts :func:`pipeline_microbatch_seconds` runs its schedule at: their difference is the
+cost of 4 micro-batches, the schedule's fixed costs (its start, the last backward's wait) cancelled."""
+
+
+def pipeline_microbatch_seconds(world_size: int, hidden_size: int, micro_tokens: int, device: torch.device,
+                                pp: LinkSpeed, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """What a pipeline stage spends per micro-batch beyond its compute and its sends: a two-stage 1F1B schedule
+    of ``torch.distributed.pipelining`` over the world's two halves (rank r with r + world/2, as
+    :func:`link_speeds` times p2p), every pair at once, each stage a ``hidden_size`` linear layer, timed at
+    :data:`PIPELINE_PROBE_MICROBATCHES` micro-batches of ``micro_tokens`` tokens; the difference per
+    micro-batch, less the layer's forward and backward (timed alone, every rank at once) and the two sends
+    (activation, gradient) the step-time model charges with ``pp``. What is left is the schedule's own work
+    and the waits of its hand-offs, which on ranks sharing cores (a wake-up per receive) the link speeds do not
+    hold. Collective: every rank calls it. 0 on one rank."""
+    if world_size < 2:
+        return 0.0
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, half = dist.get_rank(), world_size // 2
+    group, _ = dist.new_subgroups_by_enumeration([[r, r + half] for r in range(half)])  # an odd world's last: none
+    layer = nn.Linear(hidden_size, hidden_size, device=device)
+    x = torch.randn(1, micro_tokens, hidden_size, device=device, requires_grad=True)
+
+    def layer_alone() -> None:
+        layer(x).sum().backward()
+
+    layer_s = median_seconds(layer_alone, device, barrier=True, min_seconds=repeat_s)
+    steps = []
+    for count in PIPELINE_PROBE_MICROBATCHES:
+        run: Callable[[], Any] = lambda: None  # noqa: E731  (a rank in no pair still joins the timing's collectives)
+        if rank < 2 * half:
+            first = rank < half
+            stage = PipelineStage(layer, 0 if first else 1, 2, device, group=group)
+            schedule = Schedule1F1B(stage, count, loss_fn=lambda output, target: output.float().pow(2).mean())
+            batch = torch.randn(count, micro_tokens, hidden_size, device=device)
+            run = partial(schedule.step, batch) if first else partial(schedule.step, target=batch, losses=[])
+        steps.append(median_seconds(run, device, barrier=True, min_seconds=repeat_s))
+    _release(group)
+    low, high = PIPELINE_PROBE_MICROBATCHES
+    per_microbatch = max(0.0, steps[1] - steps[0]) / (high - low)
+    sends = 2 * pp.seconds(micro_tokens * hidden_size * x.element_size())
+    return max(0.0, per_microbatch - layer_s - sends)
+
+
+def _allreduce_speed(group, device: torch.device) -> LinkSpeed:
+    k = dist.get_world_size(group)
+    times = []
+    for nbytes in MESSAGE_BYTES:
+        buffer = torch.zeros(nbytes // 4, device=device)
+        times.append(median_seconds(lambda: dist.all_reduce(buffer, group=group), device, barrier=True))
+    return LinkSpeed.fit(wire=tuple(wire_bytes("all_reduce", n, k) for n in MESSAGE_BYTES), seconds=tuple(times),
+                         steps=latency_steps("all_reduce", k))
+
+
+def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
+    rank, half = dist.get_rank(), world_size // 2
+    peer = (rank + half) % world_size if rank < 2 * half else None
+    times = []
+    for nbytes in MESSAGE_BYTES:
+        buffer = torch.zeros(nbytes // 4, device=device)
+
+        def exchange() -> None:  # the lower half sends first, the upper receives first: no deadlock
+            if peer is None:
+                return
+            first, second = (dist.send, dist.recv) if rank < half else (dist.recv, dist.send)
+            first(buffer, peer)
+            second(buffer, peer)
+
+        times.append(median_seconds(exchange, device, barrier=True) / 2)  # one way
+    return LinkSpeed.fit(wire=MESSAGE_BYTES, seconds=tuple(times))
+
+
+def _release(*groups: Any) -> None:
+    """Destroy this rank's side of process groups made for one measurement, once every rank is past their last
+    use (the measurement ended on a collective of the world). Left alive, each kept a gloo group's three
+    threads and its sockets for the life of the process, for every ``layout="auto"`` fit. Never the default
+    group (a mesh dimension that spans the world may be it)."""
+    seen = set()
+    for group in groups:
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or group == dist.group.WORLD:
+            continue
+        if id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+
+
+def _slowest(speed: LinkSpeed, device: torch.device) -> LinkSpeed:
+    """The world's slowest: the largest latency and the smallest bandwidth over the ranks (one all-reduce)."""
+    values = torch.tensor([speed.latency_s, -speed.bandwidth_bytes_per_s], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    latency, negative_bandwidth = values.tolist()
+    return LinkSpeed(latency_s=latency, bandwidth_bytes_per_s=-negative_bandwidth)
