@@ -149,14 +149,13 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         recomputed = len(ckpt & set(blocks))
         compute = len(blocks) * speeds.block + recomputed * speeds.recompute + (rank == p - 1) * speeds.head
         compute += fsdp * (len(blocks) + 1) * speeds.fsdp_call  # FSDP2's hooks: each block, the stage's root
-        ends = (rank == 0) + (rank == p - 1)  # the embedding's and the head's regions
-        if rank == p - 1 and speeds.tp_head_extra is not None:  # the head's collectives are in its measured time
-            ends -= 1
+        head_timed = rank == p - 1 and speeds.tp_head_extra is not None  # its collectives in its measured time
+        ends = (rank == 0) + (rank == p - 1 and not head_timed)  # the embedding's and the head's regions
         if speeds.tp_block_extra is None:
             tp_time = tp_collectives(4 * len(blocks) + 2 * recomputed + ends)
         else:  # the blocks' collectives are in their measured time; a recompute repeats a forward's third
             tp_time = (len(blocks) + recomputed / 3) * speeds.tp_block_extra + tp_collectives(ends)
-        if rank == p - 1 and speeds.tp_head_extra is not None:
+        if head_timed:
             tp_time += speeds.tp_head_extra
         per_rank.append((compute, tp_time, compute * 2 / 3))
     slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1])

@@ -100,15 +100,11 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
     tp -> the policy's plan for the model; ``block_name`` the block's name in it) over groups of tp consecutive
     ranks, every group timing at once as a dp x tp layout runs: the even split of the matmuls, the block's
     collectives, and what the split adds (smaller matmuls, DTensor's dispatch). Collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel
 
     result = {}
     for tp, plan in sorted(plans.items()):
-        shape = (dist.get_world_size() // tp, tp)
-        mesh = once_per_world(("calibration tp mesh", device.type, shape),  # (parallel/group_cache.py)
-                              lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
+        mesh = _tp_mesh(tp, device)
         # The block alone, under the name the plan gives it (the plan's patterns are the model's names).
         root, (*path, leaf) = nn.Module(), block_name.split(".")
         parent = root
@@ -131,11 +127,7 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     on a 32-wide GPT block on one CPU core, 3.3 ms alone and 11 ms wrapped. Seconds per call, >= 0.
     Collective."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    mesh = once_per_world(("calibration world mesh", device.type, world),  # (parallel/group_cache.py)
-                          lambda: init_device_mesh(device.type, (world,)))
+    mesh = _world_mesh(device)
     alone = _materialized(block, device)
     wrapped = copy.deepcopy(alone)
     replicate(wrapped, mesh=mesh)
@@ -194,7 +186,6 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
     matrix multiply that leaves its logits sharded, and the vocabulary-parallel cross-entropy over them (its
     all-reduces, DTensor's dispatch), at each micro-batch size of ``seq_length`` tokens per sequence.
     ``{tp: {micro-batch size: seconds per token}}``. Collective."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -202,9 +193,7 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
 
     result: dict[int, dict[int, float]] = {}
     for tp in sorted(tps):
-        shape = (dist.get_world_size() // tp, tp)
-        mesh = once_per_world(("calibration tp mesh", device.type, shape),  # the block's timing made it
-                              lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
+        mesh = _tp_mesh(tp, device)
         head = nn.Linear(hidden_size, vocab_size, bias=False, device=device)
         nn.init.normal_(head.weight, std=0.02)
         parallelize_module(head, mesh["tp"], ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
@@ -245,12 +234,9 @@ def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
     optimizer's multi-tensor ops, which on a block of many small tensors costs several times its arithmetic
     (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors). Seconds, >= 0.
     Collective."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    mesh = once_per_world(("calibration world mesh", device.type, world),  # (parallel/group_cache.py)
-                          lambda: init_device_mesh(device.type, (world,)))
+    mesh = _world_mesh(device)
     plain = [param for param in _materialized(block, device).parameters() if param.requires_grad]
     if not plain:
         return 0.0
@@ -314,6 +300,25 @@ def median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool =
     times = torch.tensor([timed(int(agreed.item())) for _ in range(REPEATS)], dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return statistics.median(times.tolist())
+
+
+def _tp_mesh(tp: int, device: torch.device):
+    """A ("rest", "tp") mesh of the world, tp consecutive ranks per group, made once per world
+    (``parallel/group_cache.py``): the split block's and the split head's timings share it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (dist.get_world_size() // tp, tp)
+    return once_per_world(("calibration tp mesh", device.type, shape),
+                          lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
+
+
+def _world_mesh(device: torch.device):
+    """A one-dimensional mesh of the world, made once per world: the DTensor optimizer's and FSDP2's timings."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return once_per_world(("calibration world mesh", device.type, world),
+                          lambda: init_device_mesh(device.type, (world,)))
 
 
 def _fresh_state(values: Any) -> Any:
