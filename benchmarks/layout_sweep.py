@@ -1,9 +1,10 @@
 """The layout chosen at launch (issue 31): every (dp, tp, pp) layout of 8 CPU ranks against ``layout="auto"``.
 
-    python benchmarks/layout_sweep.py [--shapes wide,deep,vocab] [--warmup 3] [--steps 5] [--budget-shape vocab]
+    python benchmarks/layout_sweep.py [--shapes wide,deep,vocab] [--warmup 3] [--steps 12] [--budget-shape vocab]
 
 One torchrun launch of 8 gloo ranks (one thread each) runs, per model shape, one ``Trainer.fit`` after another
-in the same processes:
+in the same processes, each in process groups of its own (``fresh_process_groups``: as in a launch of its own,
+no fit runs beside the groups of the fits before it):
 
 * every (dp, tp, pp) split of the 8 ranks the model allows (tp divides the heads and the vocabulary, pp at most
   the blocks), each with the 1F1B schedule and ``max(pp, --microbatches)`` micro-batches when pp > 1, ZeRO
@@ -24,7 +25,7 @@ in the same processes:
 
 Each replica takes ``--batch-size`` sequences per step (the loader's batch is per replica), so a layout with
 more data-parallel replicas trains more tokens per step: layouts are compared by tokens per second, as
-``auto_layout.ranked`` ranks them. A step's time is the median over ``--steps`` steps after ``--warmup``, the
+``auto_layout.ranked`` ranks them. A step's time is the mean over ``--steps`` steps after ``--warmup``, the
 slowest rank's. The measured peak per rank is what the planner models: parameters, gradients and optimizer state
 (``memory_report``) plus the most bytes autograd saved for backward at once (``SavedActivations``), taken in
 the last warm-up step and maxed over the ranks. (Not the resident set: in processes that ran earlier fits,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +47,13 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from timing import ensure_torchrun, step_times
 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.common import divisors
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
+from lightning_3d.parallel import group_cache
 from lightning_3d.parallel.memory import SavedActivations, memory_report
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS
@@ -58,6 +62,7 @@ from lightning_3d.planner.search import evaluate
 from lightning_3d.strategies.auto_layout import host_cluster
 
 WORLD_SIZE = 8
+RANK = int(os.environ.get("RANK", 0))  # read here: the sweep ends the process group after each fit
 SHAPES = {
     "wide": dict(n_layer=2, n_embd=256, n_head=8, vocab_size=256),
     "deep": dict(n_layer=16, n_embd=32, n_head=8, vocab_size=256),
@@ -77,7 +82,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4, help="per step under a pipeline (at least pp)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=3,
                         help="fits of auto and of the best swept layout, in turns; each counts at its median")
     parser.add_argument("--budget-shape", default="vocab", help="the shape of the memory-budget run ('' for none)")
@@ -129,9 +134,8 @@ def main() -> None:
     results = {}
     for name in args.shapes.split(","):
         results[name] = sweep(name, args)
-    if dist.get_rank() == 0 and args.out:
+    if RANK == 0 and args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str))
-    dist.destroy_process_group()
 
 
 def sweep(name: str, args: argparse.Namespace) -> dict:
@@ -160,7 +164,7 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
         budget = int(args.budget_share * decision.predicted_memory_bytes)
         budgeted, budget_decision = run(name, args, auto=True, budget=budget)
     load_after = _load()
-    if dist.get_rank() != 0:
+    if RANK != 0:
         return {}
     print_table(name, args, runs, auto, budgeted, budget, (load_before, load_after))
     return {"shape": SHAPES[name], "load": [load_before, load_after], "calibration": decision.calibration.to_dict(),
@@ -205,14 +209,42 @@ def run(name: str, args: argparse.Namespace, *, layout: Layout | None = None, au
     times = step_times(strategy, GPTLightningModule(config=config), data, args.steps, WORLD_SIZE,
                        warmup=args.warmup, callbacks=[memory])
     peak = memory.largest()
-    step_s = _slowest_median(times)
+    step_s = _slowest_mean(times)
     dims = strategy.parallel_dims
     tokens = dims.dp * args.batch_size * args.seq_len
     decision = strategy.layout_decision
+    fresh_process_groups()
     if decision is None:
         return Run(layout.describe(), layout, tokens, [step_s], peak), None
     return Run(f"auto{' (budget)' if budget else ''}: {decision.layout.describe()}", decision.layout, tokens,
                [step_s], peak, decision.predicted_step_s, decision.predicted_memory_bytes), decision
+
+
+def fresh_process_groups() -> None:
+    """End every process group and connect the ranks anew, so that the next fit starts as a fit in a new launch
+    does: with the default group and its own layout's groups only. A live gloo group keeps a thread that wakes
+    every 10 ms (gloo's tcp event loop); with the groups of the fits before it kept alive (a mesh per layout,
+    the calibration's), each fit ran among more of them than the last, and later layouts and auto paid for
+    earlier ones (30 idle groups per rank: ~6% slower steps on the wide shape's dp8). The new default group is
+    made here, on the launch's store under a prefix of its own (a group made again under the old names would
+    meet the old ones' keys), and the next strategy takes it as it is. DTensor's sharding cache is emptied:
+    it holds the old meshes, and a new mesh of the same ranks compares equal to one. Collective."""
+    dist.barrier()
+    if not _LAUNCH_STORE:
+        _LAUNCH_STORE.append(dist.distributed_c10d._get_default_store())
+    dist.destroy_process_group()
+    group_cache.forget()
+    sharding = DTensor._op_dispatcher.sharding_propagator
+    sharding.propagate_op_sharding.cache_clear()
+    sharding._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ side
+    _WORLDS.append(len(_WORLDS) + 1)
+    store = dist.PrefixStore(f"layout_sweep_world_{_WORLDS[-1]}", _LAUNCH_STORE[0])
+    dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD_SIZE)
+
+
+_LAUNCH_STORE: list = []
+_WORLDS: list[int] = []
 
 
 def _strategy_settings(layout) -> dict:
@@ -223,9 +255,12 @@ def _strategy_settings(layout) -> dict:
     return {name: getattr(config, name) for name in names}
 
 
-def _slowest_median(times: list[float]) -> float:
-    """The median step time, the largest over the ranks (every rank has timed the same steps)."""
-    value = torch.tensor([statistics.median(times)], dtype=torch.float64)
+def _slowest_mean(times: list[float]) -> float:
+    """The mean step time (the timed steps' total over their count: what a throughput is, and what the planner
+    predicts), the largest over the ranks (every rank has timed the same steps). Where ranks share cores, a
+    rank's steps scatter widely (290-460 ms on the wide shape's dp8, a long one often after a short one): over
+    five steps that layout measured 394-468 ms in three sweeps, over twelve 376 and 388 ms in two fits."""
+    value = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
 

@@ -226,18 +226,20 @@ def pipeline_results_group(dims: ParallelDims, coords: RankCoords) -> dist.Proce
     receive waiting on the group for good, and a later fit in the process (a notebook's, a test's) would have it
     take its first results. The previous engine's is destroyed once the new ones exist -- making a gloo group
     connects its members, so they are all past the previous fit -- unless a receive still waits on it there
-    (destroying would wait for it): that one is left alive."""
+    (destroying would wait for it): that one is left alive. Nor where the default group it was made under has
+    been destroyed since (a process that ends its process groups between fits and starts new ones): it went
+    with it."""
     groups = [dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in range(dims.pp)])
               for dp in range(dims.dp) for tp in range(dims.tp)]
     mine = groups[coords.dp * dims.tp + coords.tp]
-    for previous in _RESULTS_GROUPS:
-        if not awaits_results(previous):
+    for world, previous in _RESULTS_GROUPS:
+        if world is dist.group.WORLD and not awaits_results(previous):
             dist.destroy_process_group(previous)
-    _RESULTS_GROUPS[:] = [mine]
+    _RESULTS_GROUPS[:] = [(dist.group.WORLD, mine)]
     return mine
 
 
-_RESULTS_GROUPS: list[dist.ProcessGroup] = []  # this rank's results group of the last pipeline engine built
+_RESULTS_GROUPS: list[tuple] = []  # (the default group, this rank's results group) of the last engine built
 
 
 def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: int) -> Plan:

@@ -39,6 +39,8 @@ from lightning_3d.policies.base import Plan
 
 REPEATS = 5
 """Timed repetitions of each measurement after one warm-up; the median is kept."""
+PAIRS = 7
+"""Timed pairs of repetitions of a difference between two runs (:func:`median_extra_seconds`)."""
 MIN_REPEAT_SECONDS = 0.02
 """The shortest timed repetition: a call is repeated within one until it lasts this long. A single short call
 measures the clock and the scheduler's time slices (milliseconds where ranks share cores) more than the work."""
@@ -132,9 +134,9 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     wrapped = copy.deepcopy(alone)
     replicate(wrapped, mesh=mesh)
     wrapped.set_requires_gradient_sync(False)
-    seconds = [_call_seconds(timed, call, batch_size, micro_batch_size, device, repeat_s)[0]
-               for timed in (alone, wrapped)]
-    return max(0.0, seconds[1] - seconds[0])
+    base, _ = _call_run(alone, call, batch_size, micro_batch_size, device)
+    extra, _ = _call_run(wrapped, call, batch_size, micro_batch_size, device)
+    return median_extra_seconds(base, extra, device, repeat_s)
 
 
 def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
@@ -150,6 +152,14 @@ def _call_seconds(timed: nn.Module, call: tuple, batch_size: int, micro_batch_si
                   repeat_s: float) -> tuple[float, int]:
     """Seconds of one forward + backward of ``timed`` on the captured call resized to ``micro_batch_size``, and
     the tokens of that call. Collective."""
+    run, tokens = _call_run(timed, call, batch_size, micro_batch_size, device)
+    return median_seconds(run, device, barrier=True, min_seconds=repeat_s), tokens
+
+
+def _call_run(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: int,
+              device: torch.device) -> tuple[Callable[[], None], int]:
+    """One forward + backward of ``timed`` on the captured call resized to ``micro_batch_size``, as a call to
+    time, and the tokens of that call."""
     args, kwargs = _inputs(call, batch_size, micro_batch_size, device)
     hidden = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad)
     tokens = hidden.shape[0] * hidden.shape[1] if hidden.ndim >= 3 else hidden.shape[0]
@@ -159,7 +169,7 @@ def _call_seconds(timed: nn.Module, call: tuple, batch_size: int, micro_batch_si
         out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
         out.backward(torch.ones_like(out))
 
-    return median_seconds(run, device, barrier=True, min_seconds=repeat_s), tokens
+    return run, tokens
 
 
 def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, dtype: torch.dtype,
@@ -246,9 +256,8 @@ def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
         param.grad = torch.randn_like(param)
     for param, twin in zip(plain, spread):
         twin.grad = DTensor.from_local(param.grad.clone(), mesh, [Replicate()], run_check=False)
-    seconds = [median_seconds(torch.optim.AdamW(params, lr=1e-6).step, device, barrier=True, min_seconds=repeat_s)
-               for params in (plain, spread)]
-    return max(0.0, seconds[1] - seconds[0])
+    base, extra = (torch.optim.AdamW(params, lr=1e-6).step for params in (plain, spread))
+    return median_extra_seconds(base, extra, device, repeat_s)
 
 
 def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
@@ -270,36 +279,74 @@ def slowest_rank(seconds: dict[int, float], device: torch.device) -> dict[int, f
 
 
 def median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool = False,
-                    min_seconds: float = MIN_REPEAT_SECONDS) -> float:
+                   min_seconds: float = MIN_REPEAT_SECONDS) -> float:
     """Seconds of one ``run()``: the median over ``REPEATS`` timed repetitions after a warm-up, each repeating
     the call until it lasts ``min_seconds``. Collective where the process group is up: every rank
     repeats the call as often as the slowest needs (collectives match); with ``barrier`` the ranks start each
     repetition together, so that they run at once, as they do in a step; and each repetition counts at its
     slowest rank's time, as a step waits for its slowest rank each time (the median of those maxima, not the
     largest of the ranks' medians, which is shorter where ranks share cores and take turns being slow)."""
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    calls = _agreed_calls((run,), device, barrier, min_seconds)
+    return statistics.median(_slowest_each([_timed(run, calls, device, barrier) for _ in range(REPEATS)], device))
 
-    def timed(calls: int) -> float:
-        if barrier and dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            run()
-        synchronize()
-        return (time.perf_counter() - start) / calls
 
-    run()  # warm-up: first-call allocations, kernel selection
-    synchronize()
-    calls = math.ceil(min_seconds / max(timed(1), 1e-9))
+def median_extra_seconds(base: Callable[[], Any], extra: Callable[[], Any], device: torch.device,
+                         min_seconds: float = MIN_REPEAT_SECONDS) -> float:
+    """Seconds one ``extra()`` takes more than one ``base()``, >= 0: the median over ``PAIRS`` pairs of timed
+    repetitions, one of each back to back, each of the two first in turn (the ranks start each repetition
+    together, and it counts at its slowest rank's time, as in :func:`median_seconds`). Two medians taken one
+    after the other also measure how the host's load moved in between, which on 8 ranks over 2 cores was as
+    large as the difference sought: FSDP2's cost per block call came out 0.3-9.2 ms over nine calibrations
+    (2-4 ms in seven) taken so. A pair's two repetitions run under the same load. Collective."""
+    calls = _agreed_calls((base, extra), device, True, min_seconds)
+    times: dict[Callable[[], Any], list[float]] = {base: [], extra: []}
+    for pair in range(PAIRS):
+        for run in (base, extra) if pair % 2 == 0 else (extra, base):
+            times[run].append(_timed(run, calls, device, True))
+    slowest = _slowest_each(times[base] + times[extra], device)
+    return max(0.0, statistics.median(b - a for a, b in zip(slowest[:PAIRS], slowest[PAIRS:])))
+
+
+def _agreed_calls(runs: tuple[Callable[[], Any], ...], device: torch.device, barrier: bool,
+                  min_seconds: float) -> int:
+    """Calls per timed repetition: after a warm-up call of each run (first-call allocations, kernel selection),
+    as many as make the slowest run last ``min_seconds`` on the slowest rank (collective where the process group
+    is up: every rank then makes as many, and collectives inside the runs match)."""
+    calls = 1
+    for run in runs:
+        run()
+        _synchronize(device)
+        calls = max(calls, math.ceil(min_seconds / max(_timed(run, 1, device, barrier), 1e-9)))
     if not dist.is_initialized():
-        return statistics.median(timed(calls) for _ in range(REPEATS))
+        return calls
     agreed = torch.tensor([calls], dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    times = torch.tensor([timed(int(agreed.item())) for _ in range(REPEATS)], dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return statistics.median(times.tolist())
+    return int(agreed.item())
+
+
+def _timed(run: Callable[[], Any], calls: int, device: torch.device, barrier: bool) -> float:
+    """Seconds per call of ``calls`` calls of ``run`` in a row (the ranks start together with ``barrier``)."""
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    _synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_each(times: list[float], device: torch.device) -> list[float]:
+    """Each of ``times`` (the same repetitions on every rank), the largest over the ranks (one all-reduce)."""
+    if not dist.is_initialized():
+        return times
+    values = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
 
 
 def _tp_mesh(tp: int, device: torch.device):

@@ -1,11 +1,13 @@
 """What DTensor parameters and FSDP2's wrapping cost, in the step-time model (issue 31). DTensor's dispatch costs
 the same per tensor whatever its size, several times the arithmetic of a small model's optimizer step; FSDP2's
 hooks cost per block call whatever the tokens. The calibration measures both (calibrate.
-dtensor_optimizer_seconds_per_block, calibrate.fsdp_block_call_seconds) and the step time charges them where a
-layout has them: DTensor parameters under tensor parallelism or FSDP2; FSDP2 where dp > 1 under a pipeline,
-tensor parallelism or ZeRO. Not under DistributedDataParallel, not on a lone pipeline stage."""
+dtensor_optimizer_seconds_per_block, calibrate.fsdp_block_call_seconds; each a difference of two runs, timed in
+pairs: calibrate.median_extra_seconds) and the step time charges them where a layout has them: DTensor
+parameters under tensor parallelism or FSDP2; FSDP2 where dp > 1 under a pipeline, tensor parallelism or ZeRO.
+Not under DistributedDataParallel, not on a lone pipeline stage."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -71,12 +73,13 @@ def test_the_calibration_measures_what_dtensor_parameters_add_to_an_adamw_step(m
         block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
     timed = []
 
-    def median_seconds(run, device, barrier=False, min_seconds=0.0):  # runs the step once; a fixed time
-        run()
-        timed.append({isinstance(p, DTensor) for p in run.__self__.param_groups[0]["params"]})
-        return (2e-3, 5e-3)[len(timed) - 1]
+    def median_extra_seconds(base, extra, device, min_seconds=0.0):  # runs each step once; a fixed time
+        for run in (base, extra):
+            run()
+            timed.append({isinstance(p, DTensor) for p in run.__self__.param_groups[0]["params"]})
+        return 3e-3
 
-    monkeypatch.setattr(calibrate, "median_seconds", median_seconds)
+    monkeypatch.setattr(calibrate, "median_extra_seconds", median_extra_seconds)
     extra = calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"))
     assert timed == [{False}, {True}]  # the block's parameters as they are, then as DTensors
     assert extra == pytest.approx(3e-3)
@@ -88,15 +91,42 @@ def test_the_calibration_measures_what_fsdp2_adds_to_a_block_call(monkeypatch):
         block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
     call = ((torch.empty(4, 16, 32, device="meta"),), {})
     timed = []
+    original = calibrate._call_run
 
-    def call_seconds(module, *args):  # a fixed time per call: the test is of what is timed and how it is used
+    def call_run(module, *args):
         timed.append((type(module).__name__, any(isinstance(p, DTensor) for p in module.parameters())))
-        return (3e-3, 11e-3)[len(timed) - 1], 32
+        return original(module, *args)
 
-    monkeypatch.setattr(calibrate, "_call_seconds", call_seconds)
+    def median_extra_seconds(base, extra, device, min_seconds=0.0):  # runs each once; a fixed difference
+        base(), extra()
+        return 8e-3
+
+    monkeypatch.setattr(calibrate, "_call_run", call_run)
+    monkeypatch.setattr(calibrate, "median_extra_seconds", median_extra_seconds)
     extra = calibrate.fsdp_block_call_seconds(block, call, 4, 2, torch.device("cpu"))
     assert timed[0] == ("Block", False) and timed[1][0] != "Block" and timed[1][1], timed  # alone, then FSDP2's
     assert extra == pytest.approx(8e-3)
+
+
+def test_a_difference_is_timed_in_pairs_so_that_a_change_of_the_hosts_load_cancels():
+    """The host's load drops after the first calls (as when other ranks finish their part of a calibration):
+    two medians taken one after the other would put all of ``base``'s repetitions under the load and all of
+    ``extra``'s after it, and find ``extra`` no slower (0); timed in pairs, each pair under one load, the
+    difference is what ``extra`` adds."""
+    calls = []
+
+    def load() -> float:  # the first 8 calls run on a loaded host
+        calls.append(None)
+        return 0.05 if len(calls) <= 8 else 0.0
+
+    def base() -> None:
+        time.sleep(0.005 + load())
+
+    def extra() -> None:
+        time.sleep(0.015 + load())
+
+    assert calibrate.median_extra_seconds(base, extra, torch.device("cpu"), min_seconds=0.0) == pytest.approx(
+        0.010, abs=0.004)
 
 
 def test_a_head_timed_split_over_tp_replaces_the_even_split_of_the_whole_heads_time():

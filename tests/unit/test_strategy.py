@@ -73,3 +73,19 @@ def test_the_default_group_comes_with_an_exit_handler_that_ends_every_group_whil
     assert registered == [processes._end_process_groups]
     registered[0]()  # what the interpreter runs at exit
     assert not dist.is_initialized() and not group_cache._MADE
+
+
+def test_a_pipeline_built_after_the_process_groups_were_ended_and_started_again_gets_its_results_group():
+    """A process that ends its process groups between fits and starts new ones (a sweep that gives each fit a
+    world of its own, a notebook): the results group of the pipeline built before went with the old world, and
+    building the next one must not try to destroy it again (it raised "Invalid process group specified")."""
+    import torch.distributed as dist
+
+    from lightning_3d.parallel import parallelize
+    from lightning_3d.parallel.dims import ParallelDims, RankCoords
+
+    dims, coords = ParallelDims(dp=1, pp=1, tp=1), RankCoords(dp=0, pp=0, tp=0)
+    for _world in range(2):
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        assert dist.get_world_size(parallelize.pipeline_results_group(dims, coords)) == 1
+        dist.destroy_process_group()
