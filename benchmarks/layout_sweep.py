@@ -1,6 +1,6 @@
 """The layout chosen at launch (issue 31): every (dp, tp, pp) layout of 8 CPU ranks against ``layout="auto"``.
 
-    python benchmarks/layout_sweep.py [--shapes wide,deep,vocab] [--warmup 3] [--steps 12] [--budget-shape vocab]
+    python benchmarks/layout_sweep.py [--shapes wide,deep,vocab] [--warmup 5] [--steps 12] [--budget-shape vocab]
 
 One torchrun launch of 8 gloo ranks (one thread each) runs, per model shape, one ``Trainer.fit`` after another
 in the same processes, each in process groups of its own (``fresh_process_groups``: as in a launch of its own,
@@ -25,7 +25,7 @@ no fit runs beside the groups of the fits before it):
 
 Each replica takes ``--batch-size`` sequences per step (the loader's batch is per replica), so a layout with
 more data-parallel replicas trains more tokens per step: layouts are compared by tokens per second, as
-``auto_layout.ranked`` ranks them. A step's time is the mean over ``--steps`` steps after ``--warmup``, the
+``auto_layout.ranked`` ranks them. A step's time is the median over ``--steps`` steps after ``--warmup``, the
 slowest rank's. The measured peak per rank is what the planner models: parameters, gradients and optimizer state
 (``memory_report``) plus the most bytes autograd saved for backward at once (``SavedActivations``), taken in
 the last warm-up step and maxed over the ranks. (Not the resident set: in processes that ran earlier fits,
@@ -81,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per replica per step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4, help="per step under a pipeline (at least pp)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=3,
                         help="fits of auto and of the best swept layout, in turns; each counts at its median")
@@ -209,7 +209,7 @@ def run(name: str, args: argparse.Namespace, *, layout: Layout | None = None, au
     times = step_times(strategy, GPTLightningModule(config=config), data, args.steps, WORLD_SIZE,
                        warmup=args.warmup, callbacks=[memory])
     peak = memory.largest()
-    step_s = _slowest_mean(times)
+    step_s = _slowest_median(times)
     dims = strategy.parallel_dims
     tokens = dims.dp * args.batch_size * args.seq_len
     decision = strategy.layout_decision
@@ -255,12 +255,13 @@ def _strategy_settings(layout) -> dict:
     return {name: getattr(config, name) for name in names}
 
 
-def _slowest_mean(times: list[float]) -> float:
-    """The mean step time (the timed steps' total over their count: what a throughput is, and what the planner
-    predicts), the largest over the ranks (every rank has timed the same steps). Where ranks share cores, a
-    rank's steps scatter widely (290-460 ms on the wide shape's dp8, a long one often after a short one): over
-    five steps that layout measured 394-468 ms in three sweeps, over twelve 376 and 388 ms in two fits."""
-    value = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+def _slowest_median(times: list[float]) -> float:
+    """The median step time, the largest over the ranks (every rank has timed the same steps). Where ranks share
+    cores, a rank's steps scatter widely (290-460 ms on the wide shape's dp8, a long one often after a short
+    one): over five steps that layout measured 394-468 ms in three sweeps, over twelve 376 and 388 ms in two
+    fits. A median, not a mean: the first fit of a shape still had a step of 1.5-2x the others among its first
+    timed ones (the allocator settling on the model's sizes), and a fit now and then a run of slow steps."""
+    value = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
 
