@@ -3,8 +3,7 @@
     python benchmarks/layout_sweep.py [--shapes wide,deep,vocab] [--warmup 5] [--steps 12] [--budget-shape vocab]
 
 One torchrun launch of 8 gloo ranks (one thread each) runs, per model shape, one ``Trainer.fit`` after another
-in the same processes, each in process groups of its own (``fresh_process_groups``: as in a launch of its own,
-no fit runs beside the groups of the fits before it):
+in the same processes:
 
 * every (dp, tp, pp) split of the 8 ranks the model allows (tp divides the heads and the vocabulary, pp at most
   the blocks), each with the 1F1B schedule and ``max(pp, --microbatches)`` micro-batches when pp > 1, ZeRO
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,13 +45,11 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from timing import ensure_torchrun, step_times
 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.common import divisors
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
-from lightning_3d.parallel import group_cache
 from lightning_3d.parallel.memory import SavedActivations, memory_report
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS
@@ -62,7 +58,6 @@ from lightning_3d.planner.search import evaluate
 from lightning_3d.strategies.auto_layout import host_cluster
 
 WORLD_SIZE = 8
-RANK = int(os.environ.get("RANK", 0))  # read here: the sweep ends the process group after each fit
 SHAPES = {
     "wide": dict(n_layer=2, n_embd=256, n_head=8, vocab_size=256),
     "deep": dict(n_layer=16, n_embd=32, n_head=8, vocab_size=256),
@@ -134,8 +129,9 @@ def main() -> None:
     results = {}
     for name in args.shapes.split(","):
         results[name] = sweep(name, args)
-    if RANK == 0 and args.out:
+    if dist.get_rank() == 0 and args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str))
+    dist.destroy_process_group()
 
 
 def sweep(name: str, args: argparse.Namespace) -> dict:
@@ -164,7 +160,7 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
         budget = int(args.budget_share * decision.predicted_memory_bytes)
         budgeted, budget_decision = run(name, args, auto=True, budget=budget)
     load_after = _load()
-    if RANK != 0:
+    if dist.get_rank() != 0:
         return {}
     print_table(name, args, runs, auto, budgeted, budget, (load_before, load_after))
     return {"shape": SHAPES[name], "load": [load_before, load_after], "calibration": decision.calibration.to_dict(),
@@ -213,38 +209,10 @@ def run(name: str, args: argparse.Namespace, *, layout: Layout | None = None, au
     dims = strategy.parallel_dims
     tokens = dims.dp * args.batch_size * args.seq_len
     decision = strategy.layout_decision
-    fresh_process_groups()
     if decision is None:
         return Run(layout.describe(), layout, tokens, [step_s], peak), None
     return Run(f"auto{' (budget)' if budget else ''}: {decision.layout.describe()}", decision.layout, tokens,
                [step_s], peak, decision.predicted_step_s, decision.predicted_memory_bytes), decision
-
-
-def fresh_process_groups() -> None:
-    """End every process group and connect the ranks anew, so that the next fit starts as a fit in a new launch
-    does: with the default group and its own layout's groups only. A live gloo group keeps a thread that wakes
-    every 10 ms (gloo's tcp event loop); with the groups of the fits before it kept alive (a mesh per layout,
-    the calibration's), each fit ran among more of them than the last, and later layouts and auto paid for
-    earlier ones (30 idle groups per rank: ~6% slower steps on the wide shape's dp8). The new default group is
-    made here, on the launch's store under a prefix of its own (a group made again under the old names would
-    meet the old ones' keys), and the next strategy takes it as it is. DTensor's sharding cache is emptied:
-    it holds the old meshes, and a new mesh of the same ranks compares equal to one. Collective."""
-    dist.barrier()
-    if not _LAUNCH_STORE:
-        _LAUNCH_STORE.append(dist.distributed_c10d._get_default_store())
-    dist.destroy_process_group()
-    group_cache.forget()
-    sharding = DTensor._op_dispatcher.sharding_propagator
-    sharding.propagate_op_sharding.cache_clear()
-    sharding._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # its C++ side
-    _WORLDS.append(len(_WORLDS) + 1)
-    store = dist.PrefixStore(f"layout_sweep_world_{_WORLDS[-1]}", _LAUNCH_STORE[0])
-    dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD_SIZE)
-
-
-_LAUNCH_STORE: list = []
-_WORLDS: list[int] = []
 
 
 def _strategy_settings(layout) -> dict:
@@ -258,7 +226,7 @@ def _strategy_settings(layout) -> dict:
 def _slowest_median(times: list[float]) -> float:
     """The median step time, the largest over the ranks (every rank has timed the same steps). Where ranks share
     cores, a rank's steps scatter widely (290-460 ms on the wide shape's dp8, a long one often after a short
-    one): over five steps that layout measured 394-468 ms in three sweeps, over twelve 376 and 388 ms in two
+    one): over 3-5 steps that layout measured 394-468 ms in three sweeps, over twelve 376 and 388 ms in two
     fits. A median, not a mean: the first fit of a shape still had a step of 1.5-2x the others among its first
     timed ones (the allocator settling on the model's sizes), and a fit now and then a run of slow steps."""
     value = torch.tensor([statistics.median(times)], dtype=torch.float64)
