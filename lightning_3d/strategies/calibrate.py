@@ -298,12 +298,13 @@ def median_extra_seconds(base: Callable[[], Any], extra: Callable[[], Any], devi
     after the other also measure how the host's load moved in between, which on 8 ranks over 2 cores was as
     large as the difference sought: FSDP2's cost per block call came out 0.3-9.2 ms over nine calibrations
     (2-4 ms in seven) taken so. A pair's two repetitions run under the same load. Collective."""
-    calls = _agreed_calls((base, extra), device, True, min_seconds)
-    times: dict[Callable[[], Any], list[float]] = {base: [], extra: []}
+    runs = (base, extra)
+    calls = _agreed_calls(runs, device, True, min_seconds)
+    times: tuple[list[float], list[float]] = ([], [])  # base's, extra's
     for pair in range(PAIRS):
-        for run in (base, extra) if pair % 2 == 0 else (extra, base):
-            times[run].append(_timed(run, calls, device, True))
-    slowest = _slowest_each(times[base] + times[extra], device)
+        for which in (0, 1) if pair % 2 == 0 else (1, 0):
+            times[which].append(_timed(runs[which], calls, device, True))
+    slowest = _slowest_each(times[0] + times[1], device)
     return max(0.0, statistics.median(b - a for a, b in zip(slowest[:PAIRS], slowest[PAIRS:])))
 
 
