@@ -288,33 +288,28 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
     repeat_s = calibrate.repeat_seconds(cores)
     # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        block_s = calibrate.slowest_rank(calibrate.block_seconds_per_token(block, call, batch_size, sizes, device,
-                                                                           repeat_s), device)
-        split = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
-                                                     sorted({sizes[0], sizes[-1]}), device, repeat_s)
-        tp_block_s = {tp: calibrate.slowest_rank(times, device) for tp, times in split.items()}
-        head_s = calibrate.slowest_rank({0: calibrate.head_seconds_per_token(
-            spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length, torch.float32, device, repeat_s)},
-            device)[0]
+        # Every timing below counts each repetition at its slowest rank: every rank gets the same numbers.
+        block_s = calibrate.block_seconds_per_token(block, call, batch_size, sizes, device, repeat_s)
+        tp_block_s = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
+                                                          sorted({sizes[0], sizes[-1]}), device, repeat_s)
+        head_s = calibrate.head_seconds_per_token(spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length,
+                                                  torch.float32, device, repeat_s)
         tp_head_s = {}
         if config.vocab_parallel_loss:  # else the head's logits are gathered whole: the block-like split is off
-            split_head = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
-                                                             sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
-                                                             repeat_s)
-            tp_head_s = {tp: calibrate.slowest_rank(times, device) for tp, times in split_head.items()}
-        optimizer_s = calibrate.slowest_rank({0: calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)},
-                                             device)[0]
-        dtensor_s = calibrate.slowest_rank({0: calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)},
-                                           device)[0]
+            tp_head_s = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
+                                                            sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
+                                                            repeat_s)
+        optimizer_s = calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)
+        dtensor_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
-            fsdp_s = calibrate.slowest_rank({0: calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0],
-                                                                                  device, repeat_s)}, device)[0]
+            fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
     links = calibrate_links.link_speeds(world_size, per_node, device)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
-        pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size, min(sizes) * spec.seq_length,
-                                                           device, links["pp"], repeat_s)
+        pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size,
+                                                                 min(sizes) * spec.seq_length, device, links["pp"],
+                                                                 repeat_s)
     calibration = Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
         optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,

@@ -12,7 +12,8 @@ of the block. And an AdamW step on the block's parameters: seconds per parameter
 more on the same parameters as DTensors (per block).
 
 The communication -- link speeds per parallel dimension and the pipeline schedule's own cost -- is timed in
-``strategies/calibrate_links.py``, with the timing helpers here (:func:`median_seconds`, :func:`slowest_rank`).
+``strategies/calibrate_links.py``, with the timing helpers here (:func:`median_seconds`,
+:func:`median_extra_seconds`).
 
 Every rank takes part (collectives), each measures its own, and the slowest rank's numbers are kept (a step
 runs at the pace of its slowest rank). The random generators are left as they were found, and the process
@@ -266,16 +267,6 @@ def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores / (per_node * torch.get_num_threads())
-
-
-def slowest_rank(seconds: dict[int, float], device: torch.device) -> dict[int, float]:
-    """Per micro-batch size, the largest of the ranks' times (one all-reduce; every rank calls it)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return seconds
-    keys = sorted(seconds)
-    values = torch.tensor([seconds[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return dict(zip(keys, values.tolist()))
 
 
 def median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool = False,
