@@ -68,7 +68,7 @@ def main() -> None:
         def on_train_batch_end(self, *_args) -> None:
             self.ends.append((time.perf_counter(), time.process_time()))
 
-    logs = tempfile.mkdtemp(prefix="callbacks_overhead_")
+    logs = tempfile.TemporaryDirectory(prefix="callbacks_overhead_")  # each rank's; removed at the end
 
     def run(with_callbacks: bool) -> tuple[float, float]:
         """Mean wall and CPU seconds per timed batch."""
@@ -82,7 +82,7 @@ def main() -> None:
         clocks = Clocks()
         watchers = [getattr(lightning_3d.callbacks, name)() for name in args.callbacks.split(",")]
         L.Trainer(accelerator="cpu", devices=args.nprocs, strategy=strategy, max_steps=args.steps + WARMUP_STEPS,
-                  logger=TensorBoardLogger(logs), enable_checkpointing=False, enable_progress_bar=False,
+                  logger=TensorBoardLogger(logs.name), enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
                   callbacks=[clocks, *(watchers if with_callbacks else [])],
                   ).fit(GPTLightningModule(config=config), data)
@@ -94,6 +94,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name in names if round_index % 2 == 0 else reversed(list(names)):
             means[name].append(run(names[name]))
+    logs.cleanup()
     if dist.get_rank() == 0:
         print(f"\n{args.callbacks} at their default intervals")
         print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} seq={args.seq_len} batch/dp rank={args.batch_size},"
