@@ -35,6 +35,9 @@ from lightning_3d.errors import PlannerError
 
 DIMENSIONS = ("tp", "pp", "dp")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+SEPARATELY_TIMED = tuple(f"{dim}.{collective}" for dim in ("tp", "dp") for collective in ("all_gather", "reduce_scatter"))
+"""The keys of :attr:`Calibration.collective_links`: the collectives ZeRO (dp) and sequence parallelism (tp)
+make, timed on their groups apart from the all-reduce."""
 
 
 def wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
@@ -168,6 +171,13 @@ class Calibration:
     seconds per token of the micro-batch: ``{tp: {micro-batch size: seconds}}``. Where a tp size is timed, the
     step time takes it instead of the whole block's time / tp plus modelled collectives (what the split adds
     beyond an even split counts as tensor-parallel communication)."""
+    collective_links: Mapping[str, LinkSpeed] = field(default_factory=dict)
+    """All-gather's and reduce-scatter's own speeds on a dimension's group, where they were timed apart from its
+    all-reduce: ``{"dp.all_gather": LinkSpeed, "dp.reduce_scatter": ..., "tp.all_gather": ...}``
+    (:data:`SEPARATELY_TIMED`). A backend's may differ from what its all-reduce predicts: on 8 gloo ranks
+    sharing 2 cores, a 4 MiB reduce-scatter took 26.6 ms, an all-gather of the same tensor 14.4 ms and an
+    all-reduce 24.0 ms, where the ring model's all-reduce fit gave both of the first ~10 ms. A collective not
+    timed apart takes its dimension's link (:meth:`link`)."""
 
     def __post_init__(self) -> None:
         sizes = {}
@@ -199,6 +209,11 @@ class Calibration:
             object.__setattr__(self, name, _by_tp_and_size(name, getattr(self, name)))
         for dim in DIMENSIONS:
             object.__setattr__(self, dim, LinkSpeed.of(getattr(self, dim)))
+        unknown = set(self.collective_links) - set(SEPARATELY_TIMED)
+        if unknown:
+            raise PlannerError(f"Calibration.collective_links takes the keys {SEPARATELY_TIMED}; got {sorted(unknown)}.")
+        object.__setattr__(self, "collective_links", {key: LinkSpeed.of(speed)
+                                                       for key, speed in sorted(self.collective_links.items())})
 
     def block_seconds(self, micro_batch_size: int) -> float:
         """Seconds per token of one whole block at ``micro_batch_size``: measured; between two sizes timed, the
@@ -224,10 +239,12 @@ class Calibration:
         """Whether a collective can run beside compute: on a device of its own, or with a core to spare."""
         return self.host_cores_per_rank is None or self.host_cores_per_rank > 1
 
-    def link(self, dimension: str) -> LinkSpeed:
+    def link(self, dimension: str, collective: str = "all_reduce") -> LinkSpeed:
+        """The speed ``collective`` runs at on ``dimension``'s group: its own where it was timed apart
+        (:attr:`collective_links`), else the dimension's."""
         if dimension not in DIMENSIONS:
             raise PlannerError(f"dimension={dimension!r} is not one of {DIMENSIONS}.")
-        return getattr(self, dimension)
+        return self.collective_links.get(f"{dimension}.{collective}") or getattr(self, dimension)
 
     def to_dict(self) -> dict:
         """Plain values (ints, floats, dicts) that :meth:`from_dict` turns back into this calibration."""
@@ -241,15 +258,15 @@ class Calibration:
                "tp_head_seconds_per_token": {tp: dict(times) for tp, times in self.tp_head_seconds_per_token.items()},
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
-            link = self.link(dim)
-            out[dim] = {"latency_s": link.latency_s, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s}
+            out[dim] = _plain(self.link(dim))
+        out["collective_links"] = {key: _plain(speed) for key, speed in self.collective_links.items()}
         return out
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
         optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
                     "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block", "fsdp_block_call_s",
-                    "tp_head_seconds_per_token"}
+                    "tp_head_seconds_per_token", "collective_links"}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -266,17 +283,25 @@ class Calibration:
                           tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
-        attributes, or a (latency, bandwidth) pair."""
+        attributes, or a (latency, bandwidth) pair, and any of :data:`SEPARATELY_TIMED` that was timed."""
         missing = [dim for dim in DIMENSIONS if dim not in links]
         if missing:
             raise PlannerError(f"links needs a speed for each of {DIMENSIONS}; missing {missing}.")
+        unknown = set(links) - set(DIMENSIONS) - set(SEPARATELY_TIMED)
+        if unknown:
+            raise PlannerError(f"links takes {DIMENSIONS} and {SEPARATELY_TIMED}; got {sorted(unknown)} besides.")
         return cls(block_seconds_per_token=block_seconds_per_token, head_seconds_per_token=head_seconds_per_token,
                    optimizer_seconds_per_parameter=optimizer_seconds_per_parameter,
                    tp_block_seconds_per_token=tp_block_seconds_per_token or {},
                    host_cores_per_rank=host_cores_per_rank, pipeline_microbatch_s=pipeline_microbatch_s,
                    optimizer_dtensor_seconds_per_block=optimizer_dtensor_seconds_per_block,
                    fsdp_block_call_s=fsdp_block_call_s, tp_head_seconds_per_token=tp_head_seconds_per_token or {},
+                   collective_links={key: links[key] for key in SEPARATELY_TIMED if key in links},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
+
+
+def _plain(speed: LinkSpeed) -> dict[str, float]:
+    return {"latency_s": speed.latency_s, "bandwidth_bytes_per_s": speed.bandwidth_bytes_per_s}
 
 
 def _by_tp_and_size(name: str, values: Mapping[Any, Mapping[Any, float]]) -> dict[int, dict[int, float]]:

@@ -32,7 +32,8 @@ tp split divides its matmuls), a recomputed block adds a forward (a third of tha
 time / tp (where the calibration timed the block or the head split over tp, what it measured: the even split
 counts as compute, the rest -- their collectives and whatever the split adds -- as tensor-parallel
 communication);
-every collective costs its link's latency once per ring step + wire bytes / bandwidth, so latency
+every collective costs its link's latency once per ring step + wire bytes / bandwidth (all-gather and
+reduce-scatter at their own speeds where the calibration timed them apart from the all-reduce), so latency
 counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over k ranks (as a reduce-scatter
 and an all-gather, the pair sequence parallelism makes of a tp region), k - 1 for an all-gather or
 reduce-scatter, one per send; one data-parallel call per FSDP unit (a block, or the rest of the stage) and
@@ -140,7 +141,8 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     def tp_collectives(regions: int) -> float:
         # A region's all-reduce is, with SP, a reduce-scatter and an all-gather: the same bytes, two calls.
         if sp:
-            return 2 * regions * speeds.collective("tp", "all_gather", message, t)
+            return regions * (speeds.collective("tp", "reduce_scatter", message, t)
+                              + speeds.collective("tp", "all_gather", message, t))
         return regions * speeds.collective("tp", "all_reduce", message, t)
 
     per_rank = []  # (compute, tp comm, backward compute) of one micro-batch, per pipeline rank
@@ -223,9 +225,9 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         exposed = max(unhidden, dp_time - backward) if dp_overlap else dp_time
     if zero == 3 and d > 1:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
-        # prefetched during the previous block's compute.
+        # prefetched during the previous block's compute (where a collective can run beside it).
         gathers = 2 * dp_calls("all_gather", weights)
-        exposed += m * max(0.0, gathers - compute)
+        exposed += m * (max(0.0, gathers - compute) if dp_overlap else gathers)
     optimizer = speeds.optimizer(params) / (layout.shard if zero else 1)
     if t > 1 or fsdp:  # DTensor parameters (DDP's, and a lone pipeline stage's, are plain)
         optimizer += units * speeds.dtensor_optimizer
@@ -281,8 +283,8 @@ class _Speeds:
     def collective(self, dimension: str, collective: str, nbytes: float, ranks: int) -> float:
         """Seconds of one ``collective`` of an ``nbytes`` tensor over ``ranks`` ranks of ``dimension``'s group."""
         wire = wire_bytes(collective, nbytes, ranks)
-        if self.calibration is not None:  # HSDP's two groups: dp's measured link (not calibrated apart)
-            link = self.calibration.link("dp" if dimension.startswith("dp") else dimension)
+        if self.calibration is not None:  # HSDP's two groups: dp's measured links (not calibrated apart)
+            link = self.calibration.link("dp" if dimension.startswith("dp") else dimension, collective)
             return link.seconds(wire, latency_steps(collective, ranks))
         t, d = self.layout.tp, self.layout.dp
         # Mesh order (pp, dp, tp): a tp group spans t consecutive ranks, a dp group t * d, and neighbouring

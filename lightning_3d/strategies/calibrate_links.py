@@ -1,8 +1,8 @@
 """How fast these devices' links are, measured in seconds at launch, for ``layout="auto"`` (issue 31).
 
-All-reduce on groups of consecutive ranks (as tp and dp groups lie) and point-to-point sends between the two
-halves of the world (as pipeline neighbours lie), each at two message sizes, so that ``time = ring steps x
-latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule between those halves, for
+All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp and dp groups lie) and
+point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
+sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule between those halves, for
 what the schedule itself costs per micro-batch beyond compute and sends. Every rank takes part (collectives);
 the slowest rank's numbers are kept, and the process groups made for a measurement are destroyed after it.
 The compute timings, and the timing helpers both use, are in ``strategies/calibrate.py``.
@@ -23,10 +23,14 @@ from lightning_3d.strategies.calibrate import MIN_REPEAT_SECONDS, median_seconds
 MESSAGE_BYTES = (2**16, 2**22)
 """The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
 the second."""
+
+
 def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:
     """All-reduce inside groups of consecutive ranks ("tp": within a node) and across nodes ("dp": ranks of
-    equal local rank; within the node on one node), and point-to-point between the world's two halves ("pp").
-    Collective: every rank of the world calls it."""
+    equal local rank; within the node on one node), and point-to-point between the world's two halves ("pp");
+    all-gather and reduce-scatter on the same groups ("tp.all_gather", "dp.reduce_scatter", ...: ZeRO's and
+    sequence parallelism's, which a backend may run at other speeds than its all-reduce). On one node the tp
+    and dp groups are the same ranks, timed once. Collective: every rank of the world calls it."""
     if world_size == 1:
         return {dim: LinkSpeed(latency_s=0.0, bandwidth_bytes_per_s=float("inf")) for dim in ("tp", "pp", "dp")}
     inside = min(per_node, world_size)
@@ -36,9 +40,14 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
         dp_group, _ = dist.new_subgroups_by_enumeration(across)
     else:
         dp_group = tp_group
-    speeds = {"tp": _allreduce_speed(tp_group, device), "dp": _allreduce_speed(dp_group, device),
-              "pp": _p2p_speed(world_size, device)}
-    speeds = {dim: _slowest(speed, device) for dim, speed in speeds.items()}
+    speeds, timed = {"pp": _p2p_speed(world_size, device)}, {}
+    for dim, group in (("tp", tp_group), ("dp", dp_group)):
+        if id(group) not in timed:
+            timed[id(group)] = {c: _collective_speed(c, group, device) for c in ("all_reduce", "all_gather",
+                                                                               "reduce_scatter")}
+        for collective, speed in timed[id(group)].items():
+            speeds[dim if collective == "all_reduce" else f"{dim}.{collective}"] = speed
+    speeds = {key: _slowest(speed, device) for key, speed in speeds.items()}
     _release(tp_group, dp_group)
     return speeds
 
@@ -88,14 +97,21 @@ def pipeline_microbatch_seconds(world_size: int, hidden_size: int, micro_tokens:
     return max(0.0, per_microbatch - layer_s - sends)
 
 
-def _allreduce_speed(group, device: torch.device) -> LinkSpeed:
+def _collective_speed(collective: str, group, device: torch.device) -> LinkSpeed:
+    """``collective`` on ``group`` at the two :data:`MESSAGE_BYTES` sizes, a message being the whole tensor (what
+    an all-gather returns, what a reduce-scatter takes), cut into equal shards of float32."""
     k = dist.get_world_size(group)
-    times = []
+    times, sizes = [], []
     for nbytes in MESSAGE_BYTES:
-        buffer = torch.zeros(nbytes // 4, device=device)
-        times.append(median_seconds(lambda: dist.all_reduce(buffer, group=group), device, barrier=True))
-    return LinkSpeed.fit(wire=tuple(wire_bytes("all_reduce", n, k) for n in MESSAGE_BYTES), seconds=tuple(times),
-                         steps=latency_steps("all_reduce", k))
+        whole = torch.zeros(nbytes // 4 // k * k, device=device)
+        shard = torch.zeros(whole.numel() // k, device=device)
+        call = {"all_reduce": partial(dist.all_reduce, whole, group=group),
+                "all_gather": partial(dist.all_gather_into_tensor, whole, shard, group=group),
+                "reduce_scatter": partial(dist.reduce_scatter_tensor, shard, whole, group=group)}[collective]
+        times.append(median_seconds(call, device, barrier=True))
+        sizes.append(whole.numel() * 4)
+    return LinkSpeed.fit(wire=tuple(wire_bytes(collective, n, k) for n in sizes), seconds=tuple(times),
+                         steps=latency_steps(collective, k))
 
 
 def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:

@@ -8,6 +8,7 @@ import pytest
 
 from helpers import WORKERS
 from helpers.launchers import forkrun
+from lightning_3d.planner.calibration import SEPARATELY_TIMED
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,6 +47,17 @@ def test_the_calibration_measured_the_optimizer_and_the_pipeline_schedules_own_c
         calibration = rank["free"]["calibration"]
         assert 0 < calibration["optimizer_seconds_per_parameter"] < 1e-5
         assert 0 <= calibration["pipeline_microbatch_s"] < 1.0
+
+
+def test_the_calibration_timed_all_gather_and_reduce_scatter_apart_from_the_all_reduce(ranks):
+    """ZeRO's and sequence parallelism's collectives, timed on the ranks' groups; on one node dp's group is
+    tp's, timed once."""
+    for rank in ranks:
+        links = rank["free"]["calibration"]["collective_links"]
+        assert sorted(links) == sorted(SEPARATELY_TIMED), links
+        assert all(speed["latency_s"] >= 0 and speed["bandwidth_bytes_per_s"] > 0 for speed in links.values())
+        assert links["dp.reduce_scatter"] == links["tp.reduce_scatter"]
+        assert links["dp.reduce_scatter"] != links["dp.all_gather"]
 
 
 def test_the_calibrations_own_process_groups_are_destroyed_after_their_measurement(ranks):
