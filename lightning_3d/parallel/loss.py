@@ -38,8 +38,11 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, **kwargs: Any)
         return F.cross_entropy(logits, targets, **kwargs)
     with vocab_parallel_ops():
         loss = F.cross_entropy(logits, targets, **kwargs)
-    # The loss is replicated on every tp rank: its local value is the whole value.
-    return local(loss)
+    # The loss is replicated on every tp rank: its local value is the whole value. ``to_local`` hands back a
+    # view; the step's loss may leave a module that FSDP2 wraps (the root, under dp > 1), which hooks its
+    # backward onto the output -- and an in-place change of a view (``loss /= n``) drops that hook silently
+    # (FSDP2 warns of it on every step). The copy is one number.
+    return local(loss).clone()
 
 
 _depth = 0  # how many vocab_parallel_ops() contexts are open (PyTorch's loss_parallel does not nest)

@@ -106,8 +106,8 @@ def _collective_speed(collective: str, group, device: torch.device) -> LinkSpeed
         whole = torch.zeros(nbytes // 4 // k * k, device=device)
         shard = torch.zeros(whole.numel() // k, device=device)
         call = {"all_reduce": partial(dist.all_reduce, whole, group=group),
-                "all_gather": partial(dist.all_gather_into_tensor, whole, shard, group=group),
-                "reduce_scatter": partial(dist.reduce_scatter_tensor, shard, whole, group=group)}[collective]
+                "all_gather": partial(dist.all_gather_single, whole, shard, group=group),
+                "reduce_scatter": partial(dist.reduce_scatter_single, shard, whole, group=group)}[collective]
         times.append(median_seconds(call, device, barrier=True))
         sizes.append(whole.numel() * 4)
     return LinkSpeed.fit(wire=tuple(wire_bytes(collective, n, k) for n in sizes), seconds=tuple(times),
