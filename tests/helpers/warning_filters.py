@@ -3,8 +3,7 @@
 A warning attributed to lightning_3d code -- our own, or torch's / Lightning's deprecation of something we
 call (a deprecation warns at its caller) -- fails the test: it is drift we want to see. A warning
 lightning_3d gives on purpose is expected where a test provokes it (``pytest.warns``). Everything else is
-shown as usual, except the third-party warnings in ``IGNORED`` below, each ignored for the reason given, and
-those in ``RAISED``, which fail a test as ours do: they mean our code did something wrong.
+shown as usual, except the third-party warnings in ``IGNORED`` below, each ignored for the reason given.
 
 The same rules reach every process a test starts (torchrun ranks, Lightning's launcher, the CLI) through
 ``PYTHONWARNINGS`` (``conftest.py`` sets it), where a module must be named exactly: hence one entry per module
@@ -34,15 +33,6 @@ IGNORED: list[tuple[str, str, str]] = [
 ]
 """Third-party warnings that say nothing about our code."""
 
-RAISED: list[tuple[str, str, str]] = [
-    # FSDP2 warns when a module it wraps returns a view: an in-place change of that output (``loss /= n``) would
-    # drop the backward hook it puts there, silently. Where FSDP2 wraps the LightningModule itself (dp > 1 with
-    # tp or ZeRO), that output is the step's loss, which the vocabulary-parallel loss handed back as a view
-    # (DTensor.to_local) until 2026-12-05: every such step warned.
-    ("FSDP2-wrapped module", "UserWarning", "torch.distributed.fsdp._fully_shard._fsdp_state"),
-]
-"""Third-party warnings that say our code did something wrong: errors, as our own warnings are."""
-
 
 def _our_modules() -> list[str]:
     return ["lightning_3d", *(m.name for m in pkgutil.walk_packages(lightning_3d.__path__, "lightning_3d."))]
@@ -51,12 +41,10 @@ def _our_modules() -> list[str]:
 def pytest_filters() -> list[str]:
     """Lines for pytest's ``filterwarnings`` (module is a regular expression there, matched at the start)."""
     ignored = [f"ignore:{re.escape(message)}:{category}:{re.escape(module)}" for message, category, module in IGNORED]
-    raised = [f"error:{re.escape(message)}:{category}:{re.escape(module)}" for message, category, module in RAISED]
-    return [*ignored, *raised, r"error::Warning:lightning_3d(\.|$)"]  # later lines take precedence
+    return [*ignored, r"error::Warning:lightning_3d(\.|$)"]  # later lines take precedence
 
 
 def pythonwarnings() -> str:
     """The ``PYTHONWARNINGS`` value for processes the tests start (later entries take precedence)."""
     ignored = [f"ignore:{message}:{category}:{module}" for message, category, module in IGNORED]
-    raised = [f"error:{message}:{category}:{module}" for message, category, module in RAISED]
-    return ",".join([*ignored, *raised, *(f"error::Warning:{name}" for name in _our_modules())])
+    return ",".join([*ignored, *(f"error::Warning:{name}" for name in _our_modules())])
