@@ -35,7 +35,8 @@ from lightning_3d.errors import PlannerError
 
 DIMENSIONS = ("tp", "pp", "dp")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-SEPARATELY_TIMED = tuple(f"{dim}.{collective}" for dim in ("tp", "dp") for collective in ("all_gather", "reduce_scatter"))
+SEPARATELY_TIMED = tuple(f"{dim}.{collective}" for dim in ("tp", "dp")
+                         for collective in ("all_gather", "reduce_scatter"))
 """The keys of :attr:`Calibration.collective_links`: the collectives ZeRO (dp) and sequence parallelism (tp)
 make, timed on their groups apart from the all-reduce."""
 
@@ -166,6 +167,10 @@ class Calibration:
     out of their DTensors), whatever the tokens: paid per block and micro-batch, and once more for the rest of
     the stage, where data parallelism wraps each block with FSDP2 (under a pipeline, tensor parallelism or
     ZeRO; not DistributedDataParallel's plain data parallelism)."""
+    recompute_share: float | None = None
+    """What recomputing a block's forward in its backward (activation checkpointing) adds to the block's forward
+    + backward, as a share of it: measured, the block checkpointed against the block alone, in pairs; None: a
+    third, a forward's FLOPs of forward + backward's."""
     tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     """Forward + backward of one block split over tp ranks as the run splits it, its collectives included,
     seconds per token of the micro-batch: ``{tp: {micro-batch size: seconds}}``. Where a tp size is timed, the
@@ -196,6 +201,9 @@ class Calibration:
         if not (self.pipeline_microbatch_s >= 0 and math.isfinite(self.pipeline_microbatch_s)):
             raise PlannerError(f"Calibration.pipeline_microbatch_s must be a finite number >= 0, got"
                                f" {self.pipeline_microbatch_s!r}.")
+        if self.recompute_share is not None and not (self.recompute_share >= 0 and math.isfinite(self.recompute_share)):
+            raise PlannerError(f"Calibration.recompute_share must be a finite number >= 0 or None, got"
+                               f" {self.recompute_share!r}.")
         for name in ("optimizer_dtensor_seconds_per_block", "fsdp_block_call_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -211,7 +219,8 @@ class Calibration:
             object.__setattr__(self, dim, LinkSpeed.of(getattr(self, dim)))
         unknown = set(self.collective_links) - set(SEPARATELY_TIMED)
         if unknown:
-            raise PlannerError(f"Calibration.collective_links takes the keys {SEPARATELY_TIMED}; got {sorted(unknown)}.")
+            raise PlannerError(f"Calibration.collective_links takes the keys {SEPARATELY_TIMED};"
+                               f" got {sorted(unknown)}.")
         object.__setattr__(self, "collective_links", {key: LinkSpeed.of(speed)
                                                        for key, speed in sorted(self.collective_links.items())})
 
@@ -255,6 +264,7 @@ class Calibration:
                "pipeline_microbatch_s": self.pipeline_microbatch_s,
                "optimizer_dtensor_seconds_per_block": self.optimizer_dtensor_seconds_per_block,
                "fsdp_block_call_s": self.fsdp_block_call_s,
+               "recompute_share": self.recompute_share,
                "tp_head_seconds_per_token": {tp: dict(times) for tp, times in self.tp_head_seconds_per_token.items()},
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
@@ -266,7 +276,7 @@ class Calibration:
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
         optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
                     "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block", "fsdp_block_call_s",
-                    "tp_head_seconds_per_token", "collective_links"}
+                    "tp_head_seconds_per_token", "collective_links", "recompute_share"}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -280,7 +290,8 @@ class Calibration:
                           host_cores_per_rank: float | None = None, pipeline_microbatch_s: float = 0.0,
                           optimizer_dtensor_seconds_per_block: float = 0.0,
                           fsdp_block_call_s: float = 0.0,
-                          tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None) -> "Calibration":
+                          tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None,
+                          recompute_share: float | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair, and any of :data:`SEPARATELY_TIMED` that was timed."""
@@ -296,6 +307,7 @@ class Calibration:
                    host_cores_per_rank=host_cores_per_rank, pipeline_microbatch_s=pipeline_microbatch_s,
                    optimizer_dtensor_seconds_per_block=optimizer_dtensor_seconds_per_block,
                    fsdp_block_call_s=fsdp_block_call_s, tp_head_seconds_per_token=tp_head_seconds_per_token or {},
+                   recompute_share=recompute_share,
                    collective_links={key: links[key] for key in SEPARATELY_TIMED if key in links},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 

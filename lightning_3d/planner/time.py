@@ -28,7 +28,8 @@ With a :class:`~lightning_3d.planner.calibration.Calibration` the same terms tak
 step is the ranks' average work plus (1 - 1/P) of its critical path at a core per rank, Graham's bound for
 list scheduling on P cores -- and no data-parallel call hides behind backward, no core being free to run it):
 a block's forward + backward is its measured seconds per token at the micro-batch size, divided by tp (the
-tp split divides its matmuls), a recomputed block adds a forward (a third of that), the head its measured
+tp split divides its matmuls), a recomputed block adds its measured recompute share of that (a third, a
+forward, where not measured), the head its measured
 time / tp (where the calibration timed the block or the head split over tp, what it measured: the even split
 counts as compute, the rest -- their collectives and whatever the split adds -- as tensor-parallel
 communication);
@@ -261,7 +262,9 @@ class _Speeds:
         ``dtensor_optimizer``)."""
         if calibration is not None:
             self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
-            self.recompute = self.block / 3  # a forward is a third of forward + backward (backward: 2 matmuls)
+            # a forward is a third of forward + backward (backward: 2 matmuls), unless measured
+            share = calibration.recompute_share
+            self.recompute = self.block * (1 / 3 if share is None else share)
             self.head = calibration.head_seconds_per_token * tokens / t
             split_head = calibration.tp_head_seconds(layout.micro_batch_size, t) if t > 1 else None
             if split_head is not None:

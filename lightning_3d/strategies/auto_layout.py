@@ -40,7 +40,7 @@ from lightning_3d.planner.memory import PRECISIONS, Precision
 from lightning_3d.planner.model import ModelSpec, model_spec
 from lightning_3d.planner.report import Candidate, why_best
 from lightning_3d.planner.search import evaluate
-from lightning_3d.strategies import calibrate, calibrate_links
+from lightning_3d.strategies import calibrate, calibrate_links, calibrate_timing
 
 if TYPE_CHECKING:
     from lightning_3d.planner.calibration import Calibration
@@ -285,7 +285,7 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
     batch_size = _batch_size(batch)
     sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
     cores = calibrate.host_cores_per_rank(per_node, device)
-    repeat_s = calibrate.repeat_seconds(cores)
+    repeat_s = calibrate_timing.repeat_seconds(cores)
     # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         # Every timing below counts each repetition at its slowest rank: every rank gets the same numbers.
@@ -304,6 +304,9 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
             fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
+        recompute = None
+        if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
+            recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], device, repeat_s)
     links = calibrate_links.link_speeds(world_size, per_node, device)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
@@ -313,7 +316,8 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
     calibration = Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
         optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
-        optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s)
+        optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
+        recompute_share=recompute)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -8,12 +8,12 @@ split over each candidate tensor-parallel size by the policy's plan, on real tp 
 DTensor's costs included), at the smallest and largest size; the output head as a matrix multiply of its size
 with the cross-entropy over its logits, whole and split over the vocabulary at each candidate tp size (the
 vocabulary-parallel loss's collectives included). Seconds per token. What FSDP2's wrapping adds to one call
-of the block. And an AdamW step on the block's parameters: seconds per parameter, and what the step costs
-more on the same parameters as DTensors (per block).
+of the block, and what recomputing its forward in backward (activation checkpointing) adds. And an AdamW
+step on the block's parameters: seconds per parameter, and what the step costs more on the same parameters
+as DTensors (per block).
 
 The communication -- link speeds per parallel dimension and the pipeline schedule's own cost -- is timed in
-``strategies/calibrate_links.py``, with the timing helpers here (:func:`median_seconds`,
-:func:`median_extra_seconds`).
+``strategies/calibrate_links.py``; how both time a call, in ``strategies/calibrate_timing.py``.
 
 Every rank takes part (collectives), each measures its own, and the slowest rank's numbers are kept (a step
 runs at the pace of its slowest rank). The random generators are left as they were found, and the process
@@ -23,10 +23,7 @@ groups made for a measurement are destroyed after it.
 from __future__ import annotations
 
 import copy
-import math
 import os
-import statistics
-import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -37,28 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_3d.common import local
 from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.policies.base import Plan
-
-REPEATS = 5
-"""Timed repetitions of each measurement after one warm-up; the median is kept."""
-PAIRS = 7
-"""Timed pairs of repetitions of a difference between two runs (:func:`median_extra_seconds`)."""
-MIN_REPEAT_SECONDS = 0.02
-"""The shortest timed repetition: a call is repeated within one until it lasts this long. A single short call
-measures the clock and the scheduler's time slices (milliseconds where ranks share cores) more than the work."""
-SHARED_CORES_REPEAT_SECONDS = 0.1
-"""The shortest timed repetition where the ranks outnumber the host's cores. There one call of a block takes
-tens of milliseconds of wall time, so a 0.02 s repetition is a single call, and how much the ranks' calls
-overlap -- they leave the barrier several milliseconds apart -- changes from one repetition to the next: on 8
-ranks over 2 cores a block timed at 2 sequences came out 0.63-0.99 of its time per token at 8 over six
-calibrations, though alone it is 1.09 (issue 31's sweep, "wide"). Several calls per repetition keep all the
-ranks busy together, as in a step."""
-
-
-def repeat_seconds(cores_per_rank: float | None) -> float:
-    """The shortest timed repetition for ranks with ``cores_per_rank`` cores each (:func:`host_cores_per_rank`;
-    None on GPUs)."""
-    return SHARED_CORES_REPEAT_SECONDS if cores_per_rank is not None and cores_per_rank < 1 else MIN_REPEAT_SECONDS
-
+from lightning_3d.strategies.calibrate_timing import MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds
 
 class _Captured(Exception):
     """Raised by the hook that took a block's call: the rest of the step is not needed."""
@@ -138,6 +114,24 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     base, _ = _call_run(alone, call, batch_size, micro_batch_size, device)
     extra, _ = _call_run(wrapped, call, batch_size, micro_batch_size, device)
     return median_extra_seconds(base, extra, device, repeat_s)
+
+
+def recompute_share(block: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, device: torch.device,
+                    repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """What recomputing ``block``'s forward during its backward adds to one forward + backward of the block, as
+    a share of that forward + backward, >= 0: the block under activation checkpointing (torch's composable
+    ``checkpoint``, as ``activation_checkpointing`` applies it to each block) against the block alone, timed in
+    pairs at ``micro_batch_size``. A forward's FLOPs are a third of forward + backward; the checkpoint's own
+    work (the random state kept and restored, the forward's tensors made twice) comes on top. Collective."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    alone = _materialized(block, device)
+    recomputed = copy.deepcopy(alone)
+    checkpoint(recomputed)
+    base, _ = _call_run(alone, call, batch_size, micro_batch_size, device)
+    extra, _ = _call_run(recomputed, call, batch_size, micro_batch_size, device)
+    whole = median_seconds(base, device, barrier=True, min_seconds=repeat_s)
+    return median_extra_seconds(base, extra, device, repeat_s) / whole
 
 
 def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
@@ -267,78 +261,6 @@ def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores / (per_node * torch.get_num_threads())
-
-
-def median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool = False,
-                   min_seconds: float = MIN_REPEAT_SECONDS) -> float:
-    """Seconds of one ``run()``: the median over ``REPEATS`` timed repetitions after a warm-up, each repeating
-    the call until it lasts ``min_seconds``. Collective where the process group is up: every rank
-    repeats the call as often as the slowest needs (collectives match); with ``barrier`` the ranks start each
-    repetition together, so that they run at once, as they do in a step; and each repetition counts at its
-    slowest rank's time, as a step waits for its slowest rank each time (the median of those maxima, not the
-    largest of the ranks' medians, which is shorter where ranks share cores and take turns being slow)."""
-    calls = _agreed_calls((run,), device, barrier, min_seconds)
-    return statistics.median(_slowest_each([_timed(run, calls, device, barrier) for _ in range(REPEATS)], device))
-
-
-def median_extra_seconds(base: Callable[[], Any], extra: Callable[[], Any], device: torch.device,
-                         min_seconds: float = MIN_REPEAT_SECONDS) -> float:
-    """Seconds one ``extra()`` takes more than one ``base()``, >= 0: the median over ``PAIRS`` pairs of timed
-    repetitions, one of each back to back, each of the two first in turn (the ranks start each repetition
-    together, and it counts at its slowest rank's time, as in :func:`median_seconds`). Two medians taken one
-    after the other also measure how the host's load moved in between, which on 8 ranks over 2 cores was as
-    large as the difference sought: FSDP2's cost per block call came out 0.3-9.2 ms over nine calibrations
-    (2-4 ms in seven) taken so. A pair's two repetitions run under the same load. Collective."""
-    runs = (base, extra)
-    calls = _agreed_calls(runs, device, True, min_seconds)
-    times: tuple[list[float], list[float]] = ([], [])  # base's, extra's
-    for pair in range(PAIRS):
-        for which in (0, 1) if pair % 2 == 0 else (1, 0):
-            times[which].append(_timed(runs[which], calls, device, True))
-    slowest = _slowest_each(times[0] + times[1], device)
-    return max(0.0, statistics.median(b - a for a, b in zip(slowest[:PAIRS], slowest[PAIRS:])))
-
-
-def _agreed_calls(runs: tuple[Callable[[], Any], ...], device: torch.device, barrier: bool,
-                  min_seconds: float) -> int:
-    """Calls per timed repetition: after a warm-up call of each run (first-call allocations, kernel selection),
-    as many as make the slowest run last ``min_seconds`` on the slowest rank (collective where the process group
-    is up: every rank then makes as many, and collectives inside the runs match)."""
-    calls = 1
-    for run in runs:
-        run()
-        _synchronize(device)
-        calls = max(calls, math.ceil(min_seconds / max(_timed(run, 1, device, barrier), 1e-9)))
-    if not dist.is_initialized():
-        return calls
-    agreed = torch.tensor([calls], dtype=torch.int64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return int(agreed.item())
-
-
-def _timed(run: Callable[[], Any], calls: int, device: torch.device, barrier: bool) -> float:
-    """Seconds per call of ``calls`` calls of ``run`` in a row (the ranks start together with ``barrier``)."""
-    if barrier and dist.is_initialized():
-        dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    _synchronize(device)
-    return (time.perf_counter() - start) / calls
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _slowest_each(times: list[float], device: torch.device) -> list[float]:
-    """Each of ``times`` (the same repetitions on every rank), the largest over the ranks (one all-reduce)."""
-    if not dist.is_initialized():
-        return times
-    values = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values.tolist()
 
 
 def _tp_mesh(tp: int, device: torch.device):

@@ -2,8 +2,9 @@
 
 All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp and dp groups lie) and
 point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
-sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage pipeline schedule between those halves, for
-what the schedule itself costs per micro-batch beyond compute and sends. Every rank takes part (collectives);
+sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage
+pipeline schedule between those halves, for what the schedule itself costs per micro-batch beyond compute
+and sends. Every rank takes part (collectives);
 the slowest rank's numbers are kept, and the process groups made for a measurement are destroyed after it.
 The compute timings, and the timing helpers both use, are in ``strategies/calibrate.py``.
 """
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
-from lightning_3d.strategies.calibrate import MIN_REPEAT_SECONDS, median_seconds
+from lightning_3d.strategies.calibrate_timing import MIN_REPEAT_SECONDS, median_seconds
 
 MESSAGE_BYTES = (2**16, 2**22)
 """The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth

@@ -114,7 +114,7 @@ def test_a_smaller_micro_batch_timed_cheaper_per_token_than_a_larger_one_takes_t
 
 
 def test_a_timed_repetition_lasts_longer_where_ranks_share_cores():
-    from lightning_3d.strategies.calibrate import (
+    from lightning_3d.strategies.calibrate_timing import (
         MIN_REPEAT_SECONDS,
         SHARED_CORES_REPEAT_SECONDS,
         repeat_seconds,

@@ -2,7 +2,7 @@
 the same per tensor whatever its size, several times the arithmetic of a small model's optimizer step; FSDP2's
 hooks cost per block call whatever the tokens. The calibration measures both (calibrate.
 dtensor_optimizer_seconds_per_block, calibrate.fsdp_block_call_seconds; each a difference of two runs, timed in
-pairs: calibrate.median_extra_seconds) and the step time charges them where a layout has them: DTensor
+pairs: calibrate_timing.median_extra_seconds) and the step time charges them where a layout has them: DTensor
 parameters under tensor parallelism or FSDP2; FSDP2 where dp > 1 under a pipeline, tensor parallelism or ZeRO.
 Not under DistributedDataParallel, not on a lone pipeline stage."""
 
@@ -20,7 +20,7 @@ from lightning_3d.planner import (PRECISIONS, Calibration, Cluster, Layout, Link
                                   latency_steps, wire_bytes)
 from lightning_3d.planner.cluster import GIB
 from lightning_3d.planner.memory import rank_blocks
-from lightning_3d.strategies import calibrate
+from lightning_3d.strategies import calibrate, calibrate_timing
 
 FAST = LinkSpeed(latency_s=1e-6, bandwidth_bytes_per_s=1e12)
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_heads=8, vocab_size=4096, seq_length=256, name="gpt-8x256")
@@ -125,7 +125,7 @@ def test_a_difference_is_timed_in_pairs_so_that_a_change_of_the_hosts_load_cance
     def extra() -> None:
         time.sleep(0.015 + load())
 
-    assert calibrate.median_extra_seconds(base, extra, torch.device("cpu"), min_seconds=0.0) == pytest.approx(
+    assert calibrate_timing.median_extra_seconds(base, extra, torch.device("cpu"), min_seconds=0.0) == pytest.approx(
         0.010, abs=0.004)
 
 

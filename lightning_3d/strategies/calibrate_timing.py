@@ -1,0 +1,106 @@
+"""How the calibration times a call on the ranks (issue 31): every rank at once, each repetition at its slowest
+rank, a difference between two runs in pairs. Used by ``strategies/calibrate.py`` (compute) and
+``strategies/calibrate_links.py`` (communication)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+REPEATS = 5
+"""Timed repetitions of each measurement after one warm-up; the median is kept."""
+PAIRS = 7
+"""Timed pairs of repetitions of a difference between two runs (:func:`median_extra_seconds`)."""
+MIN_REPEAT_SECONDS = 0.02
+"""The shortest timed repetition: a call is repeated within one until it lasts this long. A single short call
+measures the clock and the scheduler's time slices (milliseconds where ranks share cores) more than the work."""
+SHARED_CORES_REPEAT_SECONDS = 0.1
+"""The shortest timed repetition where the ranks outnumber the host's cores. There one call of a block takes
+tens of milliseconds of wall time, so a 0.02 s repetition is a single call, and how much the ranks' calls
+overlap -- they leave the barrier several milliseconds apart -- changes from one repetition to the next: on 8
+ranks over 2 cores a block timed at 2 sequences came out 0.63-0.99 of its time per token at 8 over six
+calibrations, though alone it is 1.09 (issue 31's sweep, "wide"). Several calls per repetition keep all the
+ranks busy together, as in a step."""
+
+
+def repeat_seconds(cores_per_rank: float | None) -> float:
+    """The shortest timed repetition for ranks with ``cores_per_rank`` cores each (:func:`host_cores_per_rank`;
+    None on GPUs)."""
+    return SHARED_CORES_REPEAT_SECONDS if cores_per_rank is not None and cores_per_rank < 1 else MIN_REPEAT_SECONDS
+
+
+def median_seconds(run: Callable[[], Any], device: torch.device, barrier: bool = False,
+                   min_seconds: float = MIN_REPEAT_SECONDS) -> float:
+    """Seconds of one ``run()``: the median over ``REPEATS`` timed repetitions after a warm-up, each repeating
+    the call until it lasts ``min_seconds``. Collective where the process group is up: every rank
+    repeats the call as often as the slowest needs (collectives match); with ``barrier`` the ranks start each
+    repetition together, so that they run at once, as they do in a step; and each repetition counts at its
+    slowest rank's time, as a step waits for its slowest rank each time (the median of those maxima, not the
+    largest of the ranks' medians, which is shorter where ranks share cores and take turns being slow)."""
+    calls = _agreed_calls((run,), device, barrier, min_seconds)
+    return statistics.median(_slowest_each([_timed(run, calls, device, barrier) for _ in range(REPEATS)], device))
+
+
+def median_extra_seconds(base: Callable[[], Any], extra: Callable[[], Any], device: torch.device,
+                         min_seconds: float = MIN_REPEAT_SECONDS) -> float:
+    """Seconds one ``extra()`` takes more than one ``base()``, >= 0: the median over ``PAIRS`` pairs of timed
+    repetitions, one of each back to back, each of the two first in turn (the ranks start each repetition
+    together, and it counts at its slowest rank's time, as in :func:`median_seconds`). Two medians taken one
+    after the other also measure how the host's load moved in between, which on 8 ranks over 2 cores was as
+    large as the difference sought: FSDP2's cost per block call came out 0.3-9.2 ms over nine calibrations
+    (2-4 ms in seven) taken so. A pair's two repetitions run under the same load. Collective."""
+    runs = (base, extra)
+    calls = _agreed_calls(runs, device, True, min_seconds)
+    times: tuple[list[float], list[float]] = ([], [])  # base's, extra's
+    for pair in range(PAIRS):
+        for which in (0, 1) if pair % 2 == 0 else (1, 0):
+            times[which].append(_timed(runs[which], calls, device, True))
+    slowest = _slowest_each(times[0] + times[1], device)
+    return max(0.0, statistics.median(b - a for a, b in zip(slowest[:PAIRS], slowest[PAIRS:])))
+
+
+def _agreed_calls(runs: tuple[Callable[[], Any], ...], device: torch.device, barrier: bool,
+                  min_seconds: float) -> int:
+    """Calls per timed repetition: after a warm-up call of each run (first-call allocations, kernel selection),
+    as many as make the slowest run last ``min_seconds`` on the slowest rank (collective where the process group
+    is up: every rank then makes as many, and collectives inside the runs match)."""
+    calls = 1
+    for run in runs:
+        run()
+        _synchronize(device)
+        calls = max(calls, math.ceil(min_seconds / max(_timed(run, 1, device, barrier), 1e-9)))
+    if not dist.is_initialized():
+        return calls
+    agreed = torch.tensor([calls], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return int(agreed.item())
+
+
+def _timed(run: Callable[[], Any], calls: int, device: torch.device, barrier: bool) -> float:
+    """Seconds per call of ``calls`` calls of ``run`` in a row (the ranks start together with ``barrier``)."""
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    _synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_each(times: list[float], device: torch.device) -> list[float]:
+    """Each of ``times`` (the same repetitions on every rank), the largest over the ranks (one all-reduce)."""
+    if not dist.is_initialized():
+        return times
+    values = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
