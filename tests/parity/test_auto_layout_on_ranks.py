@@ -40,13 +40,15 @@ def test_a_budget_below_the_free_choice_gives_a_layout_that_fits_it(ranks):
     assert all(rank["budget"]["states"] <= budget["budget"] for rank in ranks), [r["budget"] for r in ranks]
 
 
-def test_the_calibration_measured_the_optimizer_and_the_pipeline_schedules_own_cost(ranks):
-    """Measured on the ranks, not assumed: an AdamW step per parameter and, pp being left to the decision, the
-    pipeline schedule's own seconds per micro-batch (a two-stage schedule on the world's halves)."""
+def test_the_calibration_measured_the_optimizer_the_pipeline_schedules_own_cost_and_the_recompute(ranks):
+    """Measured on the ranks, not assumed: an AdamW step per parameter, pp being left to the decision the
+    pipeline schedule's own seconds per micro-batch (a two-stage schedule on the world's halves), and the
+    recompute being left to it too, what recomputing a block's forward adds to its forward + backward."""
     for rank in ranks:
         calibration = rank["free"]["calibration"]
         assert 0 < calibration["optimizer_seconds_per_parameter"] < 1e-5
         assert 0 <= calibration["pipeline_microbatch_s"] < 1.0
+        assert 0.05 < calibration["recompute_share"] < 3.0
 
 
 def test_the_calibration_timed_all_gather_and_reduce_scatter_apart_from_the_all_reduce(ranks):
