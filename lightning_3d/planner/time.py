@@ -29,10 +29,9 @@ step is the ranks' average work plus (1 - 1/P) of its critical path at a core pe
 list scheduling on P cores -- and no data-parallel call hides behind backward, no core being free to run it):
 a block's forward + backward is its measured seconds per token at the micro-batch size, divided by tp (the
 tp split divides its matmuls), a recomputed block adds its measured recompute share of that (a third, a
-forward, where not measured), the head its measured
-time / tp (where the calibration timed the block or the head split over tp, what it measured: the even split
-counts as compute, the rest -- their collectives and whatever the split adds -- as tensor-parallel
-communication);
+forward, where not measured), the head its measured time / tp (where the calibration timed the block or the
+head split over tp, what it measured: the even split counts as compute, the rest -- their collectives and
+whatever the split adds -- as tensor-parallel communication);
 every collective costs its link's latency once per ring step + wire bytes / bandwidth (all-gather and
 reduce-scatter at their own speeds where the calibration timed them apart from the all-reduce), so latency
 counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over k ranks (as a reduce-scatter

@@ -4,9 +4,9 @@ All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp 
 point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
 sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage
 pipeline schedule between those halves, for what the schedule itself costs per micro-batch beyond compute
-and sends. Every rank takes part (collectives);
-the slowest rank's numbers are kept, and the process groups made for a measurement are destroyed after it.
-The compute timings, and the timing helpers both use, are in ``strategies/calibrate.py``.
+and sends. Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups
+made for a measurement are destroyed after it. The compute timings are in ``strategies/calibrate.py``; the
+timing helpers both use, in ``strategies/calibrate_timing.py``.
 """
 
 from __future__ import annotations
