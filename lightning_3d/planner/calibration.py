@@ -132,11 +132,13 @@ class Calibration:
     head_seconds_per_token: float
     """Forward + backward of the output head and loss (whole vocabulary), seconds per token."""
     tp: LinkSpeed
-    """All-reduce, all-gather and reduce-scatter within a tensor-parallel group."""
+    """All-reduce within a tensor-parallel group; all-gather and reduce-scatter too, unless timed apart
+    (:attr:`collective_links`)."""
     pp: LinkSpeed
     """Point-to-point sends between neighbouring pipeline stages."""
     dp: LinkSpeed
-    """All-reduce, reduce-scatter and all-gather within a data-parallel group."""
+    """All-reduce within a data-parallel group; reduce-scatter and all-gather too, unless timed apart
+    (:attr:`collective_links`)."""
     optimizer_seconds_per_parameter: float | None = None
     """One optimizer step per parameter a rank holds; None: the Adam state streamed at the cluster's memory
     bandwidth."""
