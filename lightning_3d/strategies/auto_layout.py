@@ -306,7 +306,8 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
             fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
         recompute = None
         if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
-            recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], device, repeat_s)
+            recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
+                                                  repeat_s)
     links = calibrate_links.link_speeds(world_size, per_node, device)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:

@@ -116,22 +116,22 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     return median_extra_seconds(base, extra, device, repeat_s)
 
 
-def recompute_share(block: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, device: torch.device,
-                    repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+def recompute_share(block: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, seconds_per_token: float,
+                    device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
     """What recomputing ``block``'s forward during its backward adds to one forward + backward of the block, as
-    a share of that forward + backward, >= 0: the block under activation checkpointing (torch's composable
-    ``checkpoint``, as ``activation_checkpointing`` applies it to each block) against the block alone, timed in
-    pairs at ``micro_batch_size``. A forward's FLOPs are a third of forward + backward; the checkpoint's own
-    work (the random state kept and restored, the forward's tensors made twice) comes on top. Collective."""
+    a share of that forward + backward (``seconds_per_token`` at ``micro_batch_size``, as
+    :func:`block_seconds_per_token` measured it), >= 0: the block under activation checkpointing (torch's
+    composable ``checkpoint``, as ``activation_checkpointing`` applies it to each block) against the block
+    alone, timed in pairs. A forward's FLOPs are a third of forward + backward; the checkpoint's own work (the
+    random state kept and restored, the forward's tensors made twice) comes on top. Collective."""
     from torch.distributed._composable.checkpoint_activation import checkpoint
 
     alone = _materialized(block, device)
     recomputed = copy.deepcopy(alone)
     checkpoint(recomputed)
-    base, _ = _call_run(alone, call, batch_size, micro_batch_size, device)
+    base, tokens = _call_run(alone, call, batch_size, micro_batch_size, device)
     extra, _ = _call_run(recomputed, call, batch_size, micro_batch_size, device)
-    whole = median_seconds(base, device, barrier=True, min_seconds=repeat_s)
-    return median_extra_seconds(base, extra, device, repeat_s) / whole
+    return median_extra_seconds(base, extra, device, repeat_s) / (seconds_per_token * tokens)
 
 
 def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],

@@ -41,16 +41,20 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
         dp_group, _ = dist.new_subgroups_by_enumeration(across)
     else:
         dp_group = tp_group
-    speeds, timed = {"pp": _p2p_speed(world_size, device)}, {}
-    for dim, group in (("tp", tp_group), ("dp", dp_group)):
-        if id(group) not in timed:
-            timed[id(group)] = {c: _collective_speed(c, group, device) for c in ("all_reduce", "all_gather",
-                                                                               "reduce_scatter")}
-        for collective, speed in timed[id(group)].items():
-            speeds[dim if collective == "all_reduce" else f"{dim}.{collective}"] = speed
-    speeds = {key: _slowest(speed, device) for key, speed in speeds.items()}
+    inside_speeds = _group_speeds(tp_group, device)
+    across_speeds = inside_speeds if dp_group is tp_group else _group_speeds(dp_group, device)
+    speeds = {"pp": _slowest(_p2p_speed(world_size, device), device)}
+    for dim, timed in (("tp", inside_speeds), ("dp", across_speeds)):
+        speeds.update({dim if collective == "all_reduce" else f"{dim}.{collective}": speed
+                       for collective, speed in timed.items()})
     _release(tp_group, dp_group)
     return speeds
+
+
+def _group_speeds(group, device: torch.device) -> dict[str, LinkSpeed]:
+    """All-reduce, all-gather and reduce-scatter on ``group``, each the world's slowest."""
+    return {collective: _slowest(_collective_speed(collective, group, device), device)
+            for collective in ("all_reduce", "all_gather", "reduce_scatter")}
 
 
 PIPELINE_PROBE_MICROBATCHES = (2, 6)

@@ -44,16 +44,12 @@ def test_the_calibration_times_the_block_checkpointed_against_the_block_alone(mo
         timed.append(bool(module._forward_pre_hooks))
         return original(module, *args)
 
-    def median_seconds(run, device, barrier=False, min_seconds=0.0):
-        run()
-        return 10e-3
-
     def median_extra_seconds(base, extra, device, min_seconds=0.0):
         base(), extra()
         return 4e-3
 
     monkeypatch.setattr(calibrate, "_call_run", call_run)
-    monkeypatch.setattr(calibrate, "median_seconds", median_seconds)
     monkeypatch.setattr(calibrate, "median_extra_seconds", median_extra_seconds)
-    assert calibrate.recompute_share(block, call, 4, 2, torch.device("cpu")) == pytest.approx(0.4)
+    per_token = 10e-3 / (2 * 16)  # the block's forward + backward measured at 2 sequences of 16: 10 ms
+    assert calibrate.recompute_share(block, call, 4, 2, per_token, torch.device("cpu")) == pytest.approx(0.4)
     assert timed == [False, True]  # the block alone, then under activation checkpointing
