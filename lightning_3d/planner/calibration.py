@@ -185,6 +185,12 @@ class Calibration:
     sharing 2 cores, a 4 MiB reduce-scatter took 26.6 ms, an all-gather of the same tensor 14.4 ms and an
     all-reduce 24.0 ms, where the ring model's all-reduce fit gave both of the first ~10 ms. A collective not
     timed apart takes its dimension's link (:meth:`link`)."""
+    ddp_sync_seconds_per_byte: float | None = None
+    """What ``DistributedDataParallel``'s gradient synchronization costs per gradient byte over the world, as it
+    runs it (a hook per parameter, an all-reduce per bucket issued from backward, the copies in and out of the
+    buckets): measured on the model's own parameter tensors, synchronized against not. Where measured, the
+    step time of a layout with data parallelism only (DDP's) takes it instead of the dp link's all-reduce per
+    bucket; on 8 gloo ranks sharing 2 cores it is about twice that. None: the link's all-reduce."""
 
     def __post_init__(self) -> None:
         sizes = {}
@@ -203,9 +209,10 @@ class Calibration:
         if not (self.pipeline_microbatch_s >= 0 and math.isfinite(self.pipeline_microbatch_s)):
             raise PlannerError(f"Calibration.pipeline_microbatch_s must be a finite number >= 0, got"
                                f" {self.pipeline_microbatch_s!r}.")
-        if self.recompute_share is not None and not (self.recompute_share >= 0 and math.isfinite(self.recompute_share)):
-            raise PlannerError(f"Calibration.recompute_share must be a finite number >= 0 or None, got"
-                               f" {self.recompute_share!r}.")
+        for name in ("recompute_share", "ddp_sync_seconds_per_byte"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise PlannerError(f"Calibration.{name} must be a finite number >= 0 or None, got {value!r}.")
         for name in ("optimizer_dtensor_seconds_per_block", "fsdp_block_call_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -267,6 +274,7 @@ class Calibration:
                "optimizer_dtensor_seconds_per_block": self.optimizer_dtensor_seconds_per_block,
                "fsdp_block_call_s": self.fsdp_block_call_s,
                "recompute_share": self.recompute_share,
+               "ddp_sync_seconds_per_byte": self.ddp_sync_seconds_per_byte,
                "tp_head_seconds_per_token": {tp: dict(times) for tp, times in self.tp_head_seconds_per_token.items()},
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
@@ -278,7 +286,8 @@ class Calibration:
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
         optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
                     "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block", "fsdp_block_call_s",
-                    "tp_head_seconds_per_token", "collective_links", "recompute_share"}
+                    "tp_head_seconds_per_token", "collective_links", "recompute_share",
+                    "ddp_sync_seconds_per_byte"}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -293,7 +302,8 @@ class Calibration:
                           optimizer_dtensor_seconds_per_block: float = 0.0,
                           fsdp_block_call_s: float = 0.0,
                           tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None,
-                          recompute_share: float | None = None) -> "Calibration":
+                          recompute_share: float | None = None,
+                          ddp_sync_seconds_per_byte: float | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair, and any of :data:`SEPARATELY_TIMED` that was timed."""
@@ -309,7 +319,7 @@ class Calibration:
                    host_cores_per_rank=host_cores_per_rank, pipeline_microbatch_s=pipeline_microbatch_s,
                    optimizer_dtensor_seconds_per_block=optimizer_dtensor_seconds_per_block,
                    fsdp_block_call_s=fsdp_block_call_s, tp_head_seconds_per_token=tp_head_seconds_per_token or {},
-                   recompute_share=recompute_share,
+                   recompute_share=recompute_share, ddp_sync_seconds_per_byte=ddp_sync_seconds_per_byte,
                    collective_links={key: links[key] for key in SEPARATELY_TIMED if key in links},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 

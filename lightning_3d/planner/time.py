@@ -32,15 +32,16 @@ tp split divides its matmuls), a recomputed block adds its measured recompute sh
 forward, where not measured), the head its measured time / tp (where the calibration timed the block or the
 head split over tp, what it measured: the even split counts as compute, the rest -- their collectives and
 whatever the split adds -- as tensor-parallel communication);
-every collective costs its link's latency once per ring step + wire bytes / bandwidth (all-gather and
-reduce-scatter at their own speeds where the calibration timed them apart from the all-reduce), so latency
-counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over k ranks (as a reduce-scatter
-and an all-gather, the pair sequence parallelism makes of a tp region), k - 1 for an all-gather or
-reduce-scatter, one per send; one data-parallel call per FSDP unit (a block, or the rest of the stage) and
-per direction, or per 25 MiB bucket of DDP; the optimizer step, its measured time per parameter, plus where
-the parameters are DTensors (tp > 1, or FSDP2 over dp under a pipeline or ZeRO) the measured cost of DTensor's
-dispatch per block (FSDP unit) of them; and where data parallelism wraps each block with FSDP2 (dp > 1 under a
-pipeline, tensor parallelism or ZeRO), the measured cost of its hooks per block and micro-batch.
+DistributedDataParallel's gradient synchronization its measured cost per byte where timed (its hooks and bucket
+copies with its all-reduces); every other collective costs its link's latency once per ring step + wire bytes /
+bandwidth (all-gather and reduce-scatter at their own speeds where the calibration timed them apart from the
+all-reduce), so latency counts per call and grows with the group: 2 (k - 1) steps for an all-reduce over k ranks
+(as a reduce-scatter and an all-gather, the pair sequence parallelism makes of a tp region), k - 1 for an
+all-gather or reduce-scatter, one per send; one data-parallel call per FSDP unit (a block, or the rest of the
+stage) and per direction, or per 25 MiB bucket of DDP; the optimizer step, its measured time per parameter, plus
+where the parameters are DTensors (tp > 1, or FSDP2 over dp under a pipeline or ZeRO) the measured cost of
+DTensor's dispatch per block (FSDP unit) of them; and where data parallelism wraps each block with FSDP2 (dp > 1
+under a pipeline, tensor parallelism or ZeRO), the measured cost of its hooks per block and micro-batch.
 
 ``compile=True`` (torch.compile per block) is not modelled: the terms are eager's, and the speed a compiled
 block gains (fused non-matmul work, fewer kernel launches) is assumed, not estimated (``COMPILE_ASSUMED``).
@@ -219,6 +220,9 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
             buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
             unhidden = speeds.collective("dp", "all_reduce", grads / buckets, d)
             dp_time = buckets * unhidden
+            if calibration is not None and calibration.ddp_sync_seconds_per_byte is not None and d > 1:
+                dp_time = grads * calibration.ddp_sync_seconds_per_byte  # as DDP runs it, measured
+                unhidden = dp_time / buckets
         else:  # FSDP2's replicate: one all-reduce per unit
             unhidden = dp_call("all_reduce", grads)
             dp_time = units * unhidden

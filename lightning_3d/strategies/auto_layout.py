@@ -8,8 +8,9 @@ model, every rank:
    gives them);
 2. calibrates (``strategies/calibrate.py``): one of the model's blocks forward and backward at the candidate
    micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, the links
-   (all-reduce, point-to-point) at two message sizes, and a pipeline schedule's own cost per micro-batch,
-   keeping the slowest rank's numbers;
+   (all-reduce, point-to-point) at two message sizes, a pipeline schedule's own cost per micro-batch, and
+   DistributedDataParallel's gradient synchronization of the model's parameters, keeping the slowest rank's
+   numbers;
 3. takes its memory budget (free device memory on CUDA; on CPU ``max_memory_per_device`` or the host's
    available memory divided among its ranks), the smallest over the ranks.
 
@@ -314,11 +315,15 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size,
                                                                  min(sizes) * spec.seq_length, device, links["pp"],
                                                                  repeat_s)
+    ddp_s = None
+    if _ddp_possible(config, world_size):
+        shapes = [p.shape for p in module.parameters() if p.requires_grad]
+        ddp_s = calibrate_links.ddp_sync_seconds_per_byte(shapes, device)
     calibration = Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
         optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
         optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
-        recompute_share=recompute)
+        recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -338,6 +343,14 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         kind, _, message = box[0]["error"].partition(": ")
         raise (NoLayoutFits if kind == "NoLayoutFits" else ParallelConfigError)(message)
     return Decision(**box[0], calibration=calibration)
+
+
+def _ddp_possible(config: ParallelConfig, world_size: int) -> bool:
+    """Whether a layout the config leaves open runs DistributedDataParallel: data parallelism over the whole
+    world, without tp, pp or ZeRO."""
+    return world_size > 1 and all(getattr(config, name) in ("auto", plain) for name, plain in (
+        ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("zero_stage", 0),
+        ("data_parallel_size", world_size)))
 
 
 def memory_per_rank(config: ParallelConfig, device: torch.device, per_node: int) -> float:

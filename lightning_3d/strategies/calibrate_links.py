@@ -2,9 +2,9 @@
 
 All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp and dp groups lie) and
 point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
-sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; and a two-stage
+sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; a two-stage
 pipeline schedule between those halves, for what the schedule itself costs per micro-batch beyond compute
-and sends. Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups
+and sends; and DistributedDataParallel's gradient synchronization of the model's own parameter tensors. Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups
 made for a measurement are destroyed after it. The compute timings are in ``strategies/calibrate.py``; the
 timing helpers both use, in ``strategies/calibrate_timing.py``.
 """
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
-from lightning_3d.strategies.calibrate_timing import MIN_REPEAT_SECONDS, median_seconds
+from lightning_3d.strategies.calibrate_timing import MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds
 
 MESSAGE_BYTES = (2**16, 2**22)
 """The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
@@ -100,6 +100,57 @@ def pipeline_microbatch_seconds(world_size: int, hidden_size: int, micro_tokens:
     per_microbatch = max(0.0, steps[1] - steps[0]) / (high - low)
     sends = 2 * pp.seconds(micro_tokens * hidden_size * x.element_size())
     return max(0.0, per_microbatch - layer_s - sends)
+
+
+DDP_PROBE_BYTES = 32 * 2**20
+"""The most parameter bytes :func:`ddp_sync_seconds_per_byte` gives its stand-in (the model's first tensors up
+to this size): a model this size or smaller is timed whole."""
+
+
+def ddp_sync_seconds_per_byte(shapes: list[torch.Size], device: torch.device) -> float:
+    """What ``DistributedDataParallel``'s gradient synchronization costs per gradient byte, over the world:
+    a stand-in module holding parameters of the model's own ``shapes`` (float32; the first ones up to
+    :data:`DDP_PROBE_BYTES`), whose forward touches each of them at almost no compute, wrapped by DDP as a
+    run without tp, pp or ZeRO wraps the model; its forward + backward with the synchronization on against
+    the same under ``no_sync``, in pairs. The difference is what DDP adds per step: its hook per parameter
+    (copying the gradient into its bucket), the all-reduce per bucket as the reducer issues it, the copy back.
+    On 8 gloo ranks sharing 2 cores that came to about twice the all-reduce of the same bytes timed alone
+    (the "wide" GPT of issue 31's sweep: 64 ms against 34 for 6.9 MB; "deep": 45 against 22 for 0.9 MB), and
+    to what DDP added to the real model's step (60 and 40 ms). Collective: every rank calls it."""
+    timed, total = [], 0
+    for shape in shapes:
+        nbytes = 4 * torch.Size(shape).numel()
+        if timed and total + nbytes > DDP_PROBE_BYTES:
+            break
+        timed.append(shape)
+        total += nbytes
+    stand_in = _EveryParameterTouched([torch.Size(shape) for shape in timed], device)
+    ddp = nn.parallel.DistributedDataParallel(stand_in, device_ids=[device.index] if device.type == "cuda" else None)
+    x = torch.ones(1, device=device)
+
+    def synced() -> None:
+        ddp(x).backward()
+
+    def unsynced() -> None:
+        with ddp.no_sync():
+            ddp(x).backward()
+
+    # One call per repetition: the synchronized call's all-reduce lines the ranks up, and it outlasts the
+    # unsynchronized one many times (repeating both until that one lasts ``repeat_s`` took 10-30 s).
+    extra = median_extra_seconds(unsynced, synced, device, min_seconds=0.0)
+    return extra / max(total, 1)
+
+
+class _EveryParameterTouched(nn.Module):
+    """Parameters of the given shapes and a forward that reads one number of each: every one gets a gradient
+    of its full size, and the forward and backward cost almost nothing beside that."""
+
+    def __init__(self, shapes: list[torch.Size], device: torch.device) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.zeros(shape, device=device)) for shape in shapes])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(weight.reshape(-1)[:1].sum() for weight in self.weights) * x
 
 
 def _collective_speed(collective: str, group, device: torch.device) -> LinkSpeed:

@@ -62,6 +62,14 @@ def test_the_calibration_timed_all_gather_and_reduce_scatter_apart_from_the_all_
         assert links["dp.reduce_scatter"] != links["dp.all_gather"]
 
 
+def test_the_calibration_timed_ddps_gradient_synchronization_where_a_layout_may_run_ddp(ranks):
+    """The free run may choose dp4 (DistributedDataParallel): DDP's synchronization of the model's own
+    parameters was timed, per gradient byte, the same on every rank (the slowest's)."""
+    measured = {rank["free"]["calibration"]["ddp_sync_seconds_per_byte"] for rank in ranks}
+    assert len(measured) == 1, measured
+    assert 0 < measured.pop() < 1e-6  # under a microsecond per byte: a 4-rank gloo all-reduce moves > 1 MB/s
+
+
 def test_the_calibrations_own_process_groups_are_destroyed_after_their_measurement(ranks):
     # Each layout="auto" fit had left the link and pipeline measurements' groups alive: three gloo threads and
     # their sockets each, for the life of the process (a sweep of fits in one process ran hundreds of them).
