@@ -109,22 +109,19 @@ to this size): a model this size or smaller is timed whole."""
 
 def ddp_sync_seconds_per_byte(shapes: list[torch.Size], device: torch.device) -> float:
     """What ``DistributedDataParallel``'s gradient synchronization costs per gradient byte, over the world:
-    a stand-in module holding parameters of the model's own ``shapes`` (float32; the first ones up to
-    :data:`DDP_PROBE_BYTES`), whose forward touches each of them at almost no compute, wrapped by DDP as a
-    run without tp, pp or ZeRO wraps the model; its forward + backward with the synchronization on against
-    the same under ``no_sync``, in pairs. The difference is what DDP adds per step: its hook per parameter
-    (copying the gradient into its bucket), the all-reduce per bucket as the reducer issues it, the copy back.
-    On 8 gloo ranks sharing 2 cores that came to about twice the all-reduce of the same bytes timed alone
-    (the "wide" GPT of issue 31's sweep: 64 ms against 34 for 6.9 MB; "deep": 45 against 22 for 0.9 MB), and
-    to what DDP added to the real model's step (60 and 40 ms). Collective: every rank calls it."""
-    timed, total = [], 0
-    for shape in shapes:
-        nbytes = 4 * torch.Size(shape).numel()
-        if timed and total + nbytes > DDP_PROBE_BYTES:
-            break
-        timed.append(shape)
-        total += nbytes
-    stand_in = _EveryParameterTouched([torch.Size(shape) for shape in timed], device)
+    a stand-in module holding parameters of the model's own ``shapes`` (float32, up to :data:`DDP_PROBE_BYTES`:
+    :func:`probe_shapes`), whose forward touches each of them at almost no compute, wrapped by DDP as a run
+    without tp, pp or ZeRO wraps the model; its forward + backward with the synchronization on against the same
+    under ``no_sync``, in pairs. The difference is what DDP adds per step: its hook per parameter (copying the
+    gradient into its bucket), the all-reduce per bucket as the reducer issues it, the copy back. On 8 gloo ranks
+    sharing 2 cores, for the wide and deep GPTs of issue 31's sweep (6.9 and 0.9 MB), it came to 50 and 34 ms,
+    where the same all-reduce timed alone took 34 and 22 ms, and DDP added 60 and 40 ms to the real model's
+    forward + backward. 0 for a model without parameters. Collective: every rank calls it."""
+    timed = probe_shapes(shapes)
+    total = 4 * sum(shape.numel() for shape in timed)
+    if total == 0:
+        return 0.0
+    stand_in = _EveryParameterTouched(timed, device)
     ddp = nn.parallel.DistributedDataParallel(stand_in, device_ids=[device.index] if device.type == "cuda" else None)
     x = torch.ones(1, device=device)
 
@@ -138,7 +135,20 @@ def ddp_sync_seconds_per_byte(shapes: list[torch.Size], device: torch.device) ->
     # One call per repetition: the synchronized call's all-reduce lines the ranks up, and it outlasts the
     # unsynchronized one many times (repeating both until that one lasts ``repeat_s`` took 10-30 s).
     extra = median_extra_seconds(unsynced, synced, device, min_seconds=0.0)
-    return extra / max(total, 1)
+    return extra / total
+
+
+def probe_shapes(shapes: list[torch.Size], limit_bytes: int = DDP_PROBE_BYTES) -> list[torch.Size]:
+    """The parameter shapes :func:`ddp_sync_seconds_per_byte` gives its stand-in: the model's, in order, up to
+    ``limit_bytes`` of float32 in all; the tensor that crosses the limit is cut to a flat one that fills it (a
+    large model's first tensor, its embedding, can alone be gigabytes)."""
+    timed, room = [], limit_bytes // 4
+    for shape in map(torch.Size, shapes):
+        if room <= 0:
+            break
+        timed.append(shape if shape.numel() <= room else torch.Size([room]))
+        room -= timed[-1].numel()
+    return timed
 
 
 class _EveryParameterTouched(nn.Module):

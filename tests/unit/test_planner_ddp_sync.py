@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from lightning_3d.planner import PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec, PlannerError
 from lightning_3d.planner import estimate_step_time
@@ -61,3 +62,16 @@ def test_the_measurement_travels_with_the_calibration_and_is_checked():
     for bad in (-1e-9, math.inf, math.nan):
         with pytest.raises(PlannerError, match="ddp_sync_seconds_per_byte"):
             calibration(bad)
+
+
+def test_the_stand_in_holds_the_models_shapes_up_to_its_limit_and_cuts_the_tensor_that_crosses_it():
+    """A large model's embedding alone can be gigabytes: the stand-in (allocated on every rank, with its
+    gradient and DDP's bucket beside it) never holds more than the limit."""
+    from lightning_3d.strategies.calibrate_links import probe_shapes
+
+    small = [(256, 256), (64, 256), (256,)]
+    assert probe_shapes(small, limit_bytes=2**30) == [torch.Size(shape) for shape in small]
+    large = [(128_256, 4096), (4096, 4096), (4096,)]  # Llama 3 8B's embedding first: 2 GiB of float32
+    assert probe_shapes(large, limit_bytes=32 * 2**20) == [torch.Size([8 * 2**20])]
+    assert probe_shapes([(1000,), (1000,), (1000,)], limit_bytes=4 * 1500) == [torch.Size([1000]), torch.Size([500])]
+    assert probe_shapes([], limit_bytes=2**20) == []
