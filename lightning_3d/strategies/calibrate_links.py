@@ -4,8 +4,9 @@ All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp 
 point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
 sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; a two-stage
 pipeline schedule between those halves, for what the schedule itself costs per micro-batch beyond compute
-and sends; and DistributedDataParallel's gradient synchronization of the model's own parameter tensors. Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups
-made for a measurement are destroyed after it. The compute timings are in ``strategies/calibrate.py``; the
+and sends; and DistributedDataParallel's gradient synchronization of the model's own parameter tensors.
+Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups made for a
+measurement are destroyed after it. The compute timings are in ``strategies/calibrate.py``; the
 timing helpers both use, in ``strategies/calibrate_timing.py``.
 """
 
