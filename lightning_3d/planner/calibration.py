@@ -206,20 +206,12 @@ class Calibration:
         if self.host_cores_per_rank is not None and not self.host_cores_per_rank > 0:
             raise PlannerError(f"Calibration.host_cores_per_rank must be > 0 or None, got"
                                f" {self.host_cores_per_rank!r}.")
-        if not (self.pipeline_microbatch_s >= 0 and math.isfinite(self.pipeline_microbatch_s)):
-            raise PlannerError(f"Calibration.pipeline_microbatch_s must be a finite number >= 0, got"
-                               f" {self.pipeline_microbatch_s!r}.")
-        for name in ("recompute_share", "ddp_sync_seconds_per_byte"):
-            value = getattr(self, name)
-            if value is not None and not (value >= 0 and math.isfinite(value)):
-                raise PlannerError(f"Calibration.{name} must be a finite number >= 0 or None, got {value!r}.")
-        for name in ("optimizer_dtensor_seconds_per_block", "fsdp_block_call_s"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise PlannerError(f"Calibration.{name} must be a finite number >= 0, got {value!r}.")
-        if not (self.head_seconds_per_token >= 0 and math.isfinite(self.head_seconds_per_token)):
-            raise PlannerError(f"Calibration.head_seconds_per_token must be a finite number >= 0, got"
-                               f" {self.head_seconds_per_token!r}.")
+        for name in ("head_seconds_per_token", "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block",
+                     "fsdp_block_call_s", "recompute_share", "ddp_sync_seconds_per_byte"):
+            value, optional = getattr(self, name), name in ("recompute_share", "ddp_sync_seconds_per_byte")
+            if not (optional and value is None) and not (value >= 0 and math.isfinite(value)):
+                raise PlannerError(f"Calibration.{name} must be a finite number >= 0{' or None' if optional else ''},"
+                                   f" got {value!r}.")
         # Frozen: the normalized copies replace what was given (sorted int keys; LinkSpeed from any form).
         object.__setattr__(self, "block_seconds_per_token", _non_increasing(sizes))
         for name in ("tp_block_seconds_per_token", "tp_head_seconds_per_token"):

@@ -6,7 +6,7 @@ model, every rank:
 1. describes the model for the planner (``ModelSpec``: the reference GPT or a Hugging Face config) and reads
    the first training batch (the per-replica batch size and the sequence length, as Lightning's loader
    gives them);
-2. calibrates (``strategies/calibrate.py``): one of the model's blocks forward and backward at the candidate
+2. calibrates (``strategies/measure.py``): one of the model's blocks forward and backward at the candidate
    micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, the links
    (all-reduce, point-to-point) at two message sizes, a pipeline schedule's own cost per micro-batch, and
    DistributedDataParallel's gradient synchronization of the model's parameters, keeping the slowest rank's
@@ -41,7 +41,7 @@ from lightning_3d.planner.memory import PRECISIONS, Precision
 from lightning_3d.planner.model import ModelSpec, model_spec
 from lightning_3d.planner.report import Candidate, why_best
 from lightning_3d.planner.search import evaluate
-from lightning_3d.strategies import calibrate, calibrate_links, calibrate_timing
+from lightning_3d.strategies.measure import measure
 
 if TYPE_CHECKING:
     from lightning_3d.planner.calibration import Calibration
@@ -278,52 +278,10 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
            precision_name: str, world_size: int, per_node: int, device: torch.device) -> Decision:
     """The launch-time decision on every rank (collective: calibration, then rank 0's choice broadcast).
     ``block_name``: the block to time; ``tp_plans``: the policy's plan at each tp size to time it split by."""
-    from lightning_3d.planner.calibration import Calibration
-
     precision = PRECISIONS[precision_name]
-    block = module.get_submodule(block_name)
-    call = calibrate.capture_block_call(module, block, batch, module.training_step)
     batch_size = _batch_size(batch)
-    sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
-    cores = calibrate.host_cores_per_rank(per_node, device)
-    repeat_s = calibrate_timing.repeat_seconds(cores)
-    # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        # Every timing below counts each repetition at its slowest rank: every rank gets the same numbers.
-        block_s = calibrate.block_seconds_per_token(block, call, batch_size, sizes, device, repeat_s)
-        tp_block_s = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
-                                                          sorted({sizes[0], sizes[-1]}), device, repeat_s)
-        head_s = calibrate.head_seconds_per_token(spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length,
-                                                  torch.float32, device, repeat_s)
-        tp_head_s = {}
-        if config.vocab_parallel_loss:  # else the head's logits are gathered whole: the block-like split is off
-            tp_head_s = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
-                                                            sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
-                                                            repeat_s)
-        optimizer_s = calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)
-        dtensor_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
-        fsdp_s = 0.0
-        if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
-            fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
-        recompute = None
-        if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
-            recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
-                                                  repeat_s)
-    links = calibrate_links.link_speeds(world_size, per_node, device)
-    pipeline_s = 0.0
-    if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
-        pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size,
-                                                                 min(sizes) * spec.seq_length, device, links["pp"],
-                                                                 repeat_s)
-    ddp_s = None
-    if _ddp_possible(config, world_size):
-        shapes = [p.shape for p in module.parameters() if p.requires_grad]
-        ddp_s = calibrate_links.ddp_sync_seconds_per_byte(shapes, device)
-    calibration = Calibration.from_measurements(
-        block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
-        optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
-        optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
-        recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s)
+    calibration = measure(config, module=module, spec=spec, block_name=block_name, tp_plans=tp_plans, batch=batch,
+                          batch_size=batch_size, world_size=world_size, per_node=per_node, device=device)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -343,14 +301,6 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, 
         kind, _, message = box[0]["error"].partition(": ")
         raise (NoLayoutFits if kind == "NoLayoutFits" else ParallelConfigError)(message)
     return Decision(**box[0], calibration=calibration)
-
-
-def _ddp_possible(config: ParallelConfig, world_size: int) -> bool:
-    """Whether a layout the config leaves open runs DistributedDataParallel: data parallelism over the whole
-    world, without tp, pp or ZeRO."""
-    return world_size > 1 and all(getattr(config, name) in ("auto", plain) for name, plain in (
-        ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("zero_stage", 0),
-        ("data_parallel_size", world_size)))
 
 
 def memory_per_rank(config: ParallelConfig, device: torch.device, per_node: int) -> float:

@@ -1,0 +1,73 @@
+"""What ``layout="auto"`` measures on the ranks before it decides (issue 31), for the config at hand: which
+timings of ``strategies/calibrate.py`` (compute) and ``strategies/calibrate_links.py`` (communication) run,
+at which micro-batch sizes and tensor-parallel sizes, gathered into the planner's :class:`Calibration`.
+``strategies/auto_layout.py`` decides with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_3d.common import divisors
+from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.planner.calibration import Calibration
+from lightning_3d.planner.model import ModelSpec
+from lightning_3d.strategies import calibrate, calibrate_links, calibrate_timing
+
+
+def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, tp_plans: dict, batch: Any,
+            batch_size: int, world_size: int, per_node: int, device: torch.device) -> Calibration:
+    """The calibration of these devices for this model and batch, the same on every rank (each timing keeps the
+    slowest rank's numbers). ``block_name``: the block to time; ``tp_plans``: the policy's plan at each tp size
+    to time it split by; ``batch``: the first training batch, ``batch_size`` its sequences. Collective."""
+    block = module.get_submodule(block_name)
+    call = calibrate.capture_block_call(module, block, batch, module.training_step)
+    sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
+    cores = calibrate.host_cores_per_rank(per_node, device)
+    repeat_s = calibrate_timing.repeat_seconds(cores)
+    # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # Every timing below counts each repetition at its slowest rank: every rank gets the same numbers.
+        block_s = calibrate.block_seconds_per_token(block, call, batch_size, sizes, device, repeat_s)
+        tp_block_s = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
+                                                          sorted({sizes[0], sizes[-1]}), device, repeat_s)
+        head_s = calibrate.head_seconds_per_token(spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length,
+                                                  torch.float32, device, repeat_s)
+        tp_head_s = {}
+        if config.vocab_parallel_loss:  # else the head's logits are gathered whole: the block-like split is off
+            tp_head_s = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
+                                                            sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
+                                                            repeat_s)
+        optimizer_s = calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)
+        dtensor_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
+        fsdp_s = 0.0
+        if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
+            fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
+        recompute = None
+        if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
+            recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
+                                                  repeat_s)
+    links = calibrate_links.link_speeds(world_size, per_node, device)
+    pipeline_s = 0.0
+    if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
+        pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size,
+                                                                 min(sizes) * spec.seq_length, device, links["pp"],
+                                                                 repeat_s)
+    ddp_s = None
+    if _ddp_possible(config, world_size):
+        shapes = [p.shape for p in module.parameters() if p.requires_grad]
+        ddp_s = calibrate_links.ddp_sync_seconds_per_byte(shapes, device)
+    return Calibration.from_measurements(
+        block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
+        optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
+        optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
+        recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s)
+
+
+def _ddp_possible(config: ParallelConfig, world_size: int) -> bool:
+    """Whether a layout the config leaves open runs DistributedDataParallel: data parallelism over the whole
+    world, without tp, pp or ZeRO."""
+    return world_size > 1 and all(getattr(config, name) in ("auto", plain) for name, plain in (
+        ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("zero_stage", 0),
+        ("data_parallel_size", world_size)))
