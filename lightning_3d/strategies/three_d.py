@@ -50,6 +50,7 @@ from lightning_3d.strategies.auto_layout import Decision, PredictionCheck, decid
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints, resumable, sharding_of
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
+from lightning_3d.strategies.host_allocator import keep_freed_host_memory
 from lightning_3d.strategies.model_build import WatchedBuild
 from lightning_3d.strategies.steps import run_step
 from lightning_3d.strategies.stop_signal import StopSignal
@@ -375,6 +376,9 @@ class ThreeDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self.root_device.type == "cpu" and keep_freed_host_memory():  # steps reuse their memory (host_allocator.py)
+            rank_zero_info("lightning_3d: freed host memory stays in each rank for the next step (set"
+                           " MALLOC_TRIM_THRESHOLD_ to choose otherwise)")
 
     def _parallelize(self, module: pl.LightningModule) -> ParallelModel:
         config, dims = self.parallel_config, self.parallel_dims
