@@ -232,7 +232,8 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         # prefetched during the previous block's compute (where a collective can run beside it).
         gathers = 2 * dp_calls("all_gather", weights)
         exposed += m * (max(0.0, gathers - compute) if dp_overlap else gathers)
-    optimizer = speeds.optimizer(params) / (layout.shard if zero else 1)
+    in_blocks = len(rank_blocks(model, layout, busiest)) * model.block_params().per_rank(t)
+    optimizer = speeds.optimizer(in_blocks, params - in_blocks) / (layout.shard if zero else 1)
     if t > 1 or fsdp:  # DTensor parameters (DDP's, and a lone pipeline stage's, are plain)
         optimizer += units * speeds.dtensor_optimizer
     return StepTime(
@@ -299,9 +300,14 @@ class _Speeds:
         span = {"tp": t, "dp": t * d, "pp": t * d + 1, "dp_shard": t * self.layout.shard, "dp_replicate": t * d}[dimension]
         return wire / self.cluster.bandwidth(span)
 
-    def optimizer(self, params: float) -> float:
-        """Seconds of the optimizer step over ``params`` parameters (before ZeRO's sharding)."""
-        if self.calibration is not None and self.calibration.optimizer_seconds_per_parameter is not None:
-            return params * self.calibration.optimizer_seconds_per_parameter
+    def optimizer(self, in_blocks: float, outside: float) -> float:
+        """Seconds of the optimizer step over ``in_blocks`` parameters of blocks and ``outside`` others
+        (embeddings, final norm, head), before ZeRO's sharding."""
+        c = self.calibration
+        if c is not None and c.optimizer_seconds_per_parameter is not None:
+            per_outside = c.optimizer_seconds_per_embedding_parameter
+            return (in_blocks * c.optimizer_seconds_per_parameter
+                    + outside * (c.optimizer_seconds_per_parameter if per_outside is None else per_outside))
         p = self.precision
-        return 2 * params * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) / (self.cluster.hbm_bandwidth_gbs * 1e9)
+        nbytes = 2 * (in_blocks + outside) * (p.param_bytes + p.grad_bytes + p.optimizer_bytes)
+        return nbytes / (self.cluster.hbm_bandwidth_gbs * 1e9)

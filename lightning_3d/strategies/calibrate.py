@@ -10,7 +10,7 @@ with the cross-entropy over its logits, whole and split over the vocabulary at e
 vocabulary-parallel loss's collectives included). Seconds per token. What FSDP2's wrapping adds to one call
 of the block, and what recomputing its forward in backward (activation checkpointing) adds. And an AdamW
 step on the block's parameters: seconds per parameter, and what the step costs more on the same parameters
-as DTensors (per block).
+as DTensors (per block); and one on a tensor of the embedding's shape, per parameter.
 
 The communication -- link speeds per parallel dimension and the pipeline schedule's own cost -- is timed in
 ``strategies/calibrate_links.py``; how both time a call, in ``strategies/calibrate_timing.py``.
@@ -221,8 +221,26 @@ def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device,
     """Seconds of one AdamW step per parameter, on the parameters of ``block`` (a meta copy is fine) as the
     model has them -- their count and sizes, which set the per-tensor cost of a step that loops over them.
     AdamW stands for the user's optimizer, which is not built yet when the layout is chosen. Collective."""
-    timed = _materialized(block, device)
-    params = [p for p in timed.parameters() if p.requires_grad]
+    return _adamw_seconds_per_parameter([p for p in _materialized(block, device).parameters() if p.requires_grad],
+                                        device, repeat_s)
+
+
+EMBEDDING_PROBE_NUMBERS = 2**21
+"""The most numbers :func:`embedding_optimizer_seconds_per_parameter` times (8 MiB of float32): already so many
+that a tensor's fixed cost is lost in its numbers' (a larger embedding is cut to a flat tensor of this size)."""
+
+
+def embedding_optimizer_seconds_per_parameter(vocab_size: int, hidden_size: int, device: torch.device,
+                                              repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+    """As :func:`optimizer_seconds_per_parameter`, on one tensor of the embedding's shape (``vocab_size x
+    hidden_size``, up to :data:`EMBEDDING_PROBE_NUMBERS`), as the parameters outside the blocks are: a few large
+    tensors. Collective."""
+    shape = (vocab_size, hidden_size) if vocab_size * hidden_size <= EMBEDDING_PROBE_NUMBERS \
+        else (EMBEDDING_PROBE_NUMBERS,)
+    return _adamw_seconds_per_parameter([nn.Parameter(torch.zeros(shape, device=device))], device, repeat_s)
+
+
+def _adamw_seconds_per_parameter(params: list[Tensor], device: torch.device, repeat_s: float) -> float:
     if not params:
         return 0.0
     for param in params:

@@ -40,6 +40,8 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
                                                             sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
                                                             repeat_s)
         optimizer_s = calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)
+        embedding_optimizer_s = calibrate.embedding_optimizer_seconds_per_parameter(spec.vocab_size,
+                                                                                    spec.hidden_size, device, repeat_s)
         dtensor_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
@@ -61,6 +63,7 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
     return Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
         optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
+        optimizer_seconds_per_embedding_parameter=embedding_optimizer_s or None,
         optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
         recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s)
 

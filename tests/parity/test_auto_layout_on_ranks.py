@@ -70,6 +70,15 @@ def test_the_calibration_timed_ddps_gradient_synchronization_where_a_layout_may_
     assert 0 < measured.pop() < 1e-6  # under a microsecond per byte: a 4-rank gloo all-reduce moves > 1 MB/s
 
 
+def test_the_calibration_timed_the_optimizer_on_the_blocks_and_on_the_embeddings_shape(ranks):
+    """Two figures per parameter, each the same on every rank (the slowest's): a block's (its small tensors)
+    and a tensor of the embedding's shape."""
+    for name in ("optimizer_seconds_per_parameter", "optimizer_seconds_per_embedding_parameter"):
+        measured = {rank["free"]["calibration"][name] for rank in ranks}
+        assert len(measured) == 1, (name, measured)
+        assert 0 < measured.pop() < 1e-5, name  # AdamW streams > 0.1 M parameters per second on any CPU
+
+
 def test_the_calibrations_own_process_groups_are_destroyed_after_their_measurement(ranks):
     # Each layout="auto" fit had left the link and pipeline measurements' groups alive: three gloo threads and
     # their sockets each, for the life of the process (a sweep of fits in one process ran hundreds of them).
