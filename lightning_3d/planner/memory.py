@@ -265,16 +265,24 @@ def interleaved_peak(chunk_bytes: list[float], num_microbatches: int, pp: int, p
     _get_warmup_ops, _get_1f1b_rank_ops), as Megatron-LM's: micro-batches go in rounds of ``per_round``; the
     warm-up runs (v - 1) per_round + k (p - 1 - rank) chunk forwards (k = 2; 1 for zero bubble), then each step
     one forward and one backward. Forwards walk chunks 0 .. v - 1 round by round, backwards v - 1 .. 0; the
-    peak is right after a forward."""
+    peak is right after a forward. Interleaved 1F1B's backward frees its chunk's saved tensors. Zero bubble's
+    computes the input's gradient only: the chunk's tensors stay until its weight gradient, which rank r runs
+    r backwards later. The last rank's last chunk then holds two micro-batches where interleaved 1F1B holds
+    one: on a 4 x 64 GPT with an 8192-token vocabulary at pp2 m2 b4, 20.3 MiB of activations measured on that
+    rank, 11.2 MiB modelled with the backward freeing them, 20.4 with the weight gradient."""
     m, p, v = num_microbatches, pp, len(chunk_bytes)
     per_round = m // max(1, m // p)
     warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - pp_rank), m * v)
+    deferred = pp_rank if zero_bubble else 0
     live = peak = 0.0
+    held: list[float] = []  # chunks whose backward ran and whose saved tensors are still held, oldest first
     for op in range(m * v):
         live += chunk_bytes[(op // per_round) % v]
         peak = max(peak, live)
         if op >= warmup:
-            live -= chunk_bytes[v - 1 - ((op - warmup) // per_round) % v]
+            held.append(chunk_bytes[v - 1 - ((op - warmup) // per_round) % v])
+            if op - warmup >= deferred:
+                live -= held.pop(0)
     return peak
 
 

@@ -284,3 +284,15 @@ def test_hugging_face_llama_config_gives_its_parameter_count():
     with torch.device("meta"):
         expected = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
     assert ModelSpec.from_hf_config(config, seq_length=128).num_parameters() == expected
+
+
+def test_zero_bubble_holds_a_chunk_until_its_weight_gradient_which_rank_r_defers_by_r_backwards():
+    # Rank 1 of 2, chunks (a block, a block + the head), 2 micro-batches. PyTorch's order there:
+    # F F | F I | F I W | ...: the weight gradient of the first backward waits for the second backward, so both
+    # micro-batches' head chunks are held at once. Interleaved 1F1B frees each at its (full) backward.
+    block, head = 1.0, 5.0
+    assert interleaved_peak([block, block + head], 2, 2, 1, zero_bubble=True) == 2 * block + 2 * (block + head)
+    assert interleaved_peak([block, block + head], 2, 2, 1) == 2 * block + (block + head)
+    # Rank 0 defers by none: on 4 ranks with 8 micro-batches its peak is the plain walk's, with zero bubble's
+    # shorter warm-up (one forward per later rank, not two).
+    assert interleaved_peak([1.0, 1.0], 8, 4, 0, zero_bubble=True) < interleaved_peak([1.0, 1.0], 8, 4, 0)
