@@ -269,7 +269,7 @@ def interleaved_peak(chunk_bytes: list[float], num_microbatches: int, pp: int, p
     computes the input's gradient only: the chunk's tensors stay until its weight gradient, which rank r runs
     r backwards later. The last rank's last chunk then holds two micro-batches where interleaved 1F1B holds
     one: on a 4 x 64 GPT with an 8192-token vocabulary at pp2 m2 b4, 20.3 MiB of activations measured on that
-    rank, 11.2 MiB modelled with the backward freeing them, 20.4 with the weight gradient."""
+    rank, 11.2 MiB modelled with the backward freeing them, 20.3 with the weight gradient."""
     m, p, v = num_microbatches, pp, len(chunk_bytes)
     per_round = m // max(1, m // p)
     warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - pp_rank), m * v)
