@@ -26,6 +26,9 @@ M_MMAP_THRESHOLD = -3
 KEPT_BYTES = 2**30
 """Allocations up to this size come from the heap, and this much of the heap's free top stays in the process.
 Larger ones (rare on a CPU rank: a whole checkpoint tensor) are still unmapped on free."""
+OLDER_GLIBC_MMAP_LIMIT = 32 * 2**20
+"""The mmap threshold asked for where glibc refuses :data:`KEPT_BYTES`: glibc has refused thresholds above half
+its largest heap, 32 MiB on 64-bit systems (Debian 12's 2.36 takes 1 GiB)."""
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
@@ -38,4 +41,6 @@ def keep_freed_host_memory() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, KEPT_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_BYTES))
+    if not any(mallopt(M_MMAP_THRESHOLD, limit) for limit in (KEPT_BYTES, OLDER_GLIBC_MMAP_LIMIT)):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, KEPT_BYTES))
