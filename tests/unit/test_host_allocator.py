@@ -4,6 +4,7 @@
 Measured (one process, the step of the last test: 64 MiB of logits, as much again of their gradient): 65,638 pages
 faulted in per step with glibc's defaults; 0-8,192 with freed memory kept."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,8 +21,6 @@ def faults():
 
 
 def run(code: str, **env) -> str:
-    import os
-
     result = subprocess.run([sys.executable, "-c", FAULTS + textwrap.dedent(code)], capture_output=True, text=True,
                             timeout=240, env={**os.environ, **env})
     assert result.returncode == 0, result.stderr[-3000:]

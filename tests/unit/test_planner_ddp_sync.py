@@ -2,13 +2,11 @@
 only is charged what DDP was timed to add per gradient byte, not the dp link's all-reduce per bucket, which
 on gloo ranks sharing cores is about half of it (dp8 layouts came out at 0.76-0.79 of their measured time)."""
 
-import json
-import math
-
 import pytest
 import torch
 
-from lightning_3d.planner import PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec, PlannerError
+from helpers.calibration_fields import check_optional_field
+from lightning_3d.planner import PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec
 from lightning_3d.planner import estimate_step_time
 from lightning_3d.planner.cluster import GIB
 from lightning_3d.planner.memory import rank_parameters
@@ -51,17 +49,7 @@ def test_layouts_that_do_not_run_ddp_keep_their_links(layout):
 
 
 def test_the_measurement_travels_with_the_calibration_and_is_checked():
-    measured = calibration(PER_BYTE)
-    assert Calibration.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
-    older = measured.to_dict()
-    del older["ddp_sync_seconds_per_byte"]  # a calibration written before it was measured
-    assert Calibration.from_dict(older).ddp_sync_seconds_per_byte is None
-    made = Calibration.from_measurements({8: 5e-5}, 3e-4, {"tp": LINK, "pp": LINK, "dp": LINK},
-                                         ddp_sync_seconds_per_byte=PER_BYTE)
-    assert made.ddp_sync_seconds_per_byte == PER_BYTE
-    for bad in (-1e-9, math.inf, math.nan):
-        with pytest.raises(PlannerError, match="ddp_sync_seconds_per_byte"):
-            calibration(bad)
+    check_optional_field(calibration, "ddp_sync_seconds_per_byte", PER_BYTE, LINK)
 
 
 def test_the_stand_in_holds_the_models_shapes_up_to_its_limit_and_cuts_the_tensor_that_crosses_it():

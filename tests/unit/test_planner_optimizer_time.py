@@ -4,13 +4,11 @@ A block's many small tensors cost per tensor as much as per number: charged at t
 GPT of the sweep (8192 x 64 embedding and head, 84% of its parameters) was predicted a 45 ms AdamW step where
 the step took 18 ms on 8 gloo ranks sharing 2 cores; split, 23 ms."""
 
-import json
-import math
-
 import pytest
 import torch
 
-from lightning_3d.planner import PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec, PlannerError
+from helpers.calibration_fields import check_optional_field
+from lightning_3d.planner import PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec
 from lightning_3d.planner import estimate_step_time
 from lightning_3d.planner.cluster import GIB
 from lightning_3d.planner.memory import rank_blocks, rank_parameters
@@ -51,17 +49,7 @@ def test_without_the_embeddings_figure_every_parameter_pays_the_blocks():
 
 
 def test_the_figure_travels_with_the_calibration_and_is_checked():
-    measured = calibration()
-    assert Calibration.from_dict(json.loads(json.dumps(measured.to_dict()))) == measured
-    older = measured.to_dict()
-    del older["optimizer_seconds_per_embedding_parameter"]
-    assert Calibration.from_dict(older).optimizer_seconds_per_embedding_parameter is None
-    made = Calibration.from_measurements({8: 5e-5}, 3e-4, {"tp": LINK, "pp": LINK, "dp": LINK},
-                                         optimizer_seconds_per_embedding_parameter=EMBEDDING)
-    assert made.optimizer_seconds_per_embedding_parameter == EMBEDDING
-    for bad in (-1e-9, math.inf, math.nan):
-        with pytest.raises(PlannerError, match="optimizer_seconds_per_embedding_parameter"):
-            calibration(bad)
+    check_optional_field(calibration, "optimizer_seconds_per_embedding_parameter", EMBEDDING, LINK)
 
 
 def test_the_embeddings_timing_holds_its_shape_up_to_its_limit(monkeypatch):
