@@ -72,7 +72,9 @@ class SavedActivations:
             self.current += entry[0]
             self.peak = max(self.peak, self.current)
         entry[1] += 1
-        return _SavedHandle(tensor, key, self)
+        # Detached: an op's saved output keeps its grad_fn, which holds this handle -- a cycle through C++ that
+        # Python's collector cannot see, so a graph a backward kept (retain_graph) would never be freed.
+        return _SavedHandle(tensor.detach(), key, self)
 
     @staticmethod
     def _unpack(handle):

@@ -352,8 +352,11 @@ class PipelineEngine:
     @contextmanager
     def _recording_logs(self) -> Iterator[list[tuple]]:
         # LightningModule.log has no hook to defer a call; an instance attribute shadows it for the duration.
+        # Detached as Lightning's log detaches them: a logged loss kept whole until the step's end would keep its
+        # graph, and under zero bubble the tensors the input gradient saved for the weight gradient with it.
         recorded: list[tuple] = []
-        self.module.log = lambda name, value, *args, **kwargs: recorded.append((name, value, args, kwargs))
+        self.module.log = lambda name, value, *args, **kwargs: recorded.append(
+            (name, value if kwargs.get("enable_graph") else detached(value), args, kwargs))
         try:
             yield recorded
         finally:

@@ -287,12 +287,17 @@ def test_hugging_face_llama_config_gives_its_parameter_count():
 
 
 def test_zero_bubble_holds_a_chunk_until_its_weight_gradient_which_rank_r_defers_by_r_backwards():
-    # Rank 1 of 2, chunks (a block, a block + the head), 2 micro-batches. PyTorch's order there:
+    # Rank 1 of 2, chunks (a block, a block + the head + the loss), 2 micro-batches. PyTorch's order there:
     # F F | F I | F I W | ...: the weight gradient of the first backward waits for the second backward, so both
-    # micro-batches' head chunks are held at once. Interleaved 1F1B frees each at its (full) backward.
-    block, head = 1.0, 5.0
-    assert interleaved_peak([block, block + head], 2, 2, 1, zero_bubble=True) == 2 * block + 2 * (block + head)
-    assert interleaved_peak([block, block + head], 2, 2, 1) == 2 * block + (block + head)
+    # micro-batches' head chunks are held at once, the first without its loss (the input gradient freed it).
+    # Interleaved 1F1B frees each at its (full) backward.
+    block, head, loss = 1.0, 5.0, 3.0
+    chunks = [block, block + head + loss]
+    assert interleaved_peak(chunks, 2, 2, 1, zero_bubble=True, input_gradient_frees=[0.0, loss]) == \
+        2 * block + (block + head) + (block + head + loss)
+    assert interleaved_peak(chunks, 2, 2, 1, zero_bubble=True) == 2 * block + 2 * (block + head + loss)
+    assert interleaved_peak(chunks, 2, 2, 1) == 2 * block + (block + head + loss)
+    assert interleaved_peak(chunks, 2, 2, 1, input_gradient_frees=[0.0, loss]) == 2 * block + (block + head + loss)
     # Rank 0 defers by none: on 4 ranks with 8 micro-batches its peak is the plain walk's, with zero bubble's
     # shorter warm-up (one forward per later rank, not two).
     assert interleaved_peak([1.0, 1.0], 8, 4, 0, zero_bubble=True) < interleaved_peak([1.0, 1.0], 8, 4, 0)
