@@ -1,7 +1,6 @@
 """The planner's cost model against published figures (ZeRO, Korthikanti et al., Narayanan et al.) and against
 the activations one process saves (what our runs hold on 4 ranks: parity/test_planner_on_ranks.py)."""
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
