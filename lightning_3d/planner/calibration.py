@@ -39,6 +39,9 @@ SEPARATELY_TIMED = tuple(f"{dim}.{collective}" for dim in ("tp", "dp")
                          for collective in ("all_gather", "reduce_scatter"))
 """The keys of :attr:`Calibration.collective_links`: the collectives ZeRO (dp) and sequence parallelism (tp)
 make, timed on their groups apart from the all-reduce."""
+OPTIONAL_FIGURES = ("recompute_share", "ddp_sync_seconds_per_byte", "optimizer_seconds_per_embedding_parameter",
+                    "zero2_sync_seconds_per_byte", "zero3_sync_seconds_per_byte")
+"""The calibration's single figures that may be None (not measured: the planner models them instead)."""
 
 
 def wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
@@ -196,6 +199,14 @@ class Calibration:
     buckets): measured on the model's own parameter tensors, synchronized against not. Where measured, the
     step time of a layout with data parallelism only (DDP's) takes it instead of the dp link's all-reduce per
     bucket; on 8 gloo ranks sharing 2 cores it is about twice that. None: the link's all-reduce."""
+    zero2_sync_seconds_per_byte: float | None = None
+    """What FSDP2's ZeRO-2 costs per gradient byte in a step over the world, as it runs it (an all-gather per unit
+    before forward, a reduce-scatter per unit from backward, its hooks and copies, each collective's wait for
+    the slowest rank): measured on a stand-in of the model's own units, sharded against not. Where measured,
+    the step time of a ZeRO layout with data parallelism only takes it instead of the dp link's collectives and
+    the per-block FSDP2 figure; on 8 gloo ranks sharing 2 cores it is about twice the links'. None: the links."""
+    zero3_sync_seconds_per_byte: float | None = None
+    """As :attr:`zero2_sync_seconds_per_byte`, for ZeRO-3 (the parameters gathered again before backward)."""
 
     def __post_init__(self) -> None:
         sizes = {}
@@ -212,10 +223,8 @@ class Calibration:
             raise PlannerError(f"Calibration.host_cores_per_rank must be > 0 or None, got"
                                f" {self.host_cores_per_rank!r}.")
         for name in ("head_seconds_per_token", "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block",
-                     "fsdp_block_call_s", "recompute_share", "ddp_sync_seconds_per_byte",
-                     "optimizer_seconds_per_embedding_parameter"):
-            value, optional = getattr(self, name), name in ("recompute_share", "ddp_sync_seconds_per_byte",
-                                                            "optimizer_seconds_per_embedding_parameter")
+                     "fsdp_block_call_s", *OPTIONAL_FIGURES):
+            value, optional = getattr(self, name), name in OPTIONAL_FIGURES
             if not (optional and value is None) and not (value >= 0 and math.isfinite(value)):
                 raise PlannerError(f"Calibration.{name} must be a finite number >= 0{' or None' if optional else ''},"
                                    f" got {value!r}.")
@@ -268,13 +277,11 @@ class Calibration:
         out = {"block_seconds_per_token": dict(self.block_seconds_per_token),
                "head_seconds_per_token": self.head_seconds_per_token,
                "optimizer_seconds_per_parameter": self.optimizer_seconds_per_parameter,
-               "optimizer_seconds_per_embedding_parameter": self.optimizer_seconds_per_embedding_parameter,
                "host_cores_per_rank": self.host_cores_per_rank,
                "pipeline_microbatch_s": self.pipeline_microbatch_s,
                "optimizer_dtensor_seconds_per_block": self.optimizer_dtensor_seconds_per_block,
                "fsdp_block_call_s": self.fsdp_block_call_s,
-               "recompute_share": self.recompute_share,
-               "ddp_sync_seconds_per_byte": self.ddp_sync_seconds_per_byte,
+               **{name: getattr(self, name) for name in OPTIONAL_FIGURES},
                "tp_head_seconds_per_token": {tp: dict(times) for tp, times in self.tp_head_seconds_per_token.items()},
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
@@ -286,8 +293,7 @@ class Calibration:
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
         optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
                     "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block", "fsdp_block_call_s",
-                    "tp_head_seconds_per_token", "collective_links", "recompute_share",
-                    "ddp_sync_seconds_per_byte", "optimizer_seconds_per_embedding_parameter"}
+                    "tp_head_seconds_per_token", "collective_links", *OPTIONAL_FIGURES}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -304,7 +310,9 @@ class Calibration:
                           tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] | None = None,
                           recompute_share: float | None = None,
                           ddp_sync_seconds_per_byte: float | None = None,
-                          optimizer_seconds_per_embedding_parameter: float | None = None) -> "Calibration":
+                          optimizer_seconds_per_embedding_parameter: float | None = None,
+                          zero2_sync_seconds_per_byte: float | None = None,
+                          zero3_sync_seconds_per_byte: float | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair, and any of :data:`SEPARATELY_TIMED` that was timed."""
@@ -322,6 +330,8 @@ class Calibration:
                    optimizer_dtensor_seconds_per_block=optimizer_dtensor_seconds_per_block,
                    fsdp_block_call_s=fsdp_block_call_s, tp_head_seconds_per_token=tp_head_seconds_per_token or {},
                    recompute_share=recompute_share, ddp_sync_seconds_per_byte=ddp_sync_seconds_per_byte,
+                   zero2_sync_seconds_per_byte=zero2_sync_seconds_per_byte,
+                   zero3_sync_seconds_per_byte=zero3_sync_seconds_per_byte,
                    collective_links={key: links[key] for key in SEPARATELY_TIMED if key in links},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 

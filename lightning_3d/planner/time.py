@@ -138,6 +138,11 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     sp = layout.sequence_parallel
     zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
     fsdp = d > 1 and (p > 1 or t > 1 or zero > 0)  # FSDP2 per block; else DistributedDataParallel or none
+    # ZeRO over the whole world, as the calibration timed it on a stand-in of the model's units: the step's
+    # collectives, their waits and FSDP2's hooks in one figure per gradient byte.
+    zero_sync = (getattr(calibration, f"zero{zero}_sync_seconds_per_byte", None)
+                 if calibration is not None and zero and t == 1 and p == 1 and m == 1 and d > 1
+                 and layout.replicas == 1 else None)
 
     def tp_collectives(regions: int) -> float:
         # A region's all-reduce is, with SP, a reduce-scatter and an all-gather: the same bytes, two calls.
@@ -151,7 +156,8 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         blocks = rank_blocks(model, layout, rank)
         recomputed = len(ckpt & set(blocks))
         compute = len(blocks) * speeds.block + recomputed * speeds.recompute + (rank == p - 1) * speeds.head
-        compute += fsdp * (len(blocks) + 1) * speeds.fsdp_call  # FSDP2's hooks: each block, the stage's root
+        if zero_sync is None:  # FSDP2's hooks: each block, the stage's root
+            compute += fsdp * (len(blocks) + 1) * speeds.fsdp_call
         head_timed = rank == p - 1 and speeds.tp_head_extra is not None  # its collectives in its measured time
         ends = (rank == 0) + (rank == p - 1 and not head_timed)  # the embedding's and the head's regions
         if speeds.tp_block_extra is None:
@@ -213,7 +219,10 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         # Overlap hides a call only behind compute that runs while it is in flight: the reduction of the last
         # gradients (the last bucket or unit, after the last backward) has none, nor under ZeRO the first
         # unit's gather (before the first forward); at least these are exposed.
-        if zero:
+        if zero_sync is not None:  # as FSDP2 runs it, measured
+            dp_time = grads * zero_sync
+            unhidden = dp_time / units
+        elif zero:
             unhidden = dp_call("reduce_scatter", grads) + across_replicas(grads) + dp_call("all_gather", weights)
             dp_time = units * unhidden
         elif t == 1 and p == 1:  # DistributedDataParallel: one all-reduce per bucket
@@ -227,7 +236,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
             unhidden = dp_call("all_reduce", grads)
             dp_time = units * unhidden
         exposed = max(unhidden, dp_time - backward) if dp_overlap else dp_time
-    if zero == 3 and d > 1:
+    if zero == 3 and d > 1 and zero_sync is None:
         # Without a pipeline FSDP2 gathers the parameters again for each micro-batch's forward and backward,
         # prefetched during the previous block's compute (where a collective can run beside it).
         gathers = 2 * dp_calls("all_gather", weights)

@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_3d.common import local
 from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.policies.base import Plan
-from lightning_3d.strategies.calibrate_timing import MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds
+from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
+                                                      world_mesh)
 
 class _Captured(Exception):
     """Raised by the hook that took a block's call: the rest of the step is not needed."""
@@ -106,7 +107,7 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     on a 32-wide GPT block on one CPU core, 3.3 ms alone and 11 ms wrapped. Seconds per call, >= 0.
     Collective."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    mesh = _world_mesh(device)
+    mesh = world_mesh(device)
     alone = _materialized(block, device)
     wrapped = copy.deepcopy(alone)
     replicate(wrapped, mesh=mesh)
@@ -259,7 +260,7 @@ def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
     Collective."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = _world_mesh(device)
+    mesh = world_mesh(device)
     plain = [param for param in _materialized(block, device).parameters() if param.requires_grad]
     if not plain:
         return 0.0
@@ -291,13 +292,6 @@ def _tp_mesh(tp: int, device: torch.device):
                           lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
 
 
-def _world_mesh(device: torch.device):
-    """A one-dimensional mesh of the world, made once per world: the DTensor optimizer's and FSDP2's timings."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return once_per_world(("calibration world mesh", device.type, world),
-                          lambda: init_device_mesh(device.type, (world,)))
 
 
 def _fresh_state(values: Any) -> Any:

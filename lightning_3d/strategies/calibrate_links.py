@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
-from lightning_3d.strategies.calibrate_timing import MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds
+from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
+                                                      world_mesh)
 
 MESSAGE_BYTES = (2**16, 2**22)
 """The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
@@ -139,6 +140,40 @@ def ddp_sync_seconds_per_byte(shapes: list[torch.Size], device: torch.device) ->
     return extra / total
 
 
+def zero_sync_seconds_per_byte(unit_shapes: list[list[torch.Size]], device: torch.device, *,
+                               reshard_after_forward: bool) -> float:
+    """What FSDP2's ZeRO costs per gradient byte in a step over the world, as it runs it: the all-gathers before
+    forward (and, with ``reshard_after_forward`` -- ZeRO-3 -- again before backward), the reduce-scatters from
+    backward, its hooks and copies, and each collective's wait for the slowest rank. A stand-in holds the model's
+    FSDP units as the strategy wraps them (``unit_shapes``: each block's parameter shapes, then the rest of the
+    model's, the root's own; float32, up to :data:`DDP_PROBE_BYTES` in all, :func:`probe_shapes`), each
+    ``fully_shard`` over the world, its forward touching each parameter at almost no compute; its forward +
+    backward against the same stand-in unwrapped, in pairs. On 8 gloo ranks sharing 2 cores, for issue 31's
+    vocab GPT (4.8 MB in 5 units): 200-208 ms at ZeRO-2, where the dp link's reduce-scatter and all-gather
+    predicted 100 and the run's own collectives took 286 (their waits included). 0 for a model without
+    parameters. Collective: every rank calls it."""
+    from torch.distributed.fsdp import fully_shard
+
+    room, units = DDP_PROBE_BYTES, []
+    for shapes in unit_shapes:
+        if room <= 0:
+            break
+        units.append(probe_shapes(shapes, room))
+        room -= 4 * sum(shape.numel() for shape in units[-1])
+    total = 4 * sum(shape.numel() for shapes in units for shape in shapes)
+    if total == 0:
+        return 0.0
+    plain, sharded = (_Units(units, device) for _ in range(2))
+    mesh = world_mesh(device)
+    for unit in sharded.units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    x = torch.ones(1, device=device)
+    extra = median_extra_seconds(lambda: plain(x).backward(), lambda: sharded(x).backward(), device,
+                                 min_seconds=0.0)
+    return extra / total
+
+
 def probe_shapes(shapes: list[torch.Size], limit_bytes: int = DDP_PROBE_BYTES) -> list[torch.Size]:
     """The parameter shapes :func:`ddp_sync_seconds_per_byte` gives its stand-in: the model's, in order, up to
     ``limit_bytes`` of float32 in all; the tensor that crosses the limit is cut to a flat one that fills it (a
@@ -162,6 +197,19 @@ class _EveryParameterTouched(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum(weight.reshape(-1)[:1].sum() for weight in self.weights) * x
+
+
+class _Units(nn.Module):
+    """FSDP units of the given parameter shapes, the last list the root's own (:func:`zero_sync_seconds_per_byte`),
+    each touched as :class:`_EveryParameterTouched` touches its parameters."""
+
+    def __init__(self, unit_shapes: list[list[torch.Size]], device: torch.device) -> None:
+        super().__init__()
+        self.units = nn.ModuleList([_EveryParameterTouched(shapes, device) for shapes in unit_shapes[:-1]])
+        self.own = _EveryParameterTouched(unit_shapes[-1], device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((unit(x) for unit in self.units), self.own(x))
 
 
 def _collective_speed(collective: str, group, device: torch.device) -> LinkSpeed:

@@ -12,6 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lightning_3d.parallel.group_cache import once_per_world
+
 REPEATS = 5
 """Timed repetitions of each measurement after one warm-up; the median is kept."""
 PAIRS = 7
@@ -104,3 +106,13 @@ def _slowest_each(times: list[float], device: torch.device) -> list[float]:
     values = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values.tolist()
+
+
+def world_mesh(device: torch.device):
+    """A one-dimensional mesh of the world, made once per world: the timings of DTensor's optimizer step and
+    of FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return once_per_world(("calibration world mesh", device.type, world),
+                          lambda: init_device_mesh(device.type, (world,)))

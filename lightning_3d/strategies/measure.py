@@ -57,20 +57,38 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
                                                                  min(sizes) * spec.seq_length, device, links["pp"],
                                                                  repeat_s)
     ddp_s = None
-    if _ddp_possible(config, world_size):
+    if _data_parallel_only(config, world_size, zero=(0,)):
         shapes = [p.shape for p in module.parameters() if p.requires_grad]
         ddp_s = calibrate_links.ddp_sync_seconds_per_byte(shapes, device)
+    zero_s = {}
+    for stage in (2, 3):
+        if _data_parallel_only(config, world_size, zero=(1, 2) if stage == 2 else (3,)):
+            zero_s[stage] = calibrate_links.zero_sync_seconds_per_byte(
+                _unit_shapes(module, block_name), device, reshard_after_forward=stage == 3)
     return Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
         optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
         optimizer_seconds_per_embedding_parameter=embedding_optimizer_s or None,
         optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
-        recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s)
+        recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s, zero2_sync_seconds_per_byte=zero_s.get(2),
+        zero3_sync_seconds_per_byte=zero_s.get(3))
 
 
-def _ddp_possible(config: ParallelConfig, world_size: int) -> bool:
-    """Whether a layout the config leaves open runs DistributedDataParallel: data parallelism over the whole
-    world, without tp, pp or ZeRO."""
-    return world_size > 1 and all(getattr(config, name) in ("auto", plain) for name, plain in (
-        ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("zero_stage", 0),
-        ("data_parallel_size", world_size)))
+def _data_parallel_only(config: ParallelConfig, world_size: int, zero: tuple[int, ...]) -> bool:
+    """Whether a layout the config leaves open has data parallelism over the whole world, without tp or pp, at
+    one of the ``zero`` stages (0: DistributedDataParallel)."""
+    return world_size > 1 and (config.zero_stage == "auto" or config.zero_stage in zero) and all(
+        getattr(config, name) in ("auto", plain) for name, plain in (
+            ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("data_parallel_size", world_size)))
+
+
+def _unit_shapes(module, block_name: str) -> list[list[torch.Size]]:
+    """The trainable parameter shapes of each FSDP unit the strategy makes: each block like ``block_name`` among
+    its siblings, then the rest of the model (the root's own)."""
+    container_name, _, _ = block_name.rpartition(".")
+    container = module.get_submodule(container_name)
+    kind = type(module.get_submodule(block_name))
+    blocks = [child for child in container.children() if type(child) is kind]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    units = [[p.shape for p in block.parameters() if p.requires_grad] for block in blocks]
+    return units + [[p.shape for p in module.parameters() if p.requires_grad and id(p) not in in_blocks]]

@@ -70,6 +70,15 @@ def test_the_calibration_timed_ddps_gradient_synchronization_where_a_layout_may_
     assert 0 < measured.pop() < 1e-6  # under a microsecond per byte: a 4-rank gloo all-reduce moves > 1 MB/s
 
 
+def test_the_calibration_timed_zeros_synchronization_where_a_layout_may_run_zero_over_the_world(ranks):
+    """The free run may choose dp4 with ZeRO-2 or ZeRO-3: FSDP2 over the world was timed on a stand-in of the
+    model's units, per gradient byte, the same on every rank (the slowest's); ZeRO-3 gathers once more."""
+    for name in ("zero2_sync_seconds_per_byte", "zero3_sync_seconds_per_byte"):
+        measured = {rank["free"]["calibration"][name] for rank in ranks}
+        assert len(measured) == 1, (name, measured)
+        assert 0 < measured.pop() < 1e-6, name
+
+
 def test_the_calibration_timed_the_optimizer_on_the_blocks_and_on_the_embeddings_shape(ranks):
     """Two figures per parameter, each the same on every rank (the slowest's): a block's (its small tensors)
     and a tensor of the embedding's shape."""
