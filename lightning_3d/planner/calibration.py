@@ -40,7 +40,8 @@ SEPARATELY_TIMED = tuple(f"{dim}.{collective}" for dim in ("tp", "dp")
 """The keys of :attr:`Calibration.collective_links`: the collectives ZeRO (dp) and sequence parallelism (tp)
 make, timed on their groups apart from the all-reduce."""
 OPTIONAL_FIGURES = ("recompute_share", "ddp_sync_seconds_per_byte", "optimizer_seconds_per_embedding_parameter",
-                    "zero2_sync_seconds_per_byte", "zero3_sync_seconds_per_byte")
+                    "zero2_sync_seconds_per_byte", "zero3_sync_seconds_per_byte",
+                    "optimizer_dtensor_seconds_per_sharded_block")
 """The calibration's single figures that may be None (not measured: the planner models them instead)."""
 
 
@@ -163,7 +164,12 @@ class Calibration:
     optimizer_dtensor_seconds_per_block: float = 0.0
     """What one optimizer step over one block's parameters costs more where they are DTensors (tensor parallel;
     FSDP2 under a pipeline or ZeRO) than as plain tensors: DTensor's dispatch, per tensor of each multi-tensor
-    op, whatever the tensors' sizes. Paid per block and for the rest of the stage (counted as one more)."""
+    op, and more on more numbers: timed on replicated parameters (each rank holding all of a block's numbers).
+    Paid per block and for the rest of the stage (counted as one more)."""
+    optimizer_dtensor_seconds_per_sharded_block: float | None = None
+    """As :attr:`optimizer_dtensor_seconds_per_block`, timed on FSDP2's local shards over the world (1 / world of
+    each tensor's numbers). Where measured, a rank holding a share f of its blocks' numbers (1 / tp, / the
+    ZeRO shard group) pays between the two, linearly in f. None: the replicated figure."""
     tp_head_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     """Forward + backward of the output head and loss split over the vocabulary on tp ranks, as the run splits
     them (column-parallel matmul, vocabulary-parallel cross-entropy, their collectives), seconds per token of
@@ -312,7 +318,8 @@ class Calibration:
                           ddp_sync_seconds_per_byte: float | None = None,
                           optimizer_seconds_per_embedding_parameter: float | None = None,
                           zero2_sync_seconds_per_byte: float | None = None,
-                          zero3_sync_seconds_per_byte: float | None = None) -> "Calibration":
+                          zero3_sync_seconds_per_byte: float | None = None,
+                          optimizer_dtensor_seconds_per_sharded_block: float | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair, and any of :data:`SEPARATELY_TIMED` that was timed."""
@@ -332,6 +339,7 @@ class Calibration:
                    recompute_share=recompute_share, ddp_sync_seconds_per_byte=ddp_sync_seconds_per_byte,
                    zero2_sync_seconds_per_byte=zero2_sync_seconds_per_byte,
                    zero3_sync_seconds_per_byte=zero3_sync_seconds_per_byte,
+                   optimizer_dtensor_seconds_per_sharded_block=optimizer_dtensor_seconds_per_sharded_block,
                    collective_links={key: links[key] for key in SEPARATELY_TIMED if key in links},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 

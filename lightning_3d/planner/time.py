@@ -244,7 +244,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     in_blocks = len(rank_blocks(model, layout, busiest)) * model.block_params().per_rank(t)
     optimizer = speeds.optimizer(in_blocks, params - in_blocks) / (layout.shard if zero else 1)
     if t > 1 or fsdp:  # DTensor parameters (DDP's, and a lone pipeline stage's, are plain)
-        optimizer += units * speeds.dtensor_optimizer
+        optimizer += units * speeds.dtensor_optimizer_per_unit(1 / (t * (layout.shard if zero else 1)))
     return StepTime(
         compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
@@ -267,12 +267,9 @@ class _Speeds:
         """As ``tp_block_extra``, for the output head and loss split over the vocabulary, per micro-batch."""
         self.pipeline_microbatch = calibration.pipeline_microbatch_s if calibration is not None else 0.0
         """The pipeline schedule's own seconds per micro-batch and model chunk (measured; 0 from datasheets)."""
-        self.dtensor_optimizer = calibration.optimizer_dtensor_seconds_per_block if calibration is not None else 0.0
-        """What an optimizer step costs more per block (FSDP unit) of DTensor parameters (measured; 0 from
-        datasheets, where GPU steps launch kernels for far longer than DTensor's dispatch takes)."""
         self.fsdp_call = calibration.fsdp_block_call_s if calibration is not None else 0.0
         """What FSDP2's wrapping adds to one forward + backward of a block (measured; 0 from datasheets, as
-        ``dtensor_optimizer``)."""
+        :meth:`dtensor_optimizer_per_unit`)."""
         if calibration is not None:
             self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
             # a forward is a third of forward + backward (backward: 2 matmuls), unless measured
@@ -308,6 +305,20 @@ class _Speeds:
         # within dp), a replica group all of dp's.
         span = {"tp": t, "dp": t * d, "pp": t * d + 1, "dp_shard": t * self.layout.shard, "dp_replicate": t * d}[dimension]
         return wire / self.cluster.bandwidth(span)
+
+    def dtensor_optimizer_per_unit(self, local_share: float) -> float:
+        """What an optimizer step costs more per block (FSDP unit) of DTensor parameters of which the rank holds
+        ``local_share`` of the numbers: measured replicated and, where timed, as shards over the world,
+        linear in the share between the two; 0 from datasheets, where GPU steps launch kernels for far longer
+        than DTensor's dispatch takes."""
+        c = self.calibration
+        if c is None:
+            return 0.0
+        whole, sharded = c.optimizer_dtensor_seconds_per_block, c.optimizer_dtensor_seconds_per_sharded_block
+        world = self.layout.world_size
+        if sharded is None or world == 1:
+            return whole
+        return sharded + (whole - sharded) * (local_share - 1 / world) / (1 - 1 / world)
 
     def optimizer(self, in_blocks: float, outside: float) -> float:
         """Seconds of the optimizer step over ``in_blocks`` parameters of blocks and ``outside`` others

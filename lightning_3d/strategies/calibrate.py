@@ -251,27 +251,39 @@ def _adamw_seconds_per_parameter(params: list[Tensor], device: torch.device, rep
 
 
 def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
-                                        repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+                                        repeat_s: float = MIN_REPEAT_SECONDS, *, sharded: bool = False) -> float:
     """What one AdamW step over ``block``'s parameters costs more when they are DTensors (as tensor parallelism
-    and FSDP2 make them) than as plain tensors: the same values, replicated over a mesh of the world, so that
-    only DTensor's dispatch differs -- a sharding propagation and a local call per tensor of each of the
-    optimizer's multi-tensor ops, which on a block of many small tensors costs several times its arithmetic
-    (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors). Seconds, >= 0.
-    Collective."""
-    from torch.distributed.tensor import DTensor, Replicate
+    and FSDP2 make them) than as plain tensors of the same local size: replicated over a mesh of the world, or
+    with ``sharded`` each split along its first dimension over it (FSDP2's local shards: 1 / world of the
+    numbers), so that only DTensor's dispatch differs -- a sharding propagation and a local call per tensor of
+    each of the optimizer's ops, which on a block of many small tensors costs several times its arithmetic
+    (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors), and more on more
+    numbers (the vocab GPT's 65 tensors on 8 CPU ranks: 30 ms more replicated, 15 ms more as 1/8 shards).
+    Seconds, >= 0. Collective."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = world_mesh(device)
-    plain = [param for param in _materialized(block, device).parameters() if param.requires_grad]
-    if not plain:
+    whole = [param for param in _materialized(block, device).parameters() if param.requires_grad]
+    if not whole:
         return 0.0
-    spread = [nn.Parameter(DTensor.from_local(param.detach().clone(), mesh, [Replicate()], run_check=False))
+    world = mesh.size()
+    plain = [nn.Parameter(torch.randn(_first_dim_shard(p.shape, world), device=device)) if sharded else p
+             for p in whole]
+    placement = Shard(0) if sharded else Replicate()
+    spread = [nn.Parameter(DTensor.from_local(param.detach().clone(), mesh, [placement], run_check=False))
               for param in plain]
     for param in plain:
         param.grad = torch.randn_like(param)
     for param, twin in zip(plain, spread):
-        twin.grad = DTensor.from_local(param.grad.clone(), mesh, [Replicate()], run_check=False)
+        twin.grad = DTensor.from_local(param.grad.clone(), mesh, [placement], run_check=False)
     base, extra = (torch.optim.AdamW(params, lr=1e-6).step for params in (plain, spread))
     return median_extra_seconds(base, extra, device, repeat_s)
+
+
+def _first_dim_shard(shape: torch.Size, world: int) -> tuple[int, ...]:
+    """One rank's shard of a tensor split along its first dimension over ``world`` ranks, as FSDP2 pads it (a
+    scalar as one number)."""
+    return (-(-shape[0] // world), *shape[1:]) if len(shape) else (1,)
 
 
 def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:

@@ -43,6 +43,9 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
         embedding_optimizer_s = calibrate.embedding_optimizer_seconds_per_parameter(spec.vocab_size,
                                                                                     spec.hidden_size, device, repeat_s)
         dtensor_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
+        dtensor_sharded_s = None
+        if world_size > 1:
+            dtensor_sharded_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s, sharded=True)
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
             fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
@@ -71,7 +74,7 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
         optimizer_seconds_per_embedding_parameter=embedding_optimizer_s or None,
         optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
         recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s, zero2_sync_seconds_per_byte=zero_s.get(2),
-        zero3_sync_seconds_per_byte=zero_s.get(3))
+        zero3_sync_seconds_per_byte=zero_s.get(3), optimizer_dtensor_seconds_per_sharded_block=dtensor_sharded_s)
 
 
 def _data_parallel_only(config: ParallelConfig, world_size: int, zero: tuple[int, ...]) -> bool:

@@ -79,6 +79,13 @@ def test_the_calibration_timed_zeros_synchronization_where_a_layout_may_run_zero
         assert 0 < measured.pop() < 1e-6, name
 
 
+def test_the_calibration_timed_dtensors_optimizer_cost_replicated_and_sharded(ranks):
+    for name in ("optimizer_dtensor_seconds_per_block", "optimizer_dtensor_seconds_per_sharded_block"):
+        measured = {rank["free"]["calibration"][name] for rank in ranks}
+        assert len(measured) == 1, (name, measured)
+        assert 0 <= measured.pop() < 1.0, name
+
+
 def test_the_calibration_timed_the_optimizer_on_the_blocks_and_on_the_embeddings_shape(ranks):
     """Two figures per parameter, each the same on every rank (the slowest's): a block's (its small tensors)
     and a tensor of the embedding's shape."""

@@ -60,6 +60,28 @@ def test_dtensor_dispatch_is_charged_per_fsdp_unit_where_the_parameters_are_dten
     assert extra == pytest.approx(units(layout) * PER_BLOCK if dtensors else 0.0)
 
 
+@pytest.mark.parametrize("layout, share", [(Layout(tp=8), 1 / 8), (Layout(dp=8, zero_stage=2), 1 / 8),
+                                           (Layout(tp=2, dp=4), 1 / 2), (Layout(tp=2, dp=4, zero_stage=2), 1 / 8),
+                                           (Layout(dp=4, pp=2, num_microbatches=4), 1.0)])
+def test_a_rank_holding_a_share_of_its_blocks_numbers_pays_between_the_replicated_and_the_sharded_figure(
+        layout, share):
+    """DTensor's step costs per tensor and, less, per number: timed replicated (every number on every rank)
+    and as FSDP2's shards over the world (1/8 here), a rank with 1/tp of the numbers, / the ZeRO group, pays
+    along the line between the two."""
+    sharded = PER_BLOCK / 2
+    expected = sharded + (PER_BLOCK - sharded) * (share - 1 / 8) / (1 - 1 / 8)
+    extra = (step_time(layout, optimizer_dtensor_seconds_per_block=PER_BLOCK,
+                       optimizer_dtensor_seconds_per_sharded_block=sharded).optimizer - step_time(layout).optimizer)
+    assert extra == pytest.approx(units(layout) * expected)
+
+
+def test_the_sharded_figure_travels_with_the_calibration_and_is_checked():
+    from helpers.calibration_fields import check_optional_field
+
+    check_optional_field(lambda value=None: step_time_calibration(optimizer_dtensor_seconds_per_sharded_block=value),
+                         "optimizer_dtensor_seconds_per_sharded_block", 2e-3, FAST)
+
+
 @pytest.mark.parametrize("layout, dtensors, fsdp", LAYOUTS)
 def test_fsdp_hooks_are_charged_per_block_call_where_fsdp2_wraps_the_blocks(layout, dtensors, fsdp):
     with_hooks, without = step_time(layout, fsdp_block_call_s=PER_BLOCK), step_time(layout)
@@ -83,6 +105,23 @@ def test_the_calibration_measures_what_dtensor_parameters_add_to_an_adamw_step(m
     extra = calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"))
     assert timed == [{False}, {True}]  # the block's parameters as they are, then as DTensors
     assert extra == pytest.approx(3e-3)
+
+
+def test_the_sharded_calibration_times_fsdp2s_local_shards_against_plain_tensors_of_their_size(monkeypatch):
+    world = 4
+    monkeypatch.setattr(calibrate, "world_mesh", lambda device: type("Mesh", (), {"size": lambda self: world})())
+    made = []
+    monkeypatch.setattr(DTensor, "from_local", staticmethod(lambda local, mesh, placements, run_check: made.append((local.shape, placements))
+                                     or local))
+    monkeypatch.setattr(calibrate, "median_extra_seconds", lambda base, extra, device, min_seconds=0.0: 2e-3)
+    with torch.device("meta"):
+        block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
+    assert calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"), sharded=True) == 2e-3
+    # Each tensor split along its first dimension over the 4 ranks, rounded up as FSDP2 pads it: (128, 32) ->
+    # (32, 32), (32, 128) -> (8, 128).
+    expected = {torch.Size([-(-p.shape[0] // world), *p.shape[1:]]) for p in block.parameters()}
+    assert {local for local, _ in made} == expected
+    assert all(str(placements[0]) == "S(0)" for _, placements in made)
 
 
 def test_the_calibration_measures_what_fsdp2_adds_to_a_block_call(monkeypatch):
