@@ -173,9 +173,10 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
         return tokens * h * r / seq_split  # the block's input, from which backward recomputes the rest
     mask = 1 if model.dropout > 0 else 0  # bytes per element of a dropout mask
     stats = FP32 * (2 if model.norm == "layernorm" else 1)  # mean and 1/std (or 1/rms) per token
-    # Between the tensor-parallel regions: two norm inputs (residual stream), their statistics, the masks of
-    # the dropouts on the two residual branches. Replicated over tp, or split along the sequence with SP.
-    between = 2 * tokens * (h * r + stats + h * mask) / seq_split
+    # Between the tensor-parallel regions: two norm inputs (residual stream), their statistics (and outputs,
+    # where the norm saves them), the masks of the dropouts on the two residual branches. Replicated over tp,
+    # or split along the sequence with SP.
+    between = 2 * tokens * (h * r * (1 + model.norm_output_saved) + stats + h * mask) / seq_split
     # The norm outputs entering the column-parallel layers of attention and MLP; under autocast each Linear
     # saves its own bf16 cast of its input, so separate q, k, v projections keep three copies.
     copies = 1 if model.fused_qkv or not _autocast(precision) else 3
@@ -187,7 +188,8 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     else:
         scores = b * heads * s * s
         attention += scores * e + mask * scores * (1 + e) + tokens * h * e / t  # softmax, dropout, o's input
-    mlp = tokens * model.ffn * e / t * (4 if model.gated_mlp else 2)  # activation's input(s) and output
+    # The activation's input(s) and output; a GELU written as its formula saves three more.
+    mlp = tokens * model.ffn * e / t * ((4 if model.gated_mlp else 2) + 3 * model.gelu_formula)
     return between + region_inputs + attention + mlp
 
 
@@ -233,7 +235,8 @@ def chunk_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
             total += b * s * INT64 + s * INT64 * model.learned_positions + b * s * h * (model.dropout > 0) / seq_split
         if stage == len(stages) - 1:
             stats = FP32 * (2 if model.norm == "layernorm" else 1)
-            total += (b * s * (h * precision.residual_bytes + stats) / seq_split  # final norm's input
+            norm = h * precision.residual_bytes * (1 + model.norm_output_saved) + stats  # input (and output)
+            total += (b * s * norm / seq_split  # the final norm's
                       + b * s * h * precision.activation_bytes  # its output, gathered, into the head
                       + loss_activation_bytes(model, layout))
         chunks.append(total)

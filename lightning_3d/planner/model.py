@@ -61,12 +61,19 @@ class ModelSpec:
     """MLP width (f); None: 4 * hidden_size."""
     gated_mlp: bool = False
     """SwiGLU-style MLP (gate, up and down matrices) as in Llama; False: up, activation, down as in GPT."""
+    gelu_formula: bool = False
+    """The MLP's GELU is written as its tanh formula in separate ops (transformers' ``gelu_new``, GPT-2's),
+    which save three more (b, s, f) tensors than a fused activation: the tanh, half the input, 1 + the tanh."""
     bias: bool = True
     """Biases in the linear layers and norms."""
     key_bias: bool = True
     """A bias on the key projection (the reference GPT has none: softmax cancels it)."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     """LayerNorm (weight, bias; saves mean and 1/std) or RMSNorm (weight; saves 1/rms)."""
+    norm_output_saved: bool = False
+    """The norm saves its normalized output for the multiply by its weight, one more (b, s, h) tensor per norm:
+    Hugging Face's RMSNorm, written as separate ops. False: a fused kernel that saves its input and statistics
+    only (``nn.LayerNorm``, Megatron-LM's fused norms)."""
     learned_positions: bool = True
     """A learned position table (max_positions x h, kept whole on every tp rank); False: rotary, no params."""
     max_positions: int | None = None
@@ -198,9 +205,10 @@ class ModelSpec:
             ffn_hidden_size=get("intermediate_size", "n_inner", default=4 * hidden),
             vocab_size=get("vocab_size"), seq_length=seq_length or positions, max_positions=positions,
             gated_mlp=not gpt2_like, bias=gpt2_like or bool(get("attention_bias", default=False)),
-            norm="layernorm" if gpt2_like else "rmsnorm", learned_positions=gpt2_like,
+            norm="layernorm" if gpt2_like else "rmsnorm", norm_output_saved=not gpt2_like, learned_positions=gpt2_like,
             tied_embeddings=bool(get("tie_word_embeddings", default=gpt2_like)),
-            dropout=float(get("attention_dropout", "attn_pdrop", default=0.0)), fused_qkv=gpt2_like)
+            dropout=float(get("attention_dropout", "attn_pdrop", default=0.0)), fused_qkv=gpt2_like,
+            gelu_formula=get("activation_function", "hidden_act") == "gelu_new")
 
 
 def _hf_values(config: Any) -> dict:

@@ -285,6 +285,46 @@ def test_hugging_face_llama_config_gives_its_parameter_count():
     assert ModelSpec.from_hf_config(config, seq_length=128).num_parameters() == expected
 
 
+@pytest.mark.parametrize("model_type, planned_share", [("llama", 1.0), ("qwen2", 1.0), ("gpt2", 0.934)])
+def test_a_hugging_face_layer_saves_the_bytes_the_planner_gives_it(model_type, planned_share):
+    """Counted by autograd on transformers' own model, three layers less two. Llama's and Qwen2's RMSNorm
+    multiplies by its weight as a separate op, which saves the normalized tensor: one more (b, s, h) per norm
+    than a fused norm (0.90 of a Llama layer was planned without it). GPT-2's ``gelu_new`` is the tanh formula
+    in separate ops, three more (b, s, 4h) tensors (0.54 of a GPT-2 layer was planned without them). Not
+    modelled, GPT-2's last 2 h per token: SDPA on its fused qkv saves a copy of q, and the attention's output
+    and the projection's input are two tensors there."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_3d.parallel.memory import SavedActivations
+
+    sizes = dict(vocab_size=512, max_position_embeddings=32)
+    configs = {
+        "llama": lambda n: transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=n,
+                                                    num_attention_heads=4, num_key_value_heads=2, **sizes),
+        "qwen2": lambda n: transformers.Qwen2Config(hidden_size=64, intermediate_size=172, num_hidden_layers=n,
+                                                    num_attention_heads=4, num_key_value_heads=2, **sizes),
+        "gpt2": lambda n: transformers.GPT2Config(n_embd=64, n_layer=n, n_head=4, n_positions=32, vocab_size=512,
+                                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                                                  eos_token_id=0),
+    }
+
+    def saved(layers: int) -> int:
+        torch.manual_seed(0)
+        config = configs[model_type](layers)
+        config._attn_implementation = "sdpa"
+        model = transformers.AutoModel.from_config(config)
+        measured = SavedActivations(model)
+        with measured:
+            output = model(input_ids=torch.randint(0, 512, (4, 32)))  # its graph holds what is counted
+        held = measured.current
+        del output
+        return held
+
+    per_layer = saved(3) - saved(2)
+    spec = ModelSpec.from_hf_config(configs[model_type](2), seq_length=32)
+    planned = block_activation_bytes(spec, Layout(micro_batch_size=4), FP32)
+    assert planned / per_layer == pytest.approx(planned_share, abs=0.005)
+
+
 def test_zero_bubble_holds_a_chunk_until_its_weight_gradient_which_rank_r_defers_by_r_backwards():
     # Rank 1 of 2, chunks (a block, a block + the head + the loss), 2 micro-batches. PyTorch's order there:
     # F F | F I | F I W | ...: the weight gradient of the first backward waits for the second backward, so both
