@@ -19,12 +19,18 @@ def two_blocks() -> nn.Module:
     return nn.Sequential(Block(config), Block(config))
 
 
-def test_a_graph_kept_for_a_second_backward_is_freed_with_its_output():
+def measured_forward():
+    """Two blocks' forward, measured: the blocks, their input, the measurement, the output."""
     stage = two_blocks()
     x = torch.randn(2, 16, 32, requires_grad=True)
     saved = SavedActivations(stage)
     with saved:
         y = stage(x)
+    return stage, x, saved, y
+
+
+def test_a_graph_kept_for_a_second_backward_is_freed_with_its_output():
+    stage, x, saved, y = measured_forward()
     held = saved.current
     torch.autograd.grad(y, x, torch.ones_like(y), retain_graph=True)
     assert saved.current == held  # kept for the second backward
@@ -39,11 +45,7 @@ def test_a_graph_kept_for_a_second_backward_is_freed_with_its_output():
 
 def test_zero_bubble_weight_gradient_frees_what_the_input_gradient_kept():
     """torch's split backward, as ``ScheduleInterleavedZeroBubble`` runs it on every stage but the first."""
-    stage = two_blocks()
-    x = torch.randn(2, 16, 32, requires_grad=True)
-    saved = SavedActivations(stage)
-    with saved:
-        y = stage(x)
+    stage, x, saved, y = measured_forward()
     held = saved.current
     grads_in, param_groups = stage_backward_input([y], [torch.ones_like(y)], [x], stage.parameters())
     assert saved.current == held
