@@ -111,8 +111,12 @@ def test_the_sharded_calibration_times_fsdp2s_local_shards_against_plain_tensors
     world = 4
     monkeypatch.setattr(calibrate, "world_mesh", lambda device: type("Mesh", (), {"size": lambda self: world})())
     made = []
-    monkeypatch.setattr(DTensor, "from_local", staticmethod(lambda local, mesh, placements, run_check: made.append((local.shape, placements))
-                                     or local))
+
+    def from_local(local, mesh, placements, run_check):  # records what would become a DTensor
+        made.append((local.shape, placements))
+        return local
+
+    monkeypatch.setattr(DTensor, "from_local", staticmethod(from_local))
     monkeypatch.setattr(calibrate, "median_extra_seconds", lambda base, extra, device, min_seconds=0.0: 2e-3)
     with torch.device("meta"):
         block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
