@@ -81,6 +81,12 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.distributed.pipelining._backward.stage_backward": Private(
         "GradSyncStage runs a stage's backward itself to reduce gradients per micro-batch",
         "no public backward step of a pipeline stage"),
+    "torch.distributed.pipelining._backward.stage_backward_input": Private(
+        "layout='auto' times a block's backward split as zero bubble splits it (calibrate.zero_bubble_split_seconds_per_token)",
+        "no public split backward; the schedule calls these two itself"),
+    "torch.distributed.pipelining._backward.stage_backward_weight": Private(
+        "the weights' half of that split backward, timed with it",
+        "no public split backward; the schedule calls these two itself"),
     "torch.distributed.tensor.placement_types._StridedShard": Private(
         "fused projections (GPT-2's and nanoGPT's q|k|v, Phi-3's gate|up): each tp rank takes its slice of every part",
         "Shard(dim) cannot express a strided slice; no public placement for it"),

@@ -187,6 +187,12 @@ class Calibration:
     """What recomputing a block's forward in its backward (activation checkpointing) adds to the block's forward
     + backward, as a share of it: measured, the block checkpointed against the block alone, in pairs; None: a
     third, a forward's FLOPs of forward + backward's."""
+    zero_bubble_split_seconds_per_token: Mapping[int, float] = field(default_factory=dict)
+    """What zero bubble's split backward (the input's gradient, then the weights' apart) adds to a block's
+    forward + backward, seconds per token by micro-batch size (``{micro-batch size: seconds}``): measured, the
+    block's backward split as ``torch.distributed.pipelining`` splits it against whole, in pairs, at the
+    smallest and the largest size; other sizes as :meth:`block_seconds`. Empty: nothing. Paid by every block of
+    a zero-bubble layout but the first stage's, whose weight gradient torch runs as a whole backward."""
     tp_block_seconds_per_token: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     """Forward + backward of one block split over tp ranks as the run splits it, its collectives included,
     seconds per token of the micro-batch: ``{tp: {micro-batch size: seconds}}``. Where a tp size is timed, the
@@ -234,6 +240,11 @@ class Calibration:
             if not (optional and value is None) and not (value >= 0 and math.isfinite(value)):
                 raise PlannerError(f"Calibration.{name} must be a finite number >= 0{' or None' if optional else ''},"
                                    f" got {value!r}.")
+        split = {int(size): float(seconds) for size, seconds in dict(self.zero_bubble_split_seconds_per_token).items()}
+        if any(size < 1 or not (seconds >= 0 and math.isfinite(seconds)) for size, seconds in split.items()):
+            raise PlannerError(f"Calibration.zero_bubble_split_seconds_per_token needs micro-batch sizes >= 1 and"
+                               f" finite times >= 0, got {self.zero_bubble_split_seconds_per_token!r}.")
+        object.__setattr__(self, "zero_bubble_split_seconds_per_token", dict(sorted(split.items())))
         # Frozen: the normalized copies replace what was given (sorted int keys; LinkSpeed from any form).
         object.__setattr__(self, "block_seconds_per_token", _non_increasing(sizes))
         for name in ("tp_block_seconds_per_token", "tp_head_seconds_per_token"):
@@ -266,6 +277,12 @@ class Calibration:
         times = self.tp_block_seconds_per_token.get(tp)
         return _interpolated(times, micro_batch_size) if times else None
 
+    def zero_bubble_split_seconds(self, micro_batch_size: int) -> float:
+        """Seconds per token zero bubble's split backward adds to a block at ``micro_batch_size`` (0 unmeasured;
+        between and beyond the sizes timed as :meth:`block_seconds`)."""
+        split = self.zero_bubble_split_seconds_per_token
+        return _interpolated(split, micro_batch_size) if split else 0.0
+
     @property
     def communication_overlaps_compute(self) -> bool:
         """Whether a collective can run beside compute: on a device of its own, or with a core to spare."""
@@ -288,6 +305,7 @@ class Calibration:
                "optimizer_dtensor_seconds_per_block": self.optimizer_dtensor_seconds_per_block,
                "fsdp_block_call_s": self.fsdp_block_call_s,
                **{name: getattr(self, name) for name in OPTIONAL_FIGURES},
+               "zero_bubble_split_seconds_per_token": dict(self.zero_bubble_split_seconds_per_token),
                "tp_head_seconds_per_token": {tp: dict(times) for tp, times in self.tp_head_seconds_per_token.items()},
                "tp_block_seconds_per_token": {tp: dict(times) for tp, times in self.tp_block_seconds_per_token.items()}}
         for dim in DIMENSIONS:
@@ -299,7 +317,8 @@ class Calibration:
     def from_dict(cls, values: Mapping[str, Any]) -> "Calibration":
         optional = {"optimizer_seconds_per_parameter", "host_cores_per_rank", "tp_block_seconds_per_token",
                     "pipeline_microbatch_s", "optimizer_dtensor_seconds_per_block", "fsdp_block_call_s",
-                    "tp_head_seconds_per_token", "collective_links", *OPTIONAL_FIGURES}
+                    "tp_head_seconds_per_token", "collective_links", "zero_bubble_split_seconds_per_token",
+                    *OPTIONAL_FIGURES}
         known = {"block_seconds_per_token", "head_seconds_per_token", *optional, *DIMENSIONS}
         if set(values) - known or known - optional - set(values):
             raise PlannerError(f"a Calibration dict has the keys {sorted(known)} ({', '.join(sorted(optional))}"
@@ -319,7 +338,8 @@ class Calibration:
                           optimizer_seconds_per_embedding_parameter: float | None = None,
                           zero2_sync_seconds_per_byte: float | None = None,
                           zero3_sync_seconds_per_byte: float | None = None,
-                          optimizer_dtensor_seconds_per_sharded_block: float | None = None) -> "Calibration":
+                          optimizer_dtensor_seconds_per_sharded_block: float | None = None,
+                          zero_bubble_split_seconds_per_token: Mapping[int, float] | None = None) -> "Calibration":
         """From what the strategy measures: block and head seconds per token (and the block's under tp, where
         timed), and ``links`` holding "tp", "pp" and "dp", each a LinkSpeed, an object with the same two
         attributes, or a (latency, bandwidth) pair, and any of :data:`SEPARATELY_TIMED` that was timed."""
@@ -340,6 +360,7 @@ class Calibration:
                    zero2_sync_seconds_per_byte=zero2_sync_seconds_per_byte,
                    zero3_sync_seconds_per_byte=zero3_sync_seconds_per_byte,
                    optimizer_dtensor_seconds_per_sharded_block=optimizer_dtensor_seconds_per_sharded_block,
+                   zero_bubble_split_seconds_per_token=zero_bubble_split_seconds_per_token or {},
                    collective_links={key: links[key] for key in SEPARATELY_TIMED if key in links},
                    **{dim: LinkSpeed.of(links[dim]) for dim in DIMENSIONS})
 

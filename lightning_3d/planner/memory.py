@@ -126,6 +126,11 @@ def _rank_blocks(num_layers: int, pp: int, virtual: int, pp_rank: int) -> tuple[
 
 
 @functools.lru_cache(maxsize=1024)
+def stage_blocks(model: ModelSpec, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The blocks of each pipeline stage, stage by stage (pp x virtual_stages of them)."""
+    return _stage_blocks(model.num_layers, layout.pp, layout.virtual_stages)
+
+
 def _stage_blocks(num_layers: int, pp: int, virtual: int) -> tuple[tuple[int, ...], ...]:
     # Cached: a search asks for the same split many times per layout, and assign_blocks logs uneven ones.
     split = assign_blocks([str(i) for i in range(num_layers)], pp * virtual)

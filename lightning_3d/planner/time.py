@@ -56,7 +56,8 @@ from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.planner.calibration import Calibration, latency_steps, wire_bytes
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
-from lightning_3d.planner.memory import Precision, block_activation_bytes, checkpointed_blocks, rank_blocks, rank_parameters
+from lightning_3d.planner.memory import (Precision, block_activation_bytes, checkpointed_blocks, rank_blocks,
+                                         rank_parameters, stage_blocks)
 from lightning_3d.planner.model import ModelSpec, PlannerError
 
 ELEMENTWISE_PASSES = 3
@@ -152,10 +153,13 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         return regions * speeds.collective("tp", "all_reduce", message, t)
 
     per_rank = []  # (compute, tp comm, backward compute) of one micro-batch, per pipeline rank
+    first_stage = stage_blocks(model, layout)[0]
     for rank in range(p):
         blocks = rank_blocks(model, layout, rank)
         recomputed = len(ckpt & set(blocks))
         compute = len(blocks) * speeds.block + recomputed * speeds.recompute + (rank == p - 1) * speeds.head
+        if layout.schedule == "zero_bubble" and p > 1:  # the first stage's backward is whole
+            compute += (len(blocks) - (rank == 0) * len(first_stage)) * speeds.zero_bubble_split
         if zero_sync is None:  # FSDP2's hooks: each block, the stage's root
             compute += fsdp * (len(blocks) + 1) * speeds.fsdp_call
         head_timed = rank == p - 1 and speeds.tp_head_extra is not None  # its collectives in its measured time
@@ -267,6 +271,8 @@ class _Speeds:
         """As ``tp_block_extra``, for the output head and loss split over the vocabulary, per micro-batch."""
         self.pipeline_microbatch = calibration.pipeline_microbatch_s if calibration is not None else 0.0
         """The pipeline schedule's own seconds per micro-batch and model chunk (measured; 0 from datasheets)."""
+        self.zero_bubble_split = 0.0
+        """What zero bubble's split backward adds to one block's forward + backward (measured; 0 unmeasured)."""
         self.fsdp_call = calibration.fsdp_block_call_s if calibration is not None else 0.0
         """What FSDP2's wrapping adds to one forward + backward of a block (measured; 0 from datasheets, as
         :meth:`dtensor_optimizer_per_unit`)."""
@@ -275,6 +281,7 @@ class _Speeds:
             # a forward is a third of forward + backward (backward: 2 matmuls), unless measured
             share = calibration.recompute_share
             self.recompute = self.block * (1 / 3 if share is None else share)
+            self.zero_bubble_split = calibration.zero_bubble_split_seconds(layout.micro_batch_size) * tokens
             self.head = calibration.head_seconds_per_token * tokens / t
             split_head = calibration.tp_head_seconds(layout.micro_batch_size, t) if t > 1 else None
             if split_head is not None:

@@ -49,6 +49,10 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
             fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
+        split = {}
+        if _zero_bubble_possible(config):
+            split = calibrate.zero_bubble_split_seconds_per_token(block, call, batch_size,
+                                                                  sorted({sizes[0], sizes[-1]}), device, repeat_s)
         recompute = None
         if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
             recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
@@ -74,7 +78,13 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
         optimizer_seconds_per_embedding_parameter=embedding_optimizer_s or None,
         optimizer_dtensor_seconds_per_block=dtensor_s, fsdp_block_call_s=fsdp_s, tp_head_seconds_per_token=tp_head_s,
         recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s, zero2_sync_seconds_per_byte=zero_s.get(2),
-        zero3_sync_seconds_per_byte=zero_s.get(3), optimizer_dtensor_seconds_per_sharded_block=dtensor_sharded_s)
+        zero3_sync_seconds_per_byte=zero_s.get(3), optimizer_dtensor_seconds_per_sharded_block=dtensor_sharded_s,
+        zero_bubble_split_seconds_per_token=split)
+
+
+def _zero_bubble_possible(config: ParallelConfig) -> bool:
+    """Whether a layout the config leaves open runs the zero-bubble schedule (over more than one stage)."""
+    return config.pipeline_schedule in ("auto", "zero_bubble") and config.pipeline_parallel_size != 1
 
 
 def _data_parallel_only(config: ParallelConfig, world_size: int, zero: tuple[int, ...]) -> bool:

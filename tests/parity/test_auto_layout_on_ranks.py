@@ -79,6 +79,12 @@ def test_the_calibration_timed_zeros_synchronization_where_a_layout_may_run_zero
         assert 0 < measured.pop() < 1e-6, name
 
 
+def test_the_calibration_timed_zero_bubbles_split_backward_at_two_micro_batch_sizes(ranks):
+    measured = [rank["free"]["calibration"]["zero_bubble_split_seconds_per_token"] for rank in ranks]
+    assert all(split == measured[0] for split in measured), measured
+    assert len(measured[0]) == 2 and all(0 <= seconds < 1e-3 for seconds in measured[0].values()), measured[0]
+
+
 def test_the_calibration_timed_dtensors_optimizer_cost_replicated_and_sharded(ranks):
     for name in ("optimizer_dtensor_seconds_per_block", "optimizer_dtensor_seconds_per_sharded_block"):
         measured = {rank["free"]["calibration"][name] for rank in ranks}
