@@ -17,7 +17,8 @@ With speeds measured on the devices (what ``layout="auto"`` does at launch)::
     print(result.summary(3))       # the top three and why the first won
 """
 
-from lightning_3d.planner.calibration import Calibration, LinkSpeed, latency_steps, wire_bytes
+from lightning_3d.planner.calibration import Calibration
+from lightning_3d.planner.links import LinkSpeed, latency_steps, wire_bytes
 from lightning_3d.planner.cluster import GPUS, Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS, MemoryEstimate, Precision, estimate_memory, zero_model_state_bytes

@@ -53,7 +53,8 @@ import math
 from dataclasses import dataclass
 
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
-from lightning_3d.planner.calibration import Calibration, latency_steps, wire_bytes
+from lightning_3d.planner.calibration import Calibration
+from lightning_3d.planner.links import latency_steps, wire_bytes
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import (Precision, block_activation_bytes, checkpointed_blocks, rank_blocks,

@@ -206,7 +206,8 @@ ASSUMED_CPU_LINK = (50e-6, 1e9)
 def assumed_calibration(spec: ModelSpec) -> "Calibration":
     """What a dry run plans CPU ranks with: a block's and the head's FLOPs at :data:`ASSUMED_CPU_FLOPS`, links
     at :data:`ASSUMED_CPU_LINK`. Assumed, not measured: a run calibrates before it chooses."""
-    from lightning_3d.planner.calibration import Calibration, LinkSpeed
+    from lightning_3d.planner.calibration import Calibration
+    from lightning_3d.planner.links import LinkSpeed
     from lightning_3d.planner.time import block_forward_flops, head_forward_flops
 
     link = LinkSpeed(latency_s=ASSUMED_CPU_LINK[0], bandwidth_bytes_per_s=ASSUMED_CPU_LINK[1])

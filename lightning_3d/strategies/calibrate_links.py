@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_3d.planner.calibration import LinkSpeed, latency_steps, wire_bytes
+from lightning_3d.planner.links import LinkSpeed, latency_steps, wire_bytes
 from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
                                                       world_mesh)
 

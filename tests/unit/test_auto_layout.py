@@ -7,7 +7,8 @@ import pytest
 from lightning_3d.errors import NoLayoutFits, ParallelConfigError
 from lightning_3d.models import GPTConfig
 from lightning_3d.parallel.config import ParallelConfig
-from lightning_3d.planner.calibration import Calibration, LinkSpeed
+from lightning_3d.planner.calibration import Calibration
+from lightning_3d.planner.links import LinkSpeed
 from lightning_3d.planner.memory import PRECISIONS
 from lightning_3d.planner.model import ModelSpec
 from lightning_3d.strategies.auto_layout import PredictionCheck, candidate_layouts, ranked, report, values_of
