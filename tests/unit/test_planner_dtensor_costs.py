@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from helpers.calibration_fields import meta_block_and_call
 from lightning_3d.models import GPTConfig
 from lightning_3d.models.gpt import Block
 from lightning_3d.planner import (PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec, estimate_step_time,
@@ -129,10 +130,7 @@ def test_the_sharded_calibration_times_fsdp2s_local_shards_against_plain_tensors
 
 
 def test_the_calibration_measures_what_fsdp2_adds_to_a_block_call(monkeypatch):
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # ended by conftest
-    with torch.device("meta"):
-        block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
-    call = ((torch.empty(4, 16, 32, device="meta"),), {})
+    block, call = meta_block_and_call()
     timed = []
     original = calibrate._call_run
 

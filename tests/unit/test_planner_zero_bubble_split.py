@@ -7,8 +7,8 @@ and every block of a zero-bubble layout but the first stage's pays it."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from helpers.calibration_fields import meta_block_and_call
 from lightning_3d.models import GPTConfig
 from lightning_3d.models.gpt import Block
 from lightning_3d.planner import (PRECISIONS, Calibration, Cluster, Layout, LinkSpeed, ModelSpec, PlannerError,
@@ -85,10 +85,7 @@ def test_the_timed_split_computes_the_gradients_the_whole_backward_does(monkeypa
 
 
 def test_the_calibration_times_the_split_against_the_whole_backward(monkeypatch):
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # ended by conftest
-    with torch.device("meta"):
-        block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
-    call = ((torch.empty(4, 16, 32, device="meta"),), {})
+    block, call = meta_block_and_call()
     timed = []
 
     def median_extra_seconds(base, extra, device, min_seconds=0.0):  # runs each once; a fixed difference
