@@ -82,7 +82,8 @@ PRIVATE_NAMES: dict[str, Private] = {
         "GradSyncStage runs a stage's backward itself to reduce gradients per micro-batch",
         "no public backward step of a pipeline stage"),
     "torch.distributed.pipelining._backward.stage_backward_input": Private(
-        "layout='auto' times a block's backward split as zero bubble splits it (calibrate.zero_bubble_split_seconds_per_token)",
+        "layout='auto' times a block's backward split as zero bubble splits it"
+        " (calibrate.zero_bubble_split_seconds_per_token)",
         "no public split backward; the schedule calls these two itself"),
     "torch.distributed.pipelining._backward.stage_backward_weight": Private(
         "the weights' half of that split backward, timed with it",

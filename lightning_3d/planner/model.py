@@ -72,8 +72,8 @@ class ModelSpec:
     """LayerNorm (weight, bias; saves mean and 1/std) or RMSNorm (weight; saves 1/rms)."""
     norm_output_saved: bool = False
     """The norm saves its normalized output for the multiply by its weight, one more (b, s, h) tensor per norm:
-    Hugging Face's RMSNorm, written as separate ops. False: a fused kernel that saves its input and statistics
-    only (``nn.LayerNorm``, Megatron-LM's fused norms)."""
+    Hugging Face's RMSNorm, written as separate ops (configs with ``rms_norm_eps``). False: a fused kernel that
+    saves its input and statistics only (``nn.LayerNorm``, Megatron-LM's fused norms)."""
     learned_positions: bool = True
     """A learned position table (max_positions x h, kept whole on every tp rank); False: rotary, no params."""
     max_positions: int | None = None
@@ -205,7 +205,8 @@ class ModelSpec:
             ffn_hidden_size=get("intermediate_size", "n_inner", default=4 * hidden),
             vocab_size=get("vocab_size"), seq_length=seq_length or positions, max_positions=positions,
             gated_mlp=not gpt2_like, bias=gpt2_like or bool(get("attention_bias", default=False)),
-            norm="layernorm" if gpt2_like else "rmsnorm", norm_output_saved=not gpt2_like, learned_positions=gpt2_like,
+            norm="layernorm" if gpt2_like else "rmsnorm", norm_output_saved="rms_norm_eps" in values,
+            learned_positions=gpt2_like,
             tied_embeddings=bool(get("tie_word_embeddings", default=gpt2_like)),
             dropout=float(get("attention_dropout", "attn_pdrop", default=0.0)), fused_qkv=gpt2_like,
             gelu_formula=get("activation_function", "hidden_act") == "gelu_new")

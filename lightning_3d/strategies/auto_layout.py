@@ -256,7 +256,7 @@ def decide_layout(config: ParallelConfig, module, policy, trainer, *, world_size
                 tp_plans[tp] = plan_model(policy, module, replace(probe, sequence_parallel=False), tp)
             except (PolicyError, LayoutError):
                 continue  # a size the policy cannot split this model by: no layout takes it
-    return decide(config, module=module, spec=spec, block_name=blocks[0], tp_plans=tp_plans, batch=batch,
+    return decide(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
                   precision_name=precision, world_size=world_size, per_node=per_node, device=device)
 
 
@@ -275,13 +275,14 @@ def _sequence_length(batch: Any) -> Optional[int]:
     return int(tensors[0].shape[1]) if tensors else None
 
 
-def decide(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, tp_plans: dict, batch: Any,
+def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str], tp_plans: dict, batch: Any,
            precision_name: str, world_size: int, per_node: int, device: torch.device) -> Decision:
     """The launch-time decision on every rank (collective: calibration, then rank 0's choice broadcast).
-    ``block_name``: the block to time; ``tp_plans``: the policy's plan at each tp size to time it split by."""
+    ``blocks``: the policy's blocks (the first is timed); ``tp_plans``: the policy's plan at each tp size to time
+    it split by."""
     precision = PRECISIONS[precision_name]
     batch_size = _batch_size(batch)
-    calibration = measure(config, module=module, spec=spec, block_name=block_name, tp_plans=tp_plans, batch=batch,
+    calibration = measure(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
                           batch_size=batch_size, world_size=world_size, per_node=per_node, device=device)
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]

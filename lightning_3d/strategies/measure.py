@@ -16,11 +16,13 @@ from lightning_3d.planner.model import ModelSpec
 from lightning_3d.strategies import calibrate, calibrate_links, calibrate_timing
 
 
-def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str, tp_plans: dict, batch: Any,
+def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str], tp_plans: dict, batch: Any,
             batch_size: int, world_size: int, per_node: int, device: torch.device) -> Calibration:
     """The calibration of these devices for this model and batch, the same on every rank (each timing keeps the
-    slowest rank's numbers). ``block_name``: the block to time; ``tp_plans``: the policy's plan at each tp size
-    to time it split by; ``batch``: the first training batch, ``batch_size`` its sequences. Collective."""
+    slowest rank's numbers). ``blocks``: the policy's blocks, as the run wraps them (the first is timed);
+    ``tp_plans``: the policy's plan at each tp size to time it split by; ``batch``: the first training batch,
+    ``batch_size`` its sequences. Collective."""
+    block_name = blocks[0]
     block = module.get_submodule(block_name)
     call = calibrate.capture_block_call(module, block, batch, module.training_step)
     sizes = sorted({m for m in divisors(batch_size) if m <= 16} | {batch_size}, key=int)[:6]
@@ -71,7 +73,7 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, block_name: str,
     for stage in (2, 3):
         if _data_parallel_only(config, world_size, zero=(1, 2) if stage == 2 else (3,)):
             zero_s[stage] = calibrate_links.zero_sync_seconds_per_byte(
-                _unit_shapes(module, block_name), device, reshard_after_forward=stage == 3)
+                _unit_shapes(module, blocks), device, reshard_after_forward=stage == 3)
     return Calibration.from_measurements(
         block_s, head_s, links, tp_block_seconds_per_token=tp_block_s, host_cores_per_rank=cores,
         optimizer_seconds_per_parameter=optimizer_s or None, pipeline_microbatch_s=pipeline_s,
@@ -95,13 +97,10 @@ def _data_parallel_only(config: ParallelConfig, world_size: int, zero: tuple[int
             ("tensor_parallel_size", 1), ("pipeline_parallel_size", 1), ("data_parallel_size", world_size)))
 
 
-def _unit_shapes(module, block_name: str) -> list[list[torch.Size]]:
-    """The trainable parameter shapes of each FSDP unit the strategy makes: each block like ``block_name`` among
-    its siblings, then the rest of the model (the root's own)."""
-    container_name, _, _ = block_name.rpartition(".")
-    container = module.get_submodule(container_name)
-    kind = type(module.get_submodule(block_name))
-    blocks = [child for child in container.children() if type(child) is kind]
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    units = [[p.shape for p in block.parameters() if p.requires_grad] for block in blocks]
+def _unit_shapes(module, blocks: list[str]) -> list[list[torch.Size]]:
+    """The trainable parameter shapes of each FSDP unit the strategy makes: each of the policy's ``blocks``, then
+    the rest of the model (the root's own)."""
+    modules = [module.get_submodule(name) for name in blocks]
+    in_blocks = {id(p) for block in modules for p in block.parameters()}
+    units = [[p.shape for p in block.parameters() if p.requires_grad] for block in modules]
     return units + [[p.shape for p in module.parameters() if p.requires_grad and id(p) not in in_blocks]]

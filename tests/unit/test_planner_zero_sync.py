@@ -67,7 +67,7 @@ def test_the_measurements_travel_with_the_calibration_and_are_checked(name, valu
 
 
 def test_the_stand_in_has_the_units_the_strategy_wraps():
-    """Each block among its siblings, then the rest of the model (embeddings, final norm, head) as the root's."""
+    """Each of the policy's blocks, then the rest of the model (embeddings, final norm, head) as the root's."""
     import torch
 
     from lightning_3d.models.gpt import GPT, GPTConfig
@@ -75,7 +75,7 @@ def test_the_stand_in_has_the_units_the_strategy_wraps():
 
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=8, vocab_size=8192, block_size=64))
-    units = _unit_shapes(model, "blocks.0")
+    units = _unit_shapes(model, [f"blocks.{i}" for i in range(3)])
     assert [sum(s.numel() for s in unit) for unit in units[:-1]] == \
         [sum(p.numel() for p in block.parameters()) for block in model.blocks.values()]
     assert sum(s.numel() for unit in units for s in unit) == sum(p.numel() for p in model.parameters())

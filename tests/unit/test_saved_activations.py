@@ -37,6 +37,7 @@ def test_a_graph_kept_for_a_second_backward_is_freed_with_its_output():
     # Outputs that an op saves for its own backward (softmax, gelu's input, attention's output) are the ones a
     # handle holding the tensor -- and with it the tensor's grad_fn -- would keep alive in a cycle.
     probes = [weakref.ref(t) for t in _saved_tensors(y.grad_fn)]
+    assert probes  # the graph's saved tensors were found, so the check below is not empty
     del y
     gc.collect()
     assert saved.current == 0, f"{saved.current} of {held} bytes still counted after the graph was dropped"
