@@ -62,10 +62,17 @@ FORKRUN = [sys.executable, str(Path(__file__).parent / "forkrun.py")]
 def _run_ranks(launcher: list[str], nprocs: int, args: tuple[str, ...], timeout: float, cwd: Path | None,
                rank_files: Path | None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if launcher is FORKRUN:
-        proc = run_forked(nprocs, list(args), env=env, timeout=timeout, cwd=cwd)
-    else:
-        proc = run_to_end([*launcher, f"--nproc-per-node={nprocs}", *args], env=env, timeout=timeout, cwd=cwd)
+    for attempt in range(2):
+        if launcher is FORKRUN:
+            proc = run_forked(nprocs, list(args), env=env, timeout=timeout, cwd=cwd)
+        else:
+            proc = run_to_end([*launcher, f"--nproc-per-node={nprocs}", *args], env=env, timeout=timeout, cwd=cwd)
+        # Once in a full run on 2 loaded cores, gloo's rendezvous of 8 ranks failed ("connectFullMesh failed ...
+        # Connection closed by peer") before any rank did its work; the same launch passed alone three times.
+        # Such a launch is run once more; any other failure, or the same one twice, fails the test.
+        if proc.returncode == 0 or GLOO_CONNECT_FAILED not in proc.stderr or attempt:
+            break
+        warnings.warn(f"gloo's rendezvous of {nprocs} ranks failed; launching once more: {proc.stderr[-600:]}")
     written = rank_files is not None and all((rank_files / f"rank{r}.json").exists() for r in range(nprocs))
     if proc.returncode != 0 and written and GLOO_EXIT_ABORT in proc.stderr:
         warnings.warn(f"the launch of {nprocs} ranks exited with {proc.returncode} after every output was "
@@ -76,6 +83,7 @@ def _run_ranks(launcher: list[str], nprocs: int, args: tuple[str, ...], timeout:
 
 
 GLOO_EXIT_ABORT = "terminate called without an active exception"
+GLOO_CONNECT_FAILED = "Gloo connectFullMesh failed"
 
 
 def end_process_group() -> None:
