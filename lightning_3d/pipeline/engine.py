@@ -58,9 +58,10 @@ from lightning_3d.pipeline.schedules import SCHEDULES, CurrentLoss, ScheduleGPip
 from lightning_3d.pipeline.shared_results import ResultsChannel, host_side
 from lightning_3d.pipeline.stand_ins import CaptureInputs, ModelInputs, ReturnOutput, swapped
 from lightning_3d.pipeline.step_costs import StepCosts
-from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError
+from lightning_3d.pipeline.step_checks import CollectiveWatch, ModelCalls, StepPatternError, require_tensor_output
 from lightning_3d.pipeline.step_metrics import StepMetrics
-from lightning_3d.pipeline.step_results import MetricRef, combine_logs, combine_outputs, detached
+from lightning_3d.pipeline.step_results import (combine_logs, combine_outputs, detached, loss_of, recording_logs,
+                                                replay_logs)
 from lightning_3d.pipeline.timeline import PipelineTimeline, TimedPipelineStage
 
 
@@ -122,7 +123,7 @@ class PipelineEngine:
         stage's output) and "bookkeeping" (the rest of the engine's own code)."""
         for index, stage in stages.items():
             if index < num_stages - 1:
-                stage.register_forward_hook(_require_tensor_output(index))
+                stage.register_forward_hook(require_tensor_output(index))
         forwards = [stage.forward for stage in stages.values() if isinstance(stage.forward, StageForward)]
         self._as_written_inputs = forwards[0].inputs if forwards else None  # shared by this rank's stages
 
@@ -227,7 +228,7 @@ class PipelineEngine:
                     i = self._microbatch_index(index)
                     calls = ModelCalls(method, self.root_name)
                     try:
-                        with self._root_returning(output, calls), self._recording_logs() as recorded, \
+                        with self._root_returning(output, calls), recording_logs(self.module) as recorded, \
                                 CollectiveWatch(method, self._pp_ranks) if watch else nullcontext(), \
                                 self.costs.part("capture"), replayed(replay[i], self.device), \
                                 self.costs.part("user_loss"):
@@ -239,7 +240,7 @@ class PipelineEngine:
                         errors.append(str(found))
                         return placeholder_loss(output)
                     logs.append(recorded)
-                    loss = _loss_of(result)
+                    loss = loss_of(result)
                     if train and loss is None:
                         raise TypeError(f"{method} must return the loss tensor (or a dict with 'loss') under"
                                         f" pipeline parallelism; got {type(result).__name__}")
@@ -318,7 +319,7 @@ class PipelineEngine:
     def _capture_each(self, method: str, microbatches: list[Any], *args: Any, keep_states: bool,
                       **step_kwargs: Any) -> tuple[tuple[tuple, dict], list[RandomState]]:
         per_microbatch, states = [], []
-        with swapped(self.module, self.root_name, CaptureInputs(self._root())), self._recording_logs():
+        with swapped(self.module, self.root_name, CaptureInputs(self._root())), recording_logs(self.module):
             for microbatch in microbatches:
                 if keep_states:
                     states.append(RandomState.now(self.device))
@@ -349,19 +350,6 @@ class PipelineEngine:
         with swapped(self.module, self.root_name, ReturnOutput(self._root(), returned, calls)):
             yield
 
-    @contextmanager
-    def _recording_logs(self) -> Iterator[list[tuple]]:
-        # LightningModule.log has no hook to defer a call; an instance attribute shadows it for the duration.
-        # Detached as Lightning's log detaches them: a logged loss kept whole until the step's end would keep its
-        # graph, and under zero bubble the tensors the input gradient saved for the weight gradient with it.
-        recorded: list[tuple] = []
-        self.module.log = lambda name, value, *args, **kwargs: recorded.append(
-            (name, value if kwargs.get("enable_graph") else detached(value), args, kwargs))
-        try:
-            yield recorded
-        finally:
-            del self.module.log
-
     # ------------------------------------------------------------------ results to every rank
 
     def _share_results(self, method: str, results: list[Any], logs: list[list[tuple]], errors: list[str]) -> Any:
@@ -377,10 +365,7 @@ class PipelineEngine:
         if "errors" in shared:
             raise StepPatternError(shared["errors"][0])
         self._metrics.end(shared["metrics"])
-        for name, value, args, kwargs in shared["logs"]:
-            if isinstance(value, MetricRef):
-                value = self.module.get_submodule(value.fqn)
-            self.module.log(name, value, *args, **kwargs)
+        replay_logs(self.module, shared["logs"])
         value = shared["value"]
         if method == "predict_step" or value is None:
             return value
@@ -417,18 +402,3 @@ class PipelineEngine:
                 stage.sync_grads = self._sync_grads
         return self._schedules[key]
 
-
-def _require_tensor_output(index: int) -> Callable:
-    def check(module: nn.Module, args: Any, output: Any) -> None:
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        if not outputs or not all(isinstance(x, Tensor) for x in outputs):
-            raise TypeError(
-                f"Pipeline stage {index} returned {type(output).__name__}, but the next stage receives tensors"
-                " only: the model's forward must pass a tensor (or a tuple of tensors) from block to block."
-            )
-    return check
-
-
-def _loss_of(result: Any) -> Tensor | None:
-    loss = result.get("loss") if isinstance(result, dict) else result
-    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None

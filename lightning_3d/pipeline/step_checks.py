@@ -18,10 +18,11 @@ pipeline with the step's results; every rank then raises it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_3d.errors import StepPatternError
@@ -80,3 +81,15 @@ def _process_group(arg: Any) -> dist.ProcessGroup | None:
         return dist.ProcessGroup.unbox(arg)
     except RuntimeError:  # another c10d object (a ReduceOp)
         return None
+
+
+def require_tensor_output(index: int) -> Callable:
+    """A forward hook for stage ``index`` (not the last): the next stage receives tensors only."""
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        if not outputs or not all(isinstance(x, Tensor) for x in outputs):
+            raise TypeError(
+                f"Pipeline stage {index} returned {type(output).__name__}, but the next stage receives tensors"
+                " only: the model's forward must pass a tensor (or a tuple of tensors) from block to block."
+            )
+    return check

@@ -17,15 +17,19 @@ micro-batch (equal slices of the batch); here those runs are combined into what 
 * the step's return value: floating-point scalars (the loss, means) averaged, integer scalars (counts)
   summed, tensors with a batch dimension concatenated, anything else from the last micro-batch; a dict keeps
   its keys and reaches ``on_train_batch_end`` on every rank.
+
+The last stage's ``self.log`` calls are recorded here (:func:`recording_logs`), combined, and after the step
+replayed on every rank (:func:`replay_logs`).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -44,6 +48,30 @@ class MetricRef:
     """A logged torchmetrics Metric, by its name in the LightningModule (each rank logs its own copy)."""
 
     fqn: str
+
+
+@contextmanager
+def recording_logs(module: nn.Module) -> Iterator[list[tuple]]:
+    """``module.log(name, value, *args, **kwargs)`` calls recorded as tuples in the yielded list, not logged.
+    Values are detached as Lightning's ``log`` detaches them (``enable_graph=True`` keeps them whole): a logged
+    loss kept whole until the step's end would keep its graph, and under zero bubble with it the tensors the
+    input gradient saved for the weight gradient."""
+    recorded: list[tuple] = []
+    # LightningModule.log has no hook to defer a call; an instance attribute shadows it for the duration.
+    module.log = lambda name, value, *args, **kwargs: recorded.append(
+        (name, value if kwargs.get("enable_graph") else detached(value), args, kwargs))
+    try:
+        yield recorded
+    finally:
+        del module.log
+
+
+def replay_logs(module: nn.Module, calls: list[tuple]) -> None:
+    """Log ``combine_logs``' calls on this rank; a :class:`MetricRef` logs this rank's copy of the metric."""
+    for name, value, args, kwargs in calls:
+        if isinstance(value, MetricRef):
+            value = module.get_submodule(value.fqn)
+        module.log(name, value, *args, **kwargs)
 
 
 def combine_logs(per_microbatch: list[list[tuple]], metric_names: dict[int, str], device: torch.device) -> list[tuple]:
@@ -104,3 +132,9 @@ def _whole(value: Tensor) -> Tensor:
 
 def detached(result: Any) -> Any:
     return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, result)
+
+
+def loss_of(result: Any) -> Tensor | None:
+    """The loss in what a step returned (the tensor, or the dict's "loss"); None if there is no scalar one."""
+    loss = result.get("loss") if isinstance(result, dict) else result
+    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
