@@ -23,6 +23,13 @@ _OMP_AT_IMPORT = os.environ.get("OMP_NUM_THREADS")
 _THREADS_AT_IMPORT = torch.get_num_threads()
 
 
+def _is_count(value: Optional[str]) -> bool:
+    """Whether OMP_NUM_THREADS holds a thread count. torch (its OpenMP) ignores any other value, an empty one
+    included, and runs one thread per CPU; torchrun leaves a variable that is set alone, empty or not. An empty
+    one is what ``export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK`` gives where ``--cpus-per-task`` was not given."""
+    return value is not None and value.strip().isdigit() and int(value) > 0
+
+
 def threads_per_rank(local_ranks: int) -> int:
     """``max(1, CPUs this process may run on // ranks on this host)``, Lightning's count (torchrun picks 1)."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
@@ -36,16 +43,18 @@ def local_world_size(devices: int) -> int:
 
 def set_threads_per_rank(devices: int) -> Optional[int]:
     """Give this rank its share of the host's CPUs, unless the user set a count (``OMP_NUM_THREADS``, also
-    torchrun's, or ``torch.set_num_threads`` after importing lightning_3d). Returns the count it set, or None."""
+    torchrun's, or ``torch.set_num_threads`` after importing lightning_3d); an OMP_NUM_THREADS that is not a
+    count (empty, 0) sets none. Returns the count it set, or None."""
     local_ranks = local_world_size(devices)
     threads = threads_per_rank(local_ranks)
     current = torch.get_num_threads()
     # Changed since import to another count than ours: the user's call (Lightning's launcher picks ours).
-    chosen_by_user = _OMP_AT_IMPORT is not None or current not in (_THREADS_AT_IMPORT, threads)
+    chosen_by_user = _is_count(_OMP_AT_IMPORT) or current not in (_THREADS_AT_IMPORT, threads)
     if chosen_by_user:
         return None
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # processes this rank starts (data loader workers) follow it
+    ignored = f" (OMP_NUM_THREADS={_OMP_AT_IMPORT!r} is not a count)" if _OMP_AT_IMPORT is not None else ""
     rank_zero_info(f"lightning_3d: {threads} intra-op thread(s) per rank ({len(os.sched_getaffinity(0))} CPUs"
-                   f" // {local_ranks} ranks on this host); set OMP_NUM_THREADS to choose another count")
+                   f" // {local_ranks} ranks on this host){ignored}; set OMP_NUM_THREADS to choose another count")
     return threads
