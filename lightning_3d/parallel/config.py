@@ -95,8 +95,9 @@ class ParallelConfig:
     """Bytes one rank may fill, for ``layout="auto"``: by default the device's free memory on CUDA, the host's
     available memory divided among its ranks on CPU."""
     layout_check_steps: int = 20
-    """Under ``layout="auto"``: after this many optimizer steps, the measured step time is logged against the
-    planner's prediction, with a warning when they differ by more than 25%."""
+    """Under ``layout="auto"``: after this many optimizer steps, the measured step time (validation and checkpoint
+    saves left out; ``accumulate_grad_batches`` taken into the prediction) is logged against the planner's
+    prediction, with a warning when they differ by more than 25%."""
     allow_replicated: bool = False
     """Under tp > 1, let ``policy="auto"`` train a model of which it leaves more than 10% of the block
     parameters whole on every tp rank (by default it refuses, naming what it did not understand)."""

@@ -24,6 +24,7 @@ logs the top three with their predicted step time and memory, and why the winner
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -59,12 +60,16 @@ class Decision:
     layout: Layout
     """The chosen layout as the planner sees it."""
     predicted_step_s: float
+    """Seconds of one batch's optimizer step (the planner's step)."""
     predicted_memory_bytes: float
     """The planner's peak bytes per rank for the chosen layout."""
     memory_per_rank: float
     """The budget it had to fit (``max_memory_per_device`` or what the devices have free)."""
     report: str
     """Top three and why, for the log."""
+    predicted_once_per_step_s: float = 0.0
+    """Of ``predicted_step_s``, what an optimizer step pays once however many batches it accumulates: the
+    exposed data-parallel synchronization and the optimizer's update."""
     calibration: Optional[Calibration] = None
     """The speeds measured at launch (every rank measured them; the slowest rank's are kept), to predict other
     layouts with: ``evaluate(spec, layout, host_cluster(...), precision, calibration=decision.calibration)``."""
@@ -295,6 +300,7 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str]
             best = candidates[0]
             box[0] = {"values": values_of(best.layout, config), "layout": best.layout,
                       "predicted_step_s": best.time.total, "predicted_memory_bytes": best.memory.total,
+                      "predicted_once_per_step_s": best.time.dp_communication + best.time.optimizer,
                       "memory_per_rank": memory, "report": report(candidates, spec, calibrated=True)}
         except (NoLayoutFits, ParallelConfigError) as error:  # every rank raises it, after the broadcast
             box[0] = {"error": f"{type(error).__name__}: {error}"}
@@ -335,25 +341,55 @@ def _host_ok() -> bool:
 
 
 class PredictionCheck:
-    """Measured against predicted step time, once, after ``steps`` optimizer steps (the first two left out:
-    they build schedules and allocate)."""
+    """Measured against predicted time per optimizer step, once, after ``steps`` optimizer steps (the first two
+    left out: they build schedules and allocate).
 
-    def __init__(self, predicted_step_s: float, steps: int) -> None:
-        self.predicted_step_s, self.steps = predicted_step_s, steps
+    Time the run spends between two steps on other work -- validation, saving a checkpoint -- is left out: the
+    strategy calls :meth:`pause` and :meth:`resume` around it. With Lightning's ``accumulate_grad_batches`` an
+    optimizer step is ``accumulate`` batches, of which only the last synchronizes the data-parallel gradients and
+    steps the optimizer: the prediction is ``accumulate`` batches' work with those (``once_per_step_s``) once."""
+
+    def __init__(self, predicted_step_s: float, steps: int, *, accumulate: int = 1,
+                 once_per_step_s: float = 0.0) -> None:
+        self.predicted_step_s = accumulate * (predicted_step_s - once_per_step_s) + once_per_step_s
+        self.steps, self.accumulate = steps, accumulate
         self._start: Optional[float] = None
+        self._paused_s = 0.0
+        self._pauses = 0  # nested: a checkpoint saved at the end of validation
+        self._pause_start = 0.0
         self.measured_step_s: Optional[float] = None
+
+    def pause(self) -> None:
+        """Other work than training steps begins (validation, a checkpoint's save): not counted until resumed."""
+        self._pauses += 1
+        if self._pauses == 1:
+            self._pause_start = time.perf_counter()
+
+    def resume(self) -> None:
+        self._pauses = max(0, self._pauses - 1)
+        if self._pauses == 0 and self._start is not None:
+            self._paused_s += time.perf_counter() - self._pause_start
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def on_step(self, global_step: int) -> None:
         """Called at the start of each training batch with the optimizer steps done so far."""
         if self.measured_step_s is not None:
             return
-        if global_step == 2:
+        if global_step == 2 and self._start is None:
             self._start = time.perf_counter()
         elif self._start is not None and global_step == 2 + self.steps:
-            self.measured_step_s = (time.perf_counter() - self._start) / self.steps
+            self.measured_step_s = (time.perf_counter() - self._start - self._paused_s) / self.steps
             ratio = self.measured_step_s / self.predicted_step_s
-            line = (f"lightning_3d: layout='auto' measured {self.measured_step_s * 1e3:.1f} ms per step over"
-                    f" {self.steps} steps, predicted {self.predicted_step_s * 1e3:.1f} ms (x{ratio:.2f})")
+            batches = f" of {self.accumulate} accumulated batches" if self.accumulate > 1 else ""
+            line = (f"lightning_3d: layout='auto' measured {self.measured_step_s * 1e3:.1f} ms per step{batches}"
+                    f" over {self.steps} steps, predicted {self.predicted_step_s * 1e3:.1f} ms (x{ratio:.2f})")
             if abs(ratio - 1) > MISMATCH:
                 rank_zero_warn(line + f": more than {MISMATCH:.0%} apart. The planner's model of this run is off;"
                                " the chosen layout may not be the fastest (compare with `lightning-3d plan`).")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
@@ -312,7 +312,9 @@ class ThreeDStrategy(ParallelStrategy):
         rank_zero_info(decision.report)
         self.layout_decision = decision
         self.parallel_config = self.parallel_config.decided(**decision.values)
-        self._prediction = PredictionCheck(decision.predicted_step_s, self.parallel_config.layout_check_steps)
+        self._prediction = PredictionCheck(decision.predicted_step_s, self.parallel_config.layout_check_steps,
+                                           accumulate=trainer.accumulate_grad_batches,
+                                           once_per_step_s=decision.predicted_once_per_step_s)
         self._check_layout(self.parallel_config)
         self._build_mesh()
 
@@ -465,6 +467,16 @@ class ThreeDStrategy(ParallelStrategy):
             self._gradient_sync = True
 
     @override
+    def on_validation_start(self) -> None:
+        if self._prediction is not None:  # layout="auto": validation is not part of the step it predicted
+            self._prediction.pause()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._prediction is not None:
+            self._prediction.resume()
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._prediction is not None:
             self._prediction.on_step(self.lightning_module.trainer.global_step)
@@ -495,8 +507,9 @@ class ThreeDStrategy(ParallelStrategy):
             raise TypeError("ThreeDStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are"
                             " written with torch.distributed.checkpoint, not a CheckpointIO plugin.")
         path = Path(self.broadcast(str(filepath)))  # rank 0 names the directory every rank writes into
-        self._checkpoints.save(path, checkpoint, sharding_of(self.parallel_dims, self.parallel_config),
-                               rank_random_state(self._parallel.sharded_rng))
+        with self._prediction.paused() if self._prediction is not None else nullcontext():
+            self._checkpoints.save(path, checkpoint, sharding_of(self.parallel_dims, self.parallel_config),
+                                   rank_random_state(self._parallel.sharded_rng))
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

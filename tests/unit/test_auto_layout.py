@@ -134,3 +134,41 @@ def test_the_wide_shapes_noisy_calibration_no_longer_picks_a_pipeline_for_a_spee
     best = ranked(spec, ParallelConfig(layout="auto"), world_size=8, per_node=8, batch_size=8, precision=FP32,
                   memory_per_rank=GIB, calibration=measured)[0].layout
     assert (best.dp, best.tp, best.pp) == (8, 1, 1)
+
+
+def test_with_accumulated_batches_the_prediction_is_theirs_with_the_synchronization_and_optimizer_once(
+        monkeypatch, recwarn):
+    """accumulate_grad_batches=2: an optimizer step is two batches, and only the second synchronizes the
+    data-parallel gradients and steps the optimizer (20 of the 100 ms predicted for one batch): 180 ms, not 100
+    (which warned x1.80 before) nor 200."""
+    import lightning_3d.strategies.auto_layout as auto_layout
+
+    clock = iter([0.0, 4 * 0.18])
+    monkeypatch.setattr(auto_layout.time, "perf_counter", lambda: next(clock))
+    check = PredictionCheck(predicted_step_s=0.1, steps=4, accumulate=2, once_per_step_s=0.02)
+    assert check.predicted_step_s == pytest.approx(0.18)
+    for step in range(0, 8):
+        check.on_step(step)
+    assert check.measured_step_s == pytest.approx(0.18) and not [w for w in recwarn if "layout='auto'" in str(w.message)]
+
+
+def test_validation_and_checkpoints_between_steps_are_not_counted_as_step_time(monkeypatch, recwarn):
+    """4 steps of 100 ms with 5 s of validation among them, a checkpoint saved at its end (nested pauses):
+    measured 100 ms per step, not 1.35 s. The strategy pauses the check in its validation hooks."""
+    import lightning_3d.strategies.auto_layout as auto_layout
+    from lightning_3d import ThreeDStrategy
+
+    clock = iter([10.0, 10.2, 15.2, 10.4 + 5.0])  # start; validation 10.2 -> 15.2; the 4th step's end
+    monkeypatch.setattr(auto_layout.time, "perf_counter", lambda: next(clock))
+    check = PredictionCheck(predicted_step_s=0.1, steps=4)
+    strategy = ThreeDStrategy()
+    strategy._prediction = check
+    check.on_step(2)
+    check.on_step(3)
+    strategy.on_validation_start()
+    with check.paused():  # ModelCheckpoint saving at the end of validation (ThreeDStrategy.save_checkpoint)
+        pass
+    strategy.on_validation_end()
+    for step in range(4, 7):
+        check.on_step(step)
+    assert check.measured_step_s == pytest.approx(0.1) and not [w for w in recwarn if "layout='auto'" in str(w.message)]
