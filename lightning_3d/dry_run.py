@@ -99,7 +99,8 @@ def _assumed_choice(trainer, module, datamodule, config: ParallelConfig, per_nod
         cluster = Cluster.preset("h100", gpus_per_node=min(per_node, world), nodes=max(1, world // per_node),
                                  memory_gib=memory / GIB, usable_fraction=1.0)
     candidates = ranked(spec, config, world_size=world, per_node=per_node, batch_size=batch, precision=precision,
-                        memory_per_rank=memory, calibration=calibration, cluster=cluster)
+                        memory_per_rank=memory, calibration=calibration, cluster=cluster,
+                        accumulate=trainer.accumulate_grad_batches)
     text = report(candidates, spec, calibrated=False).replace("lightning_3d: ", "")
     return config.decided(**values_of(candidates[0].layout, config)), text.splitlines()
 

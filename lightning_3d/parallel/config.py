@@ -96,7 +96,7 @@ class ParallelConfig:
     available memory divided among its ranks on CPU."""
     layout_check_steps: int = 20
     """Under ``layout="auto"``: after this many optimizer steps, the measured step time (validation and checkpoint
-    saves left out; ``accumulate_grad_batches`` taken into the prediction) is logged against the planner's
+    saves left out; per optimizer step of ``accumulate_grad_batches`` batches) is logged against the planner's
     prediction, with a warning when they differ by more than 25%."""
     allow_replicated: bool = False
     """Under tp > 1, let ``policy="auto"`` train a model of which it leaves more than 10% of the block

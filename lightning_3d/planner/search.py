@@ -21,12 +21,14 @@ MAX_MICRO_BATCH_SIZE = 16
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision, *,
-             calibration: Calibration | None = None) -> Candidate:
+             calibration: Calibration | None = None, accumulate: int = 1) -> Candidate:
     """Memory and time estimates of one layout (times from ``calibration`` when given, else the cluster's
-    datasheet figures)."""
+    datasheet figures). ``accumulate``: batches per optimizer step (Lightning's ``accumulate_grad_batches``):
+    the step time and tokens are that many batches' (``StepTime.accumulated``)."""
     _, memory = peak_memory(model, layout, precision)
     time = estimate_step_time(model, layout, cluster, precision, calibration=calibration)
-    tokens = layout.global_batch_size * model.seq_length
+    time = time.accumulated(accumulate, data_parallel_once=not layout.zero_stage)  # ZeRO re-gathers per batch
+    tokens = accumulate * layout.global_batch_size * model.seq_length
     mfu = (None if cluster.peak_tflops is None else
            time.model_flops / time.total / (layout.world_size * cluster.peak_tflops * 1e12))
     return Candidate(layout, memory, time, tokens / time.total, mfu)

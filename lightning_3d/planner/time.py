@@ -50,7 +50,7 @@ block gains (fused non-matmul work, fewer kernel launches) is assumed, not estim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_3d.parallel.data_parallel import zero_stage_that_runs
 from lightning_3d.planner.calibration import Calibration
@@ -96,6 +96,19 @@ class StepTime:
     def total(self) -> float:
         return (self.compute + self.tp_communication + self.pp_bubble + self.pp_communication
                 + self.dp_communication + self.optimizer)
+
+    def accumulated(self, batches: int, *, data_parallel_once: bool = True) -> "StepTime":
+        """An optimizer step over ``batches`` batches, as Lightning's ``accumulate_grad_batches`` runs it: each
+        batch's compute and tensor- and pipeline-parallel time (its own schedule, bubble included) that many
+        times, the optimizer's update once, and the data-parallel synchronization once where the batches before
+        the last skip it whole (DDP, FSDP2's replicate). Under ZeRO (``data_parallel_once=False``) each batch
+        still gathers the sharded parameters, and it is counted per batch."""
+        if batches == 1:
+            return self
+        return replace(self, compute=batches * self.compute, tp_communication=batches * self.tp_communication,
+                       pp_bubble=batches * self.pp_bubble, pp_communication=batches * self.pp_communication,
+                       dp_communication=(1 if data_parallel_once else batches) * self.dp_communication,
+                       model_flops=batches * self.model_flops, hardware_flops=batches * self.hardware_flops)
 
 
 def block_forward_flops(model: ModelSpec, tokens: int) -> float:

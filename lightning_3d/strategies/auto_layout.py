@@ -60,16 +60,13 @@ class Decision:
     layout: Layout
     """The chosen layout as the planner sees it."""
     predicted_step_s: float
-    """Seconds of one batch's optimizer step (the planner's step)."""
+    """Seconds of one optimizer step (of ``accumulate_grad_batches`` batches)."""
     predicted_memory_bytes: float
     """The planner's peak bytes per rank for the chosen layout."""
     memory_per_rank: float
     """The budget it had to fit (``max_memory_per_device`` or what the devices have free)."""
     report: str
     """Top three and why, for the log."""
-    predicted_once_per_step_s: float = 0.0
-    """Of ``predicted_step_s``, what an optimizer step pays once however many batches it accumulates: the
-    exposed data-parallel synchronization and the optimizer's update."""
     calibration: Optional[Calibration] = None
     """The speeds measured at launch (every rank measured them; the slowest rank's are kept), to predict other
     layouts with: ``evaluate(spec, layout, host_cluster(...), precision, calibration=decision.calibration)``."""
@@ -77,13 +74,15 @@ class Decision:
 
 def ranked(spec: ModelSpec, config: ParallelConfig, *, world_size: int, per_node: int, batch_size: int,
            precision: Precision, memory_per_rank: float, calibration: Optional[Calibration],
-           cluster: Optional[Cluster] = None) -> list[Candidate]:
-    """Every layout the config leaves open that fits ``memory_per_rank`` bytes, fastest per token first.
+           cluster: Optional[Cluster] = None, accumulate: int = 1) -> list[Candidate]:
+    """Every layout the config leaves open that fits ``memory_per_rank`` bytes, fastest per token first, each
+    timed as an optimizer step of ``accumulate`` batches (Lightning's ``accumulate_grad_batches``: the
+    data-parallel synchronization and the optimizer's update are paid once per that many batches).
 
     Raises :class:`NoLayoutFits` with the smallest memory any of them needs when none fits, naming the fixed
     settings when they are why."""
     cluster = cluster or host_cluster(world_size, per_node, memory_per_rank)
-    results = [evaluate(spec, layout, cluster, precision, calibration=calibration)
+    results = [evaluate(spec, layout, cluster, precision, calibration=calibration, accumulate=accumulate)
                for layout in candidate_layouts(spec, config, world_size, per_node, batch_size)]
     if not results:
         raise ParallelConfigError(
@@ -99,11 +98,11 @@ def ranked(spec: ModelSpec, config: ParallelConfig, *, world_size: int, per_node
             f" {_fixed(config) or 'none'}). The smallest need is {_size(smallest.memory.total)} per rank, with"
             f" {smallest.layout.describe()}. Give each rank more memory (max_memory_per_device), more ranks, a"
             " smaller batch or sequence, or leave more settings to 'auto'.")
-    return sorted(fitting, key=lambda c: (seconds_per_token(c, spec), c.memory.total))
+    return sorted(fitting, key=lambda c: (seconds_per_token(c), c.memory.total))
 
 
-def seconds_per_token(candidate: Candidate, spec: ModelSpec) -> float:
-    return candidate.time.total / (candidate.layout.global_batch_size * spec.seq_length)
+def seconds_per_token(candidate: Candidate) -> float:
+    return 1 / candidate.tokens_per_second
 
 
 def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, per_node: int,
@@ -188,7 +187,7 @@ def report(candidates: list[Candidate], spec: ModelSpec, calibrated: bool) -> st
              f" that fit ({'calibrated on these devices' if calibrated else 'not calibrated: assumed speeds'}):"]
     for index, c in enumerate(candidates[:3], 1):
         lines.append(f"  {index}. {c.layout.describe():<40} step {c.time.total * 1e3:9.1f} ms predicted,"
-                     f" {seconds_per_token(c, spec) * 1e6:8.2f} us/token, {c.memory.total / 2**20:9.1f} MiB per rank")
+                     f" {seconds_per_token(c) * 1e6:8.2f} us/token, {c.memory.total / 2**20:9.1f} MiB per rank")
     lines.append(f"  why: {why_best(candidates)}")
     return "\n".join(lines)
 
@@ -262,7 +261,8 @@ def decide_layout(config: ParallelConfig, module, policy, trainer, *, world_size
             except (PolicyError, LayoutError):
                 continue  # a size the policy cannot split this model by: no layout takes it
     return decide(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
-                  precision_name=precision, world_size=world_size, per_node=per_node, device=device)
+                  precision_name=precision, world_size=world_size, per_node=per_node, device=device,
+                  accumulate=trainer.accumulate_grad_batches)
 
 
 def first_training_batch(trainer) -> Any:
@@ -281,10 +281,11 @@ def _sequence_length(batch: Any) -> Optional[int]:
 
 
 def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str], tp_plans: dict, batch: Any,
-           precision_name: str, world_size: int, per_node: int, device: torch.device) -> Decision:
+           precision_name: str, world_size: int, per_node: int, device: torch.device,
+           accumulate: int = 1) -> Decision:
     """The launch-time decision on every rank (collective: calibration, then rank 0's choice broadcast).
     ``blocks``: the policy's blocks (the first is timed); ``tp_plans``: the policy's plan at each tp size to time
-    it split by."""
+    it split by; ``accumulate``: the trainer's ``accumulate_grad_batches`` (batches per optimizer step)."""
     precision = PRECISIONS[precision_name]
     batch_size = _batch_size(batch)
     calibration = measure(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
@@ -296,11 +297,10 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str]
             cluster = host_cluster(world_size, per_node, memory, device.type)
             candidates = ranked(spec, config, world_size=world_size, per_node=per_node, batch_size=batch_size,
                                 precision=precision, memory_per_rank=memory, calibration=calibration,
-                                cluster=cluster)
+                                cluster=cluster, accumulate=accumulate)
             best = candidates[0]
             box[0] = {"values": values_of(best.layout, config), "layout": best.layout,
                       "predicted_step_s": best.time.total, "predicted_memory_bytes": best.memory.total,
-                      "predicted_once_per_step_s": best.time.dp_communication + best.time.optimizer,
                       "memory_per_rank": memory, "report": report(candidates, spec, calibrated=True)}
         except (NoLayoutFits, ParallelConfigError) as error:  # every rank raises it, after the broadcast
             box[0] = {"error": f"{type(error).__name__}: {error}"}
@@ -346,13 +346,10 @@ class PredictionCheck:
 
     Time the run spends between two steps on other work -- validation, saving a checkpoint -- is left out: the
     strategy calls :meth:`pause` and :meth:`resume` around it. With Lightning's ``accumulate_grad_batches`` an
-    optimizer step is ``accumulate`` batches, of which only the last synchronizes the data-parallel gradients and
-    steps the optimizer: the prediction is ``accumulate`` batches' work with those (``once_per_step_s``) once."""
+    optimizer step is ``accumulate`` batches, as the prediction is (``ranked``)."""
 
-    def __init__(self, predicted_step_s: float, steps: int, *, accumulate: int = 1,
-                 once_per_step_s: float = 0.0) -> None:
-        self.predicted_step_s = accumulate * (predicted_step_s - once_per_step_s) + once_per_step_s
-        self.steps, self.accumulate = steps, accumulate
+    def __init__(self, predicted_step_s: float, steps: int, *, accumulate: int = 1) -> None:
+        self.predicted_step_s, self.steps, self.accumulate = predicted_step_s, steps, accumulate
         self._start: Optional[float] = None
         self._paused_s = 0.0
         self._pauses = 0  # nested: a checkpoint saved at the end of validation

@@ -313,8 +313,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.layout_decision = decision
         self.parallel_config = self.parallel_config.decided(**decision.values)
         self._prediction = PredictionCheck(decision.predicted_step_s, self.parallel_config.layout_check_steps,
-                                           accumulate=trainer.accumulate_grad_batches,
-                                           once_per_step_s=decision.predicted_once_per_step_s)
+                                           accumulate=trainer.accumulate_grad_batches)
         self._check_layout(self.parallel_config)
         self._build_mesh()
 

@@ -136,20 +136,38 @@ def test_the_wide_shapes_noisy_calibration_no_longer_picks_a_pipeline_for_a_spee
     assert (best.dp, best.tp, best.pp) == (8, 1, 1)
 
 
-def test_with_accumulated_batches_the_prediction_is_theirs_with_the_synchronization_and_optimizer_once(
-        monkeypatch, recwarn):
-    """accumulate_grad_batches=2: an optimizer step is two batches, and only the second synchronizes the
-    data-parallel gradients and steps the optimizer (20 of the 100 ms predicted for one batch): 180 ms, not 100
-    (which warned x1.80 before) nor 200."""
+def test_with_accumulated_batches_the_check_compares_whole_optimizer_steps(monkeypatch, recwarn):
+    """accumulate_grad_batches=2: the check starts at the first batch of step 2 (not the second) and ends at the
+    first of step 6; the prediction it gets is already the two batches' optimizer step (``ranked(accumulate=2)``,
+    below). Before, it compared two batches with one batch's prediction: x2.22 on a run the planner had right."""
     import lightning_3d.strategies.auto_layout as auto_layout
 
     clock = iter([0.0, 4 * 0.18])
     monkeypatch.setattr(auto_layout.time, "perf_counter", lambda: next(clock))
-    check = PredictionCheck(predicted_step_s=0.1, steps=4, accumulate=2, once_per_step_s=0.02)
-    assert check.predicted_step_s == pytest.approx(0.18)
-    for step in range(0, 8):
+    check = PredictionCheck(predicted_step_s=0.18, steps=4, accumulate=2)
+    for step in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6):  # the optimizer steps done, at each batch's start
         check.on_step(step)
     assert check.measured_step_s == pytest.approx(0.18) and not [w for w in recwarn if "layout='auto'" in str(w.message)]
+
+
+def test_accumulated_batches_pay_the_data_parallel_synchronization_once_so_a_slow_link_weighs_less():
+    """accumulate_grad_batches=64: each batch's compute, tp and pp time 64 times, DDP's synchronization and the
+    optimizer once (under ZeRO the sharded parameters are gathered again each batch: its sync counted per
+    batch). A data-parallel link slow enough to move the ranks into a pipeline for one batch per step leaves
+    them data-parallel over 64 (DDP: ZeRO would gather each batch)."""
+    config = ParallelConfig(layout="auto")
+    one = choose(config, dp=1e7)
+    many = ranked(SPEC, config, world_size=8, per_node=8, batch_size=8, precision=FP32, memory_per_rank=GIB,
+                  calibration=calibration(dp=1e7), accumulate=64)
+    assert one[0].layout.dp == 1
+    assert (many[0].layout.dp, many[0].layout.zero_stage) == (8, 0)
+    per_batch = {c.layout: c for c in one}
+    assert set(per_batch) == {c.layout for c in many}
+    for c in many:
+        t = per_batch[c.layout].time
+        once = t.optimizer + (0.0 if c.layout.zero_stage else t.dp_communication)
+        assert c.time.total == pytest.approx(64 * (t.total - once) + once)
+        assert c.tokens_per_second == pytest.approx(64 * c.layout.global_batch_size * SPEC.seq_length / c.time.total)
 
 
 def test_validation_and_checkpoints_between_steps_are_not_counted_as_step_time(monkeypatch, recwarn):
