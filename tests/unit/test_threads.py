@@ -49,5 +49,5 @@ def test_an_empty_omp_num_threads_as_a_job_script_exports_it_splits_the_cpus():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     at_start, set_to, after, share = map(int, out.stdout.split()[-4:])
-    assert at_start == len(os.sched_getaffinity(0))  # torch: the empty value is no count
+    assert at_start >= share  # torch ran its default for the empty value (one thread per CPU or core)
     assert set_to == after == share
