@@ -36,7 +36,7 @@ from lightning_3d.planner.model import model_spec
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.policies.base import Plan
 from lightning_3d.strategies.checks import check_backend, check_model
-from lightning_3d.strategies.threads import local_world_size, threads_per_rank
+from lightning_3d.strategies.threads import is_thread_count, local_world_size, threads_per_rank
 from lightning_3d.parallel.parallelize import plan_model
 
 MIB = 2**20
@@ -120,7 +120,7 @@ def _rank_checks(strategy, module: pl.LightningModule, dims: ParallelDims,
     runs, why = zero_stage_that_runs(config.zero_stage, dims.pp > 1)
     if runs != config.zero_stage and dims.dp > 1:
         notes.append(f"zero_stage={config.zero_stage} runs as ZeRO-{runs}: {why}")
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    if device.type == "cpu" and not is_thread_count(os.environ.get("OMP_NUM_THREADS")):  # as a run decides
         local = local_world_size(strategy.num_processes)
         notes.append(f"{threads_per_rank(local)} intra-op thread(s) per rank ({len(os.sched_getaffinity(0))} CPUs"
                      f" // {local} ranks on this host); set OMP_NUM_THREADS to choose another count")

@@ -363,7 +363,9 @@ class PredictionCheck:
             self._pause_start = time.perf_counter()
 
     def resume(self) -> None:
-        self._pauses = max(0, self._pauses - 1)
+        if self._pauses == 0:  # not paused: nothing to count
+            return
+        self._pauses -= 1
         if self._pauses == 0 and self._start is not None:
             self._paused_s += time.perf_counter() - self._pause_start
 

@@ -23,7 +23,7 @@ _OMP_AT_IMPORT = os.environ.get("OMP_NUM_THREADS")
 _THREADS_AT_IMPORT = torch.get_num_threads()
 
 
-def _is_count(value: Optional[str]) -> bool:
+def is_thread_count(value: Optional[str]) -> bool:
     """Whether OMP_NUM_THREADS holds a thread count. torch (its OpenMP) ignores any other value, an empty one
     included, and runs one thread per CPU; torchrun leaves a variable that is set alone, empty or not. An empty
     one is what ``export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK`` gives where ``--cpus-per-task`` was not given."""
@@ -49,7 +49,7 @@ def set_threads_per_rank(devices: int) -> Optional[int]:
     threads = threads_per_rank(local_ranks)
     current = torch.get_num_threads()
     # Changed since import to another count than ours: the user's call (Lightning's launcher picks ours).
-    chosen_by_user = _is_count(_OMP_AT_IMPORT) or current not in (_THREADS_AT_IMPORT, threads)
+    chosen_by_user = is_thread_count(_OMP_AT_IMPORT) or current not in (_THREADS_AT_IMPORT, threads)
     if chosen_by_user:
         return None
     torch.set_num_threads(threads)
