@@ -100,6 +100,10 @@ PRIVATE_NAMES: dict[str, Private] = {
         "HSDP: the (dp_replicate, dp_shard) pair flattened back into the \"dp\" dimension every other user reads"
         " (as torchtitan does)",
         "none in torch 2.13: DeviceMesh has no public way to name a merged dimension", attribute=True),
+    "torch.distributed.device_mesh.DeviceMesh._pg_registry": Private(
+        "the calibration's own tp meshes hand their destroyed process groups over: the mesh holds them by name,"
+        " and DTensor's caches hold the mesh, so a destroyed gloo group kept its threads for the run",
+        "none in torch 2.13: DeviceMesh has no public way to be destroyed with its groups", attribute=True),
     "torch.distributed.tensor.parallel.ParallelStyle._apply": Private(
         "the method a custom tensor-parallel style implements (the torch docs' way to write one)",
         "ParallelStyle's only (abstract) method; no public name", attribute=True),

@@ -23,6 +23,7 @@ groups made for a measurement are destroyed after it.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from typing import Any, Callable, Mapping
 
@@ -32,10 +33,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.common import local
-from lightning_3d.parallel.group_cache import once_per_world
 from lightning_3d.policies.base import Plan
 from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
-                                                      world_mesh)
+                                                      release_groups, world_mesh)
 
 class _Captured(Exception):
     """Raised by the hook that took a block's call: the rest of the step is not needed."""
@@ -92,9 +92,10 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
             parent.add_module(part, nn.Module())
             parent = parent.get_submodule(part)
         parent.add_module(leaf, copy.deepcopy(block))
-        apply_tensor_parallel(root, plan, mesh["tp"])
+        apply_tensor_parallel(root, plan, mesh[mesh.mesh_dim_names[1]])
         split = _materialized(root.get_submodule(block_name), device)
         result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
+        _release_mesh(mesh)
     return result
 
 
@@ -230,8 +231,8 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
         mesh = _tp_mesh(tp, device)
         head = nn.Linear(hidden_size, vocab_size, bias=False, device=device)
         nn.init.normal_(head.weight, std=0.02)
-        parallelize_module(head, mesh["tp"], ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
-                                                              use_local_output=False))
+        parallelize_module(head, mesh[mesh.mesh_dim_names[1]],
+                           ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
         for b in micro_batch_sizes:
             tokens = b * seq_length
             x = torch.randn(tokens, hidden_size, device=device, requires_grad=True)
@@ -242,6 +243,7 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
                     torch.nn.functional.cross_entropy(head(x), targets).backward()
 
             result.setdefault(tp, {})[b] = median_seconds(run, device, barrier=True, min_seconds=repeat_s) / tokens
+        _release_mesh(mesh)
     return result
 
 
@@ -322,14 +324,32 @@ def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
     return cores / (per_node * torch.get_num_threads())
 
 
+_MESH_NUMBERS = itertools.count()
+"""Numbers the calibration's tp meshes' dimension names (the same on every rank: they make them in turn)."""
+
+
 def _tp_mesh(tp: int, device: torch.device):
-    """A ("rest", "tp") mesh of the world, tp consecutive ranks per group, made once per world
-    (``parallel/group_cache.py``): the split block's and the split head's timings share it."""
+    """A 2-D mesh of the world whose second dimension groups tp consecutive ranks, for one timing, after which
+    :func:`_release_mesh` destroys its groups; its tp dimension is ``mesh[mesh.mesh_dim_names[1]]``. Its
+    dimension names are its own: DTensor's caches take an equal mesh made later (the same ranks and names: the
+    run's own tp dimension, or the next calibration's) for one they have seen, and would hand back the destroyed
+    groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (dist.get_world_size() // tp, tp)
-    return once_per_world(("calibration tp mesh", device.type, shape),
-                          lambda: init_device_mesh(device.type, shape, mesh_dim_names=("rest", "tp")))
+    number = next(_MESH_NUMBERS)
+    return init_device_mesh(device.type, (dist.get_world_size() // tp, tp),
+                            mesh_dim_names=(f"calibration{number}_rest", f"calibration{number}_tp"))
+
+
+def _release_mesh(mesh) -> None:
+    """Destroy the process groups of a timing's mesh once every rank is done with it (the timing ended on a
+    collective of the world), and drop the mesh's hold on them: DTensor's caches keep the mesh, and a destroyed
+    gloo group still held kept its threads (4 gloo ranks timing the head at tp 2 and 4: 3 threads more per rank
+    until the hold was dropped). Kept for the rest of the run, as they were, a layout="auto" fit held two groups
+    per tp size it timed (on 8 ranks, 6 groups more than its layout's own); on GPUs each one used is an NCCL
+    communicator with its buffers: device memory that no plan counts."""
+    release_groups(*(mesh.get_group(dim) for dim in range(mesh.ndim)))
+    mesh._pg_registry.clear()  # (the root mesh's: its dimensions' groups by name)
 
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_3d.planner.links import LinkSpeed, latency_steps, wire_bytes
 from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
-                                                      world_mesh)
+                                                      release_groups, world_mesh)
 
 MESSAGE_BYTES = (2**16, 2**22)
 """The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
@@ -49,7 +49,7 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
     for dim, timed in (("tp", inside_speeds), ("dp", across_speeds)):
         speeds.update({dim if collective == "all_reduce" else f"{dim}.{collective}": speed
                        for collective, speed in timed.items()})
-    _release(tp_group, dp_group)
+    release_groups(tp_group, dp_group)
     return speeds
 
 
@@ -97,7 +97,7 @@ def pipeline_microbatch_seconds(world_size: int, hidden_size: int, micro_tokens:
             batch = torch.randn(count, micro_tokens, hidden_size, device=device)
             run = partial(schedule.step, batch) if first else partial(schedule.step, target=batch, losses=[])
         steps.append(median_seconds(run, device, barrier=True, min_seconds=repeat_s))
-    _release(group)
+    release_groups(group)
     low, high = PIPELINE_PROBE_MICROBATCHES
     per_microbatch = max(0.0, steps[1] - steps[0]) / (high - low)
     sends = 2 * pp.seconds(micro_tokens * hidden_size * x.element_size())
@@ -245,20 +245,6 @@ def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
 
         times.append(median_seconds(exchange, device, barrier=True) / 2)  # one way
     return LinkSpeed.fit(wire=MESSAGE_BYTES, seconds=tuple(times))
-
-
-def _release(*groups: Any) -> None:
-    """Destroy this rank's side of process groups made for one measurement, once every rank is past their last
-    use (the measurement ended on a collective of the world). Left alive, each kept a gloo group's three
-    threads and its sockets for the life of the process, for every ``layout="auto"`` fit. Never the default
-    group (a mesh dimension that spans the world may be it)."""
-    seen = set()
-    for group in groups:
-        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or group == dist.group.WORLD:
-            continue
-        if id(group) not in seen:
-            seen.add(id(group))
-            dist.destroy_process_group(group)
 
 
 def _slowest(speed: LinkSpeed, device: torch.device) -> LinkSpeed:

@@ -116,3 +116,17 @@ def world_mesh(device: torch.device):
     world = dist.get_world_size() if dist.is_initialized() else 1
     return once_per_world(("calibration world mesh", device.type, world),
                           lambda: init_device_mesh(device.type, (world,)))
+
+
+def release_groups(*groups: Any) -> None:
+    """Destroy this rank's side of process groups made for one measurement, once every rank is past their last
+    use (the measurement ended on a collective of the world). Left alive, each kept a gloo group's three threads
+    and its sockets -- on GPUs an NCCL communicator and its buffers -- for the life of the process, for every
+    ``layout="auto"`` fit. Never the default group (a mesh dimension that spans the world may be it)."""
+    seen = set()
+    for group in groups:
+        if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or group == dist.group.WORLD:
+            continue
+        if id(group) not in seen:
+            seen.add(id(group))
+            dist.destroy_process_group(group)

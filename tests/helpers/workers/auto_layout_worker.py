@@ -44,19 +44,22 @@ def run(module_class=GPTLightningModule, **strategy_kwargs) -> dict:
 
 
 def measurement_groups() -> dict:
-    """Process groups alive before and after the calibration's link and pipeline measurements, which make
-    groups of their own (they must leave none behind: gloo keeps three threads per group)."""
+    """Process groups alive before and after the calibration's link and pipeline measurements and its timing of
+    the head split over tp meshes, which make groups of their own (they must leave none behind: gloo keeps three
+    threads per group, NCCL a communicator and its device buffers)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
-    from lightning_3d.strategies import calibrate_links
+    from lightning_3d.strategies import calibrate, calibrate_links
 
     before = len(_world.pg_map)
     cpu = torch.device("cpu")
     links = calibrate_links.link_speeds(dist.get_world_size(), dist.get_world_size(), cpu)
     calibrate_links.pipeline_microbatch_seconds(dist.get_world_size(), 16, 16, cpu, links["pp"], repeat_s=0.001)
-    return {"before": before, "after": len(_world.pg_map)}
+    after_links = len(_world.pg_map)
+    calibrate.tp_head_seconds_per_token(16, 64, 16, [1], [2, 4], cpu, repeat_s=0.001)
+    return {"before": before, "after_links": after_links, "after": len(_world.pg_map)}
 
 
 def groups_per_fit() -> list[int]:
@@ -77,11 +80,19 @@ def groups_per_fit() -> list[int]:
     return counts
 
 
+def alive_groups() -> list[str]:
+    """The descriptions of this rank's process groups alive after every fit and measurement above ("mesh_" and a
+    dimension's name for a device mesh's)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return sorted(group.group_desc for group in _world.pg_map)
+
+
 def main(out_dir: str) -> None:
     free = run()
     budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
     llama = run(UserLlamaModule)
-    groups = {**measurement_groups(), "per_fit": groups_per_fit()}
+    groups = {**measurement_groups(), "per_fit": groups_per_fit(), "alive": alive_groups()}
     (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(
         json.dumps({"free": free, "budget": budgeted, "llama": llama, "groups": groups}))
     end_process_group()
