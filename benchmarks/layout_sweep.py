@@ -11,13 +11,14 @@ in the same processes:
   others (the schedules, the micro-batch count, ZeRO, recompute) are the planner's alone, which ``"auto"``
   also searches;
 * ``ThreeDStrategy(layout="auto")``: it calibrates, chooses and trains. Its choice, predicted step time and
-  calibration are read from ``strategy.layout_decision``; the same calibration then predicts every swept
-  layout's step time (``planner.search.evaluate``), so prediction and measurement can be compared layout by
-  layout;
+  calibration are read from ``strategy.layout_decision``;
 * auto and the best swept layout once more each, in turns, until each has ``--rounds`` fits: each counts at
   the median of its fits, since the host's load drifts over the minutes a sweep takes. Each of auto's fits
   calibrates and chooses anew and may choose another layout: each fit's tokens/s is its own layout's, and the
   table says so when the choices differ;
+* every swept layout's step time, and auto's, predicted with each of auto's calibrations
+  (``planner.search.evaluate``): the median of these predictions is compared with the layout's measurement,
+  layout by layout (a calibration is a measurement too, taken over seconds of the same drifting host);
 * on ``--budget-shape``, ``layout="auto"`` again with ``max_memory_per_device`` set to ``--budget-share`` of
   the planner's memory for the unconstrained pick, which rules out it and the layouts that need as much. Each
   swept layout's measured peak is shown against the budget, and auto's pick must be within it.
@@ -139,20 +140,20 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
     load_before = _load()
     runs = [run(name, args, layout=layout)[0] for layout in swept_layouts(SHAPES[name], args)]
     auto, decision = run(name, args, auto=True)
+    decisions = [decision]  # one per fit of auto: each calibrates anew
     # auto and the best swept layout again, in turns: the host's load drifts over the minutes between them.
     best = max(runs, key=lambda r: r.tokens_per_s)
     pair = [(best, {"layout": best.layout}), (auto, {"auto": True})]
     for round_index in range(1, args.rounds):
         for measured, how in pair[::-1] if round_index % 2 else pair:
-            again = run(name, args, **how)[0]
+            again, again_decision = run(name, args, **how)
             measured.rounds.append(again.step_s)
             if measured is auto:
                 measured.later_choices.append((again.name, again.tokens_per_step))
+                decisions.append(again_decision)
     spec = ModelSpec.from_gpt_config(GPTConfig(**SHAPES[name], block_size=args.seq_len), seq_length=args.seq_len)
-    precision = PRECISIONS["32-true"]  # the Trainer's default, which run() keeps
-    cluster = host_cluster(WORLD_SIZE, WORLD_SIZE, decision.memory_per_rank)
     for r in [*runs, auto]:  # (auto's own prediction again: the same numbers, split by cause)
-        candidate = evaluate(spec, r.layout, cluster, precision, calibration=decision.calibration)
+        candidate = middle_prediction(spec, r.layout, decisions)
         r.predicted_step_s, r.predicted_bytes = candidate.time.total, candidate.memory.total
         r.predicted_parts = parts(candidate.time)
     budgeted = budget = None
@@ -163,10 +164,21 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
     if dist.get_rank() != 0:
         return {}
     print_table(name, args, runs, auto, budgeted, budget, (load_before, load_after))
-    return {"shape": SHAPES[name], "load": [load_before, load_after], "calibration": decision.calibration.to_dict(),
+    return {"shape": SHAPES[name], "load": [load_before, load_after],
+            "calibrations": [d.calibration.to_dict() for d in decisions],
             "runs": [r.to_dict() for r in runs], "auto": auto.to_dict(), "auto_report": decision.report,
             **({"budget": budgeted.to_dict(), "budget_bytes": budget,
                 "budget_report": budget_decision.report} if budgeted else {})}
+
+
+def middle_prediction(spec: ModelSpec, layout: Layout, decisions: list) -> object:
+    """``layout`` predicted with each of auto's calibrations (``planner.search.evaluate``), the one of median step
+    time (the lower middle of an even count). A calibration is a few seconds of timing on a host whose pace
+    drifts, as a fit's steps are: its prediction is taken over auto's fits as its measurement is."""
+    precision = PRECISIONS["32-true"]  # the Trainer's default, which run() keeps
+    candidates = sorted((evaluate(spec, layout, host_cluster(WORLD_SIZE, WORLD_SIZE, d.memory_per_rank), precision,
+                                  calibration=d.calibration) for d in decisions), key=lambda c: c.time.total)
+    return candidates[(len(candidates) - 1) // 2]
 
 
 def parts(time) -> dict:
@@ -267,7 +279,8 @@ def print_table(name: str, args, runs: list[Run], auto: Run, budgeted: Run | Non
     print(f"\n{name}: GPT n_layer={shape['n_layer']} n_embd={shape['n_embd']} n_head={shape['n_head']}"
           f" vocab={shape['vocab_size']}, seq {args.seq_len}, {args.batch_size} sequences per replica, 8 CPU"
           f" ranks, {args.warmup} + {args.steps} steps per fit ({args.rounds} fits in turns for auto and the best"
-          f" swept layout, their median); load {load[0]} -> {load[1]}")
+          f" swept layout, their median; predicted: the median over auto's {args.rounds} calibrations);"
+          f" load {load[0]} -> {load[1]}")
     print(f"  {'layout':<48} {'ms/step':>8} {'tokens/s':>9} {'predicted':>9} {'pred/meas':>9} {'peak MiB':>8}")
     for r in [*runs, auto, *([budgeted] if budgeted else [])]:
         marks = [m for m, on in (("best measured", r is best),
