@@ -55,6 +55,7 @@ from lightning_3d.parallel.memory import SavedActivations, memory_report
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS
 from lightning_3d.planner.model import ModelSpec
+from lightning_3d.planner.report import Candidate
 from lightning_3d.planner.search import evaluate
 from lightning_3d.strategies.auto_layout import host_cluster
 
@@ -171,7 +172,7 @@ def sweep(name: str, args: argparse.Namespace) -> dict:
                 "budget_report": budget_decision.report} if budgeted else {})}
 
 
-def middle_prediction(spec: ModelSpec, layout: Layout, decisions: list) -> object:
+def middle_prediction(spec: ModelSpec, layout: Layout, decisions: list) -> Candidate:
     """``layout`` predicted with each of auto's calibrations (``planner.search.evaluate``), the one of median step
     time (the lower middle of an even count). A calibration is a few seconds of timing on a host whose pace
     drifts, as a fit's steps are: its prediction is taken over auto's fits as its measurement is."""
