@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,6 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
 
     result = {}
     for tp, plan in sorted(plans.items()):
-        mesh = _tp_mesh(tp, device)
         # The block alone, under the name the plan gives it (the plan's patterns are the model's names).
         root, (*path, leaf) = nn.Module(), block_name.split(".")
         parent = root
@@ -92,10 +92,10 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
             parent.add_module(part, nn.Module())
             parent = parent.get_submodule(part)
         parent.add_module(leaf, copy.deepcopy(block))
-        apply_tensor_parallel(root, plan, mesh[mesh.mesh_dim_names[1]])
-        split = _materialized(root.get_submodule(block_name), device)
-        result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
-        _release_mesh(mesh)
+        with _tp_mesh(tp, device) as tp_mesh:
+            apply_tensor_parallel(root, plan, tp_mesh)
+            split = _materialized(root.get_submodule(block_name), device)
+            result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
     return result
 
 
@@ -228,22 +228,22 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
 
     result: dict[int, dict[int, float]] = {}
     for tp in sorted(tps):
-        mesh = _tp_mesh(tp, device)
         head = nn.Linear(hidden_size, vocab_size, bias=False, device=device)
         nn.init.normal_(head.weight, std=0.02)
-        parallelize_module(head, mesh[mesh.mesh_dim_names[1]],
-                           ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
-        for b in micro_batch_sizes:
-            tokens = b * seq_length
-            x = torch.randn(tokens, hidden_size, device=device, requires_grad=True)
-            targets = torch.randint(0, vocab_size, (tokens,), device=device)
+        with _tp_mesh(tp, device) as tp_mesh:
+            parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                              use_local_output=False))
+            for b in micro_batch_sizes:
+                tokens = b * seq_length
+                x = torch.randn(tokens, hidden_size, device=device, requires_grad=True)
+                targets = torch.randint(0, vocab_size, (tokens,), device=device)
 
-            def run() -> None:
-                with vocab_parallel_ops():
-                    torch.nn.functional.cross_entropy(head(x), targets).backward()
+                def run() -> None:
+                    with vocab_parallel_ops():
+                        torch.nn.functional.cross_entropy(head(x), targets).backward()
 
-            result.setdefault(tp, {})[b] = median_seconds(run, device, barrier=True, min_seconds=repeat_s) / tokens
-        _release_mesh(mesh)
+                result.setdefault(tp, {})[b] = (median_seconds(run, device, barrier=True, min_seconds=repeat_s)
+                                                / tokens)
     return result
 
 
@@ -328,26 +328,26 @@ _MESH_NUMBERS = itertools.count()
 """Numbers the calibration's tp meshes' dimension names (the same on every rank: they make them in turn)."""
 
 
-def _tp_mesh(tp: int, device: torch.device):
-    """A 2-D mesh of the world whose second dimension groups tp consecutive ranks, for one timing, after which
-    :func:`_release_mesh` destroys its groups; its tp dimension is ``mesh[mesh.mesh_dim_names[1]]``. Its
-    dimension names are its own: DTensor's caches take an equal mesh made later (the same ranks and names: the
-    run's own tp dimension, or the next calibration's) for one they have seen, and would hand back the destroyed
-    groups."""
+@contextmanager
+def _tp_mesh(tp: int, device: torch.device) -> Iterator:
+    """The tp dimension of a 2-D mesh of the world (groups of tp consecutive ranks) for one timing. When the
+    timing ends -- on a collective of the world, so every rank is done with the mesh -- its process groups are
+    destroyed and the mesh's hold on them dropped: DTensor's caches keep the mesh, and a destroyed gloo group
+    still held kept its threads (4 gloo ranks timing the head at tp 2 and 4: 3 threads more per rank until the
+    hold was dropped). Kept for the rest of the run, as they were, a layout="auto" fit held two groups per tp
+    size it timed (on 8 ranks, 6 groups more than its layout's own); on GPUs each one used is an NCCL
+    communicator with its buffers: device memory that no plan counts. A timing that raises leaves them (a
+    destroy while other ranks may still wait in its collectives could hang them).
+
+    The mesh's dimension names are its own: DTensor's caches take an equal mesh made later (the same ranks and
+    names: the run's own tp dimension, or the next calibration's) for one they have seen, and would hand back
+    the destroyed groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
     number = next(_MESH_NUMBERS)
-    return init_device_mesh(device.type, (dist.get_world_size() // tp, tp),
-                            mesh_dim_names=(f"calibration{number}_rest", f"calibration{number}_tp"))
-
-
-def _release_mesh(mesh) -> None:
-    """Destroy the process groups of a timing's mesh once every rank is done with it (the timing ended on a
-    collective of the world), and drop the mesh's hold on them: DTensor's caches keep the mesh, and a destroyed
-    gloo group still held kept its threads (4 gloo ranks timing the head at tp 2 and 4: 3 threads more per rank
-    until the hold was dropped). Kept for the rest of the run, as they were, a layout="auto" fit held two groups
-    per tp size it timed (on 8 ranks, 6 groups more than its layout's own); on GPUs each one used is an NCCL
-    communicator with its buffers: device memory that no plan counts."""
+    names = (f"calibration{number}_rest", f"calibration{number}_tp")
+    mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=names)
+    yield mesh[names[1]]
     release_groups(*(mesh.get_group(dim) for dim in range(mesh.ndim)))
     mesh._pg_registry.clear()  # (the root mesh's: its dimensions' groups by name)
 
