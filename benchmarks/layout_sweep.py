@@ -15,10 +15,14 @@ in the same processes:
 * auto and the best swept layout once more each, in turns, until each has ``--rounds`` fits: each counts at
   the median of its fits, since the host's load drifts over the minutes a sweep takes. Each of auto's fits
   calibrates and chooses anew and may choose another layout: each fit's tokens/s is its own layout's, and the
-  table says so when the choices differ;
-* every swept layout's step time, and auto's, predicted with each of auto's calibrations
-  (``planner.search.evaluate``): the median of these predictions is compared with the layout's measurement,
-  layout by layout (a calibration is a measurement too, taken over seconds of the same drifting host);
+  table says so when the choices differ. auto's first fit runs before the swept layouts and its second right
+  after them, so that two calibrations bracket every swept layout's fit;
+* every fit's step time predicted (``planner.search.evaluate``) with the two calibrations taken nearest before
+  and after it, interpolated linearly by the time between them (outside them, the nearest one), as a chemist
+  brackets samples with standards on a drifting instrument: a calibration is a few seconds of timing on a host
+  whose pace drifts over the minutes between fits (the same layout's step 20-39% apart on two days, 10-25%
+  within one launch). A layout's prediction is the median of its fits' predictions, as its measurement is the
+  median of their step times;
 * on ``--budget-shape``, ``layout="auto"`` again with ``max_memory_per_device`` set to ``--budget-share`` of
   the planner's memory for the unconstrained pick, which rules out it and the layouts that need as much. Each
   swept layout's measured peak is shown against the budget, and auto's pick must be within it.
@@ -38,8 +42,10 @@ predicted step time within 25% of its measurement; under the budget, auto's pick
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +61,6 @@ from lightning_3d.parallel.memory import SavedActivations, memory_report
 from lightning_3d.planner.layout import Layout
 from lightning_3d.planner.memory import PRECISIONS
 from lightning_3d.planner.model import ModelSpec
-from lightning_3d.planner.report import Candidate
 from lightning_3d.planner.search import evaluate
 from lightning_3d.strategies.auto_layout import host_cluster
 
@@ -99,7 +104,8 @@ class Run:
     rounds: list[float]
     """Each fit's median step time (s); more than one for auto and the best swept layout with ``--rounds``."""
     peak_bytes: int
-    """Model states + saved activations, the largest over the ranks (first fit)."""
+    at: list[float]
+    """When each fit ran: the middle of its ``Trainer.fit``, seconds on the process's clock."""
     predicted_step_s: float = float("nan")
     predicted_bytes: float = float("nan")
     predicted_parts: dict | None = None
@@ -119,9 +125,22 @@ class Run:
         tokens += [self.tokens_per_step] * (len(self.rounds) - len(tokens))
         return statistics.median(t / s for t, s in zip(tokens, self.rounds))
 
+    def again(self, fit: "Run") -> None:
+        """Count one more fit of this layout (or of auto, whatever it chose)."""
+        self.rounds.append(fit.step_s)
+        self.at.append(fit.at[0])
+
     def to_dict(self) -> dict:
         return {**vars(self), "layout": self.layout.describe(), "step_s": self.step_s,
                 "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """One of auto's calibrations and when it was taken (the start of its fit, whose set-up times)."""
+
+    at: float
+    decision: object
 
 
 def main() -> None:
@@ -137,52 +156,62 @@ def main() -> None:
 
 
 def sweep(name: str, args: argparse.Namespace) -> dict:
-    """Every swept layout of one shape, then auto (and auto under a memory budget); rank 0 prints the table."""
+    """auto, every swept layout of one shape, then auto and the best swept layout in turns (and auto under a
+    memory budget); rank 0 prints the table."""
     load_before = _load()
+    auto, first = run(name, args, auto=True)
+    calibrations = [first]  # one per fit of auto: each calibrates anew
     runs = [run(name, args, layout=layout)[0] for layout in swept_layouts(SHAPES[name], args)]
-    auto, decision = run(name, args, auto=True)
-    decisions = [decision]  # one per fit of auto: each calibrates anew
-    # auto and the best swept layout again, in turns: the host's load drifts over the minutes between them.
+    # auto and the best swept layout again, in turns (auto first: its calibration closes the bracket round the
+    # swept layouts): the host's load drifts over the minutes between them.
     best = max(runs, key=lambda r: r.tokens_per_s)
     pair = [(best, {"layout": best.layout}), (auto, {"auto": True})]
     for round_index in range(1, args.rounds):
         for measured, how in pair[::-1] if round_index % 2 else pair:
-            again, again_decision = run(name, args, **how)
-            measured.rounds.append(again.step_s)
+            again, calibrated = run(name, args, **how)
+            measured.again(again)
             if measured is auto:
                 measured.later_choices.append((again.name, again.tokens_per_step))
-                decisions.append(again_decision)
+                calibrations.append(calibrated)
     spec = ModelSpec.from_gpt_config(GPTConfig(**SHAPES[name], block_size=args.seq_len), seq_length=args.seq_len)
     for r in [*runs, auto]:  # (auto's own prediction again: the same numbers, split by cause)
-        candidate = middle_prediction(spec, r.layout, decisions)
-        r.predicted_step_s, r.predicted_bytes = candidate.time.total, candidate.memory.total
-        r.predicted_parts = parts(candidate.time)
+        predicted = sorted((bracketed_prediction(spec, r.layout, calibrations, at) for at in r.at),
+                           key=lambda p: p[0])
+        r.predicted_step_s, r.predicted_parts, r.predicted_bytes = predicted[(len(predicted) - 1) // 2]
     budgeted = budget = None
+    decision = first.decision
     if name == args.budget_shape:
         budget = int(args.budget_share * decision.predicted_memory_bytes)
-        budgeted, budget_decision = run(name, args, auto=True, budget=budget)
+        budgeted, budget_calibrated = run(name, args, auto=True, budget=budget)
     load_after = _load()
     if dist.get_rank() != 0:
         return {}
     print_table(name, args, runs, auto, budgeted, budget, (load_before, load_after))
     return {"shape": SHAPES[name], "load": [load_before, load_after],
-            "calibrations": [d.calibration.to_dict() for d in decisions],
+            "calibrations": [{"at": c.at, **c.decision.calibration.to_dict()} for c in calibrations],
             "runs": [r.to_dict() for r in runs], "auto": auto.to_dict(), "auto_report": decision.report,
             **({"budget": budgeted.to_dict(), "budget_bytes": budget,
-                "budget_report": budget_decision.report} if budgeted else {})}
+                "budget_report": budget_calibrated.decision.report} if budgeted else {})}
 
 
-def middle_prediction(spec: ModelSpec, layout: Layout, decisions: list) -> Candidate:
-    """``layout`` predicted with each of auto's calibrations (``planner.search.evaluate``), the one of median step
-    time (the lower middle of an even count). A calibration is a few seconds of timing on a host whose pace
-    drifts, as a fit's steps are: its prediction is taken over auto's fits as its measurement is."""
+def bracketed_prediction(spec: ModelSpec, layout: Layout, calibrations: list[Calibrated],
+                         at: float) -> tuple[float, dict, float]:
+    """``layout``'s step time for a fit at time ``at`` (``planner.search.evaluate``), predicted with the
+    calibrations taken nearest before and after it and interpolated linearly by time between them (before the
+    first or after the last, with that one): seconds, the seconds by cause, and the planner's bytes per rank."""
+    ordered = sorted(calibrations, key=lambda c: c.at)
+    i = bisect.bisect([c.at for c in ordered], at)
+    before, after = ordered[max(i - 1, 0)], ordered[min(i, len(ordered) - 1)]
+    share = 0.0 if after.at == before.at else min(1.0, max(0.0, (at - before.at) / (after.at - before.at)))
     precision = PRECISIONS["32-true"]  # the Trainer's default, which run() keeps
-    candidates = sorted((evaluate(spec, layout, host_cluster(WORLD_SIZE, WORLD_SIZE, d.memory_per_rank), precision,
-                                  calibration=d.calibration) for d in decisions), key=lambda c: c.time.total)
-    return candidates[(len(candidates) - 1) // 2]
+    low, high = (evaluate(spec, layout, host_cluster(WORLD_SIZE, WORLD_SIZE, c.decision.memory_per_rank),
+                          precision, calibration=c.decision.calibration) for c in (before, after))
+    parts = {name: (1 - share) * value + share * parts_of(high.time)[name]
+             for name, value in parts_of(low.time).items()}
+    return sum(parts.values()), parts, low.memory.total
 
 
-def parts(time) -> dict:
+def parts_of(time) -> dict:
     """A ``StepTime``'s seconds by cause."""
     return {name: getattr(time, name) for name in ("compute", "tp_communication", "pp_bubble", "pp_communication",
                                                    "dp_communication", "optimizer")}
@@ -202,9 +231,9 @@ def swept_layouts(shape: dict, args: argparse.Namespace):
 
 
 def run(name: str, args: argparse.Namespace, *, layout: Layout | None = None, auto: bool = False,
-        budget: int | None = None) -> tuple[Run, object]:
+        budget: int | None = None) -> tuple[Run, Calibrated | None]:
     """One fit of ``layout``, or of ``layout="auto"`` (within ``budget`` bytes per rank where given), and the
-    strategy's decision (None for a fixed layout)."""
+    strategy's calibration and decision (None for a fixed layout)."""
     L.seed_everything(0, verbose=False)
     config = GPTConfig(**SHAPES[name], block_size=args.seq_len)
     if auto:
@@ -215,17 +244,20 @@ def run(name: str, args: argparse.Namespace, *, layout: Layout | None = None, au
     samples = args.batch_size * WORLD_SIZE * (args.warmup + args.steps + 2)
     data = SyntheticDataModule(vocab_size=config.vocab_size, seq_len=args.seq_len, batch_size=args.batch_size,
                                num_train_samples=samples)
+    start = time.perf_counter()
     times = step_times(strategy, GPTLightningModule(config=config), data, args.steps, WORLD_SIZE,
                        warmup=args.warmup, callbacks=[memory])
+    middle = (start + time.perf_counter()) / 2
     peak = memory.largest()
     step_s = _slowest_median(times)
     dims = strategy.parallel_dims
     tokens = dims.dp * args.batch_size * args.seq_len
     decision = strategy.layout_decision
     if decision is None:
-        return Run(layout.describe(), layout, tokens, [step_s], peak), None
-    return Run(f"auto{' (budget)' if budget else ''}: {decision.layout.describe()}", decision.layout, tokens,
-               [step_s], peak, decision.predicted_step_s, decision.predicted_memory_bytes), decision
+        return Run(layout.describe(), layout, tokens, [step_s], peak, [middle]), None
+    return (Run(f"auto{' (budget)' if budget else ''}: {decision.layout.describe()}", decision.layout, tokens,
+                [step_s], peak, [middle], decision.predicted_step_s, decision.predicted_memory_bytes),
+            Calibrated(start, decision))
 
 
 def _strategy_settings(layout) -> dict:
@@ -280,7 +312,8 @@ def print_table(name: str, args, runs: list[Run], auto: Run, budgeted: Run | Non
     print(f"\n{name}: GPT n_layer={shape['n_layer']} n_embd={shape['n_embd']} n_head={shape['n_head']}"
           f" vocab={shape['vocab_size']}, seq {args.seq_len}, {args.batch_size} sequences per replica, 8 CPU"
           f" ranks, {args.warmup} + {args.steps} steps per fit ({args.rounds} fits in turns for auto and the best"
-          f" swept layout, their median; predicted: the median over auto's {args.rounds} calibrations);"
+          f" swept layout, their median; predicted: each fit's between the calibrations bracketing it, the"
+          f" median over the fits);"
           f" load {load[0]} -> {load[1]}")
     print(f"  {'layout':<48} {'ms/step':>8} {'tokens/s':>9} {'predicted':>9} {'pred/meas':>9} {'peak MiB':>8}")
     for r in [*runs, auto, *([budgeted] if budgeted else [])]:
