@@ -71,7 +71,7 @@ def block_seconds_per_token(block: nn.Module, call: tuple, batch_size: int, micr
     """Forward + backward seconds per token of ``block`` (a meta copy is fine) at each micro-batch size, the
     call's batch dimension (size ``batch_size``) resized to it, each repetition at least ``repeat_s``
     (:func:`repeat_seconds`). Collective (every rank times at once)."""
-    return _seconds_per_token(_materialized(block, device), call, batch_size, micro_batch_sizes, device, repeat_s)
+    return _seconds_per_token(materialized(block, device), call, batch_size, micro_batch_sizes, device, repeat_s)
 
 
 def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping[int, Plan], call: tuple,
@@ -94,7 +94,7 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
         parent.add_module(leaf, copy.deepcopy(block))
         with _tp_mesh(tp, device) as tp_mesh:
             apply_tensor_parallel(root, plan, tp_mesh)
-            split = _materialized(root.get_submodule(block_name), device)
+            split = materialized(root.get_submodule(block_name), device)
             result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
     return result
 
@@ -109,7 +109,7 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     Collective."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     mesh = world_mesh(device)
-    alone = _materialized(block, device)
+    alone = materialized(block, device)
     wrapped = copy.deepcopy(alone)
     replicate(wrapped, mesh=mesh)
     wrapped.set_requires_gradient_sync(False)
@@ -128,7 +128,7 @@ def recompute_share(block: nn.Module, call: tuple, batch_size: int, micro_batch_
     random state kept and restored, the forward's tensors made twice) comes on top. Collective."""
     from torch.distributed._composable.checkpoint_activation import checkpoint
 
-    alone = _materialized(block, device)
+    alone = materialized(block, device)
     recomputed = copy.deepcopy(alone)
     checkpoint(recomputed)
     base, tokens = _call_run(alone, call, batch_size, micro_batch_size, device)
@@ -145,7 +145,7 @@ def zero_bubble_split_seconds_per_token(block: nn.Module, call: tuple, batch_siz
     backward, timed in pairs. Much of it is per call, so it is timed at sizes, not scaled: on 8 gloo ranks over
     2 cores, a 64-wide block's split added 0.61 of its forward + backward at 1 sequence of 64 tokens and 0.36
     at 4. ``{micro-batch size: seconds per token}``. Collective."""
-    alone = _materialized(block, device)
+    alone = materialized(block, device)
     result = {}
     for b in micro_batch_sizes:
         base, tokens = _call_run(alone, call, batch_size, b, device)
@@ -247,75 +247,6 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
     return result
 
 
-def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device,
-                                    repeat_s: float = MIN_REPEAT_SECONDS) -> float:
-    """Seconds of one AdamW step per parameter, on the parameters of ``block`` (a meta copy is fine) as the
-    model has them -- their count and sizes, which set the per-tensor cost of a step that loops over them.
-    AdamW stands for the user's optimizer, which is not built yet when the layout is chosen. Collective."""
-    return _adamw_seconds_per_parameter([p for p in _materialized(block, device).parameters() if p.requires_grad],
-                                        device, repeat_s)
-
-
-EMBEDDING_PROBE_NUMBERS = 2**21
-"""The most numbers :func:`embedding_optimizer_seconds_per_parameter` times (8 MiB of float32): already so many
-that a tensor's fixed cost is lost in its numbers' (a larger embedding is cut to a flat tensor of this size)."""
-
-
-def embedding_optimizer_seconds_per_parameter(vocab_size: int, hidden_size: int, device: torch.device,
-                                              repeat_s: float = MIN_REPEAT_SECONDS) -> float:
-    """As :func:`optimizer_seconds_per_parameter`, on one tensor of the embedding's shape (``vocab_size x
-    hidden_size``, up to :data:`EMBEDDING_PROBE_NUMBERS`), as the parameters outside the blocks are: a few large
-    tensors. Collective."""
-    shape = (vocab_size, hidden_size) if vocab_size * hidden_size <= EMBEDDING_PROBE_NUMBERS \
-        else (EMBEDDING_PROBE_NUMBERS,)
-    return _adamw_seconds_per_parameter([nn.Parameter(torch.zeros(shape, device=device))], device, repeat_s)
-
-
-def _adamw_seconds_per_parameter(params: list[Tensor], device: torch.device, repeat_s: float) -> float:
-    if not params:
-        return 0.0
-    for param in params:
-        param.grad = torch.randn_like(param)
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
-    return median_seconds(optimizer.step, device, barrier=True, min_seconds=repeat_s) / sum(p.numel() for p in params)
-
-
-def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
-                                        repeat_s: float = MIN_REPEAT_SECONDS, *, sharded: bool = False) -> float:
-    """What one AdamW step over ``block``'s parameters costs more when they are DTensors (as tensor parallelism
-    and FSDP2 make them) than as plain tensors of the same local size: replicated over a mesh of the world, or
-    with ``sharded`` each split along its first dimension over it (FSDP2's local shards: 1 / world of the
-    numbers), so that only DTensor's dispatch differs -- a sharding propagation and a local call per tensor of
-    each of the optimizer's ops, which on a block of many small tensors costs several times its arithmetic
-    (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors), and more on more
-    numbers (the vocab GPT's 65 tensors on 8 CPU ranks: 30 ms more replicated, 15 ms more as 1/8 shards).
-    Seconds, >= 0. Collective."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = world_mesh(device)
-    whole = [param for param in _materialized(block, device).parameters() if param.requires_grad]
-    if not whole:
-        return 0.0
-    world = mesh.size()
-    plain = [nn.Parameter(torch.randn(_first_dim_shard(p.shape, world), device=device)) if sharded else p
-             for p in whole]
-    placement = Shard(0) if sharded else Replicate()
-    spread = [nn.Parameter(DTensor.from_local(param.detach().clone(), mesh, [placement], run_check=False))
-              for param in plain]
-    for param in plain:
-        param.grad = torch.randn_like(param)
-    for param, twin in zip(plain, spread):
-        twin.grad = DTensor.from_local(param.grad.clone(), mesh, [placement], run_check=False)
-    base, extra = (torch.optim.AdamW(params, lr=1e-6).step for params in (plain, spread))
-    return median_extra_seconds(base, extra, device, repeat_s)
-
-
-def _first_dim_shard(shape: torch.Size, world: int) -> tuple[int, ...]:
-    """One rank's shard of a tensor split along its first dimension over ``world`` ranks, as FSDP2 pads it (a
-    scalar as one number)."""
-    return (-(-shape[0] // world), *shape[1:]) if len(shape) else (1,)
-
-
 def host_cores_per_rank(per_node: int, device: torch.device) -> float | None:
     """The host's cores (those this process may run on) over its ranks' compute threads; None on GPUs."""
     if device.type != "cpu":
@@ -352,8 +283,6 @@ def _tp_mesh(tp: int, device: torch.device) -> Iterator:
     mesh._pg_registry.clear()  # (the root mesh's: its dimensions' groups by name)
 
 
-
-
 def _fresh_state(values: Any) -> Any:
     """The call's arguments for one more call: tensors as they are, any other object (a Hugging Face
     ``DynamicCache``, which a decoder layer appends its keys and values to) a copy of the captured one. Each step
@@ -363,7 +292,7 @@ def _fresh_state(values: Any) -> Any:
     return tree_map(lambda value: value if isinstance(value, plain) else copy.deepcopy(value), values)
 
 
-def _materialized(block: nn.Module, device: torch.device) -> nn.Module:
+def materialized(block: nn.Module, device: torch.device) -> nn.Module:
     """A copy of ``block`` on ``device`` with random weights: values do not matter for timing, only that they
     are ordinary numbers (uninitialized memory can hold NaNs or denormals, which run slower on CPUs)."""
     timed = copy.deepcopy(block).to_empty(device=device)

@@ -6,8 +6,8 @@ sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both nu
 pipeline schedule between those halves, for what the schedule itself costs per micro-batch beyond compute
 and sends; and DistributedDataParallel's gradient synchronization of the model's own parameter tensors.
 Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups made for a
-measurement are destroyed after it. The compute timings are in ``strategies/calibrate.py``; the
-timing helpers both use, in ``strategies/calibrate_timing.py``.
+measurement are destroyed after it. The compute timings are in ``strategies/calibrate.py`` (the optimizer's
+in ``strategies/calibrate_optimizer.py``); the timing helpers they share, in ``strategies/calibrate_timing.py``.
 """
 
 from __future__ import annotations

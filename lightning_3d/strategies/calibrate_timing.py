@@ -1,6 +1,7 @@
 """How the calibration times a call on the ranks (issue 31): every rank at once, each repetition at its slowest
-rank, a difference between two runs in pairs. Used by ``strategies/calibrate.py`` (compute) and
-``strategies/calibrate_links.py`` (communication)."""
+rank, a difference between two runs in pairs. Used by ``strategies/calibrate.py`` (compute),
+``strategies/calibrate_optimizer.py`` (the optimizer's step) and ``strategies/calibrate_links.py``
+(communication)."""
 
 from __future__ import annotations
 

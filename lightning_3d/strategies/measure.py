@@ -1,6 +1,6 @@
 """What ``layout="auto"`` measures on the ranks before it decides (issue 31), for the config at hand: which
-timings of ``strategies/calibrate.py`` (compute) and ``strategies/calibrate_links.py`` (communication) run,
-at which micro-batch sizes and tensor-parallel sizes, gathered into the planner's :class:`Calibration`.
+timings of ``strategies/calibrate.py`` (compute), ``strategies/calibrate_optimizer.py`` (the optimizer's step)
+and ``strategies/calibrate_links.py`` (communication) run, at which micro-batch sizes and tensor-parallel sizes, gathered into the planner's :class:`Calibration`.
 ``strategies/auto_layout.py`` decides with it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from lightning_3d.common import divisors
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.planner.calibration import Calibration
 from lightning_3d.planner.model import ModelSpec
-from lightning_3d.strategies import calibrate, calibrate_links, calibrate_timing
+from lightning_3d.strategies import calibrate, calibrate_links, calibrate_optimizer, calibrate_timing
 
 
 def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str], tp_plans: dict, batch: Any,
@@ -41,13 +41,14 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str
             tp_head_s = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
                                                             sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
                                                             repeat_s)
-        optimizer_s = calibrate.optimizer_seconds_per_parameter(block, device, repeat_s)
-        embedding_optimizer_s = calibrate.embedding_optimizer_seconds_per_parameter(spec.vocab_size,
-                                                                                    spec.hidden_size, device, repeat_s)
-        dtensor_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
+        optimizer_s = calibrate_optimizer.optimizer_seconds_per_parameter(block, device, repeat_s)
+        embedding_optimizer_s = calibrate_optimizer.embedding_optimizer_seconds_per_parameter(
+            spec.vocab_size, spec.hidden_size, device, repeat_s)
+        dtensor_s = calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
         dtensor_sharded_s = None
         if world_size > 1:
-            dtensor_sharded_s = calibrate.dtensor_optimizer_seconds_per_block(block, device, repeat_s, sharded=True)
+            dtensor_sharded_s = calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, device, repeat_s,
+                                                                                        sharded=True)
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
             fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)

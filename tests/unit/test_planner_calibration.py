@@ -130,7 +130,7 @@ def test_the_head_is_timed_with_its_loss_and_the_optimizer_on_a_blocks_own_param
     import torch
 
     from lightning_3d.models.gpt import Block, GPTConfig
-    from lightning_3d.strategies import calibrate
+    from lightning_3d.strategies import calibrate, calibrate_optimizer
 
     calls = []
     original = torch.nn.functional.cross_entropy
@@ -147,7 +147,7 @@ def test_the_head_is_timed_with_its_loss_and_the_optimizer_on_a_blocks_own_param
     torch.optim.AdamW.step = lambda self, *a, **k: adam_steps.append(len(self.param_groups[0]["params"])) \
         or original_step(self, *a, **k)
     try:
-        per_parameter = calibrate.optimizer_seconds_per_parameter(block, torch.device("cpu"), repeat_s=0.001)
+        per_parameter = calibrate_optimizer.optimizer_seconds_per_parameter(block, torch.device("cpu"), repeat_s=0.001)
     finally:
         torch.optim.AdamW.step = original_step
     assert adam_steps and set(adam_steps) == {len(list(block.parameters()))} and 0 < per_parameter < 1e-3

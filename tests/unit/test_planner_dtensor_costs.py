@@ -1,6 +1,6 @@
 """What DTensor parameters and FSDP2's wrapping cost, in the step-time model (issue 31). DTensor's dispatch costs
 the same per tensor whatever its size, several times the arithmetic of a small model's optimizer step; FSDP2's
-hooks cost per block call whatever the tokens. The calibration measures both (calibrate.
+hooks cost per block call whatever the tokens. The calibration measures both (calibrate_optimizer.
 dtensor_optimizer_seconds_per_block, calibrate.fsdp_block_call_seconds; each a difference of two runs, timed in
 pairs: calibrate_timing.median_extra_seconds) and the step time charges them where a layout has them: DTensor
 parameters under tensor parallelism or FSDP2; FSDP2 where dp > 1 under a pipeline, tensor parallelism or ZeRO.
@@ -21,7 +21,7 @@ from lightning_3d.planner import (PRECISIONS, Calibration, Cluster, Layout, Link
                                   latency_steps, wire_bytes)
 from lightning_3d.planner.cluster import GIB
 from lightning_3d.planner.memory import rank_blocks
-from lightning_3d.strategies import calibrate, calibrate_timing
+from lightning_3d.strategies import calibrate, calibrate_optimizer, calibrate_timing
 
 FAST = LinkSpeed(latency_s=1e-6, bandwidth_bytes_per_s=1e12)
 MODEL = ModelSpec(num_layers=8, hidden_size=256, num_heads=8, vocab_size=4096, seq_length=256, name="gpt-8x256")
@@ -102,15 +102,16 @@ def test_the_calibration_measures_what_dtensor_parameters_add_to_an_adamw_step(m
             timed.append({isinstance(p, DTensor) for p in run.__self__.param_groups[0]["params"]})
         return 3e-3
 
-    monkeypatch.setattr(calibrate, "median_extra_seconds", median_extra_seconds)
-    extra = calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"))
+    monkeypatch.setattr(calibrate_optimizer, "median_extra_seconds", median_extra_seconds)
+    extra = calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"))
     assert timed == [{False}, {True}]  # the block's parameters as they are, then as DTensors
     assert extra == pytest.approx(3e-3)
 
 
 def test_the_sharded_calibration_times_fsdp2s_local_shards_against_plain_tensors_of_their_size(monkeypatch):
     world = 4
-    monkeypatch.setattr(calibrate, "world_mesh", lambda device: type("Mesh", (), {"size": lambda self: world})())
+    mesh = type("Mesh", (), {"size": lambda self: world})()
+    monkeypatch.setattr(calibrate_optimizer, "world_mesh", lambda device: mesh)
     made = []
 
     def from_local(local, mesh, placements, run_check):  # records what would become a DTensor
@@ -118,10 +119,11 @@ def test_the_sharded_calibration_times_fsdp2s_local_shards_against_plain_tensors
         return local
 
     monkeypatch.setattr(DTensor, "from_local", staticmethod(from_local))
-    monkeypatch.setattr(calibrate, "median_extra_seconds", lambda base, extra, device, min_seconds=0.0: 2e-3)
+    monkeypatch.setattr(calibrate_optimizer, "median_extra_seconds",
+                        lambda base, extra, device, min_seconds=0.0: 2e-3)
     with torch.device("meta"):
         block = Block(GPTConfig(n_layer=1, n_embd=32, n_head=4, block_size=16))
-    assert calibrate.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"), sharded=True) == 2e-3
+    assert calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, torch.device("cpu"), sharded=True) == 2e-3
     # Each tensor split along its first dimension over the 4 ranks, rounded up as FSDP2 pads it: (128, 32) ->
     # (32, 32), (32, 128) -> (8, 128).
     expected = {torch.Size([-(-p.shape[0] // world), *p.shape[1:]]) for p in block.parameters()}

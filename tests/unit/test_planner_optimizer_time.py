@@ -55,12 +55,12 @@ def test_the_figure_travels_with_the_calibration_and_is_checked():
 def test_the_embeddings_timing_holds_its_shape_up_to_its_limit(monkeypatch):
     """A large model's embedding (Llama 3 8B's: 2 GiB of float32) is timed as a flat tensor of the limit's size:
     per number, a tensor that large costs what any larger one does."""
-    from lightning_3d.strategies import calibrate
+    from lightning_3d.strategies import calibrate_optimizer
 
     timed = []
-    monkeypatch.setattr(calibrate, "median_seconds", lambda run, *args, **kwargs: timed.append(run) or 1.0)
-    small = calibrate.embedding_optimizer_seconds_per_parameter(8192, 64, torch.device("cpu"))
-    large = calibrate.embedding_optimizer_seconds_per_parameter(128_256, 4096, torch.device("cpu"))
+    monkeypatch.setattr(calibrate_optimizer, "median_seconds", lambda run, *args, **kwargs: timed.append(run) or 1.0)
+    small = calibrate_optimizer.embedding_optimizer_seconds_per_parameter(8192, 64, torch.device("cpu"))
+    large = calibrate_optimizer.embedding_optimizer_seconds_per_parameter(128_256, 4096, torch.device("cpu"))
     shapes = [[p.shape for group in step.__self__.param_groups for p in group["params"]] for step in timed]
-    assert shapes == [[torch.Size([8192, 64])], [torch.Size([calibrate.EMBEDDING_PROBE_NUMBERS])]]
-    assert (small, large) == (1.0 / (8192 * 64), 1.0 / calibrate.EMBEDDING_PROBE_NUMBERS)
+    assert shapes == [[torch.Size([8192, 64])], [torch.Size([calibrate_optimizer.EMBEDDING_PROBE_NUMBERS])]]
+    assert (small, large) == (1.0 / (8192 * 64), 1.0 / calibrate_optimizer.EMBEDDING_PROBE_NUMBERS)
