@@ -390,7 +390,10 @@ class PredictionCheck:
             line = (f"lightning_3d: layout='auto' measured {self.measured_step_s * 1e3:.1f} ms per step{batches}"
                     f" over {self.steps} steps, predicted {self.predicted_step_s * 1e3:.1f} ms (x{ratio:.2f})")
             if abs(ratio - 1) > MISMATCH:
-                rank_zero_warn(line + f": more than {MISMATCH:.0%} apart. The planner's model of this run is off;"
-                               " the chosen layout may not be the fastest (compare with `lightning-3d plan`).")
+                rank_zero_warn(line + f": more than {MISMATCH:.0%} apart. Not modelled: Lightning's loop and the"
+                               " step's own work around the model (logging, sync_dist, metrics, the next batch),"
+                               " which on steps of tens of milliseconds can make that difference. Otherwise the"
+                               " planner's model of this run is off and the chosen layout may not be the fastest"
+                               " (compare with `lightning-3d plan`).")
             else:
                 rank_zero_info(line)
