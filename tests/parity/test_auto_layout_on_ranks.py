@@ -112,6 +112,14 @@ def test_the_calibrations_own_process_groups_are_destroyed_after_their_measureme
     # dimension, named "rest" before, is in no layout's mesh).
     for rank in ranks:
         assert not [desc for desc in rank["groups"]["alive"] if "calibration" in desc or desc == "mesh_rest"], rank
+    # ... nor held where the process's group map no longer lists it: the tp-split block was timed on a deep copy,
+    # whose DTensors' copied mesh looked the groups up again and kept them (and DTensor's caches the copy): after
+    # the four fits here each rank held 12 such groups, 38 gloo work threads for 7 groups alive (one auto fit on 8
+    # ranks: 5 groups, 15 threads per rank; on GPUs an NCCL communicator each). gloo runs two work threads per
+    # group.
+    for rank in ranks:
+        threads, alive = rank["groups"]["gloo_threads"], len(rank["groups"]["alive"])
+        assert threads is None or threads == 2 * alive, (threads, rank["groups"]["alive"])
 
 
 def test_a_second_fit_of_a_layout_makes_no_new_process_groups(ranks):

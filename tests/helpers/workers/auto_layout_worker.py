@@ -88,11 +88,26 @@ def alive_groups() -> list[str]:
     return sorted(group.group_desc for group in _world.pg_map)
 
 
+def gloo_threads() -> int | None:
+    """This rank's gloo work threads (``pt_gloo_runloop``: two per gloo group alive, torch's default), where the
+    platform names its threads (Linux), once the objects left in reference cycles are collected (a finished
+    fit's, which may hold a group destroyed since)."""
+    import gc
+
+    gc.collect()
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir() if (task / "comm").exists()]
+    return sum(name.startswith("pt_gloo_runloop") for name in names)
+
+
 def main(out_dir: str) -> None:
     free = run()
     budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
     llama = run(UserLlamaModule)
-    groups = {**measurement_groups(), "per_fit": groups_per_fit(), "alive": alive_groups()}
+    groups = {**measurement_groups(), "per_fit": groups_per_fit(), "alive": alive_groups(),
+              "gloo_threads": gloo_threads()}
     (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(
         json.dumps({"free": free, "budget": budgeted, "llama": llama, "groups": groups}))
     end_process_group()
