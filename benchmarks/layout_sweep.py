@@ -104,6 +104,7 @@ class Run:
     rounds: list[float]
     """Each fit's median step time (s); more than one for auto and the best swept layout with ``--rounds``."""
     peak_bytes: int
+    """Model states + saved activations, the largest over the ranks (first fit)."""
     at: list[float]
     """When each fit ran: the middle of its ``Trainer.fit``, seconds on the process's clock."""
     predicted_step_s: float = float("nan")
@@ -137,7 +138,8 @@ class Run:
 
 @dataclass(frozen=True)
 class Calibrated:
-    """One of auto's calibrations and when it was taken (the start of its fit, whose set-up times)."""
+    """One of auto's calibrations and when it was taken: the start of its fit (the calibration runs in the
+    fit's set-up, before its steps)."""
 
     at: float
     decision: object
