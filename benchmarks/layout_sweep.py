@@ -206,8 +206,12 @@ def bracketed_prediction(spec: ModelSpec, layout: Layout, calibrations: list[Cal
     before, after = ordered[max(i - 1, 0)], ordered[min(i, len(ordered) - 1)]
     share = 0.0 if after.at == before.at else min(1.0, max(0.0, (at - before.at) / (after.at - before.at)))
     precision = PRECISIONS["32-true"]  # the Trainer's default, which run() keeps
-    low, high = (evaluate(spec, layout, host_cluster(WORLD_SIZE, WORLD_SIZE, c.decision.memory_per_rank),
-                          precision, calibration=c.decision.calibration) for c in (before, after))
+    def predict(c: Calibrated):
+        return evaluate(spec, layout, host_cluster(WORLD_SIZE, WORLD_SIZE, c.decision.memory_per_rank), precision,
+                        calibration=c.decision.calibration)
+
+    low = predict(before)
+    high = low if after is before else predict(after)  # outside the bracket: one calibration
     parts = {name: (1 - share) * value + share * parts_of(high.time)[name]
              for name, value in parts_of(low.time).items()}
     return sum(parts.values()), parts, low.memory.total
