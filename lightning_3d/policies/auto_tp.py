@@ -47,7 +47,7 @@ from lightning_3d.policies.block_trace import (
     required_positionals,
 )
 from lightning_3d.policies.hidden_states import HiddenStates
-from lightning_3d.policies.projections import ColumnSplit, RowSplit
+from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
 from lightning_3d.policies.vocab_parallel import vocab_parallel_styles
 
@@ -82,7 +82,8 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between, copy_output=region.row in changed)
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
-            covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row)]
+            tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
+            covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner)]
     vocabulary, said = vocab_parallel_styles(root, blocks, options.tp, options.vocab_parallel_loss)
     tp_plan.update(vocabulary)
     _judge(root, splits, tp_plan, options, said)
@@ -131,15 +132,21 @@ def _split_one(callers: list[tuple[str, nn.Module]], block: str, module: nn.Modu
     width = next((projection_sizes(m)[0] for m in module.modules() if is_projection(m)), None)
     if width is None:
         return BlockSplit(problem="it holds no nn.Linear or Conv1D")
+    why_not = []
     for fqn, model in callers:
         meta_block = model.get_submodule(block[len(fqn) + 1:] if fqn else block)
         inputs = block_inputs(model, meta_block, width)
-        if inputs is not None:
+        if not isinstance(inputs, str):
             return split_block(meta_block, *inputs, tp)
+        why_not.append(f"{type(model).__name__} on the meta device: {inputs}")
     # The model cannot be called: the block alone, on hidden states (and None for what else it requires).
     meta_block = meta_copy(module)
     rest = (None,) * (required_positionals(meta_block) - 1)
-    return split_block(meta_block, (torch.zeros(1, 4, width, device="meta"), *rest), {}, tp)
+    split = split_block(meta_block, (torch.zeros(1, 4, width, device="meta"), *rest), {}, tp)
+    if split.problem and why_not:  # the cause is the call that would have given the block its inputs
+        split.problem = (f"the model's forward did not reach it ({'; '.join(why_not)}), and the block alone on"
+                         f" hidden states failed ({split.problem})")
+    return split
 
 
 def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> tuple[list[str], list[str]]:

@@ -35,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_3d.policies.meta_values import MetaValues
+
 STREAM = "<stream>"
 """The provenance tag of the block's input hidden states (and of what is added to them)."""
 
@@ -101,6 +103,8 @@ class BlockTrace:
     """Projections whose output the block then changes in place (``mlp_output += attention_output``)."""
     input_readers: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
     """Projection -> for each op that read its input tensor, the module stack that op ran in."""
+    weighted_inputs: dict[str, tuple[frozenset[str], tuple[int, ...]]] = field(default_factory=dict)
+    """Module with weights of its own, not a projection (a norm) -> the provenance and shape of its input."""
     problem: str | None = None
 
 
@@ -108,26 +112,37 @@ class _Stop(Exception):
     pass
 
 
-def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4) -> tuple[tuple, dict] | None:
+def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4) -> tuple[tuple, dict] | str:
     """The positional and keyword arguments ``model`` (on the meta device) passes ``block`` when called on
     one sequence of ``tokens`` token ids, or of hidden states ``width`` wide (for a forward that requires
-    more: masks of ones); None when no such call reaches the block."""
+    more: masks of ones); when no such call reaches the block, why the first call failed."""
     seen: dict[str, Any] = {}
+    failures: list[str] = []
 
     def stop(_module, args, kwargs):
         seen["args"], seen["kwargs"] = args, kwargs
         raise _Stop
 
     handle = block.register_forward_pre_hook(stop, with_kwargs=True)
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
-    hidden = torch.zeros(1, tokens, width, device="meta")
-    masks = [torch.ones_like(ids)] * (required_positionals(model) - 1)
-    calls = [lambda: model(ids, use_cache=False), lambda: model(ids), lambda: model(ids, *masks),
-             lambda: model(hidden), lambda: model(hidden, *masks)]
+    extra = required_positionals(model) - 1
+
+    def ids():
+        return torch.zeros(1, tokens, dtype=torch.long)
+
+    def hidden():
+        return torch.zeros(1, tokens, width)
+
+    def masks():
+        return [torch.ones(1, tokens, dtype=torch.long)] * extra
+
+    calls = [lambda: model(ids(), use_cache=False), lambda: model(ids()), lambda: model(ids(), *masks()),
+             lambda: model(hidden()), lambda: model(hidden(), *masks())]
     try:
         for call in calls:
             try:
-                with torch.no_grad(), torch.device("meta"):  # tensors the forward makes without a device too
+                # On meta, the inputs made here and what the forward derives from them carry host values
+                # (MetaValues): mask code that reads them (packed sequences, an all-ones padding mask) runs.
+                with torch.no_grad(), torch.device("meta"), MetaValues():
                     call()
             except _Stop:
                 first = next((a for a in [*seen["args"], *seen["kwargs"].values()] if isinstance(a, Tensor)), None)
@@ -136,11 +151,12 @@ def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4
                 # A key/value cache would grow with every trace of the block: each trace starts without one.
                 args = tuple(_no_cache(a) for a in seen["args"])
                 return args, {k: _no_cache(v) for k, v in seen["kwargs"].items()}
-            except Exception:  # noqa: BLE001 -- a forward meta cannot run, or one that takes other inputs
+            except Exception as err:  # noqa: BLE001 -- a forward meta cannot run, or one that takes other inputs
+                failures.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
                 continue
     finally:
         handle.remove()
-    return None
+    return failures[0] if failures else "no call of the model with token ids or hidden states reached the block"
 
 
 def required_positionals(module: nn.Module) -> int:
@@ -238,6 +254,8 @@ class _Recorder(TorchDispatchMode):
     def _note_input(self, fqn: str, module: nn.Module, x: Tensor) -> None:
         self.input_seen.setdefault(id(x), []).append(fqn)
         if not is_projection(module):
+            if any(True for _ in module.parameters(recurse=False)):
+                self.trace.weighted_inputs[fqn] = (self.prov.get(id(x), frozenset()), tuple(x.shape))
             return
         t = self.trace
         t.order.append(fqn)

@@ -24,7 +24,7 @@ from functools import partial
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
@@ -108,3 +108,22 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Place
         return
     sharded = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
     module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+class OnSplitFeatures(SequenceParallel):
+    """A module with weights of its own that runs inside a split region, on this rank's share of the columns'
+    outputs (Qwen3's per-head ``q_norm``): its weights stay whole on every rank, its input is taken as cut
+    along ``dim`` over tp. Each rank's gradient of the weights covers only its own share, so it is a pending
+    sum (``Partial``) that the step completes over tp, as for the norms under sequence parallelism.
+
+    Example (Qwen3's query and key norms, input ``(batch, tokens, heads, head_dim)``)::
+
+        {"model.layers.*.self_attn.q_norm": OnSplitFeatures(dim=2)}
+    """
+
+    def __init__(self, *, dim: int) -> None:
+        super().__init__(sequence_dim=dim, use_local_output=True)
+        self.dim = dim
+
+    def __repr__(self) -> str:
+        return f"OnSplitFeatures(dim={self.dim})"

@@ -71,6 +71,10 @@ class Region:
     fixes: dict[str, dict[str, int]] = field(default_factory=dict)
     """Module -> attribute -> its value on each tp rank (``config.<name>``: a value of the module's config);
     :func:`attribute_values` turns them into what to set."""
+    inner: dict[str, int] = field(default_factory=dict)
+    """Module with weights of its own that runs on the columns' split outputs (Qwen3's per-head ``q_norm``)
+    -> the dimension of its input that tp splits. Its weights stay whole on every rank, and each rank's
+    gradient of them covers only its own heads: they are summed over tp."""
 
 
 @dataclass
@@ -103,7 +107,7 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             continue
         region.input_module = _input_module(whole, columns)
         region.changed_in_place = whole.changed_in_place & {row, *columns}
-        why = _find_fixes(block, args, kwargs, whole, region, tp)
+        why = _find_fixes(block, args, kwargs, whole, region, tp) or _find_inner(block, args, kwargs, whole, region, tp)
         if why:
             _leave(split, [*columns, row], why)
             continue
@@ -288,9 +292,26 @@ def attribute_values(block: nn.Module, fixes: dict[str, dict[str, int]]) -> dict
     return values
 
 
-def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int, tp: int) -> str:
-    """'' if ``block`` as tp rank ``rank`` holds it (the region shrunk, ``fixes`` set) traces this rank's part of
-    the whole trace; else what differs."""
+def _find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
+    """Set ``region.inner``: the modules with weights that read only the region's columns, each with the one
+    dimension of its input a rank holds 1/tp of; the reason when such a module's input is split otherwise."""
+    inside = [m for m, (reads, _) in whole.weighted_inputs.items() if reads and reads <= set(region.columns)]
+    if not inside:
+        return ""
+    local = _rank_trace(block, args, kwargs, whole, region, region.fixes, 0, tp)
+    for module in inside:
+        shape, mine = whole.weighted_inputs[module][1], local.weighted_inputs.get(module, (None, ()))[1]
+        split = [d for d, (a, b) in enumerate(zip(shape, mine)) if a != b]
+        if len(shape) != len(mine) or len(split) != 1 or mine[split[0]] * tp != shape[split[0]]:
+            return (f"{module} ({type(block.get_submodule(module)).__name__}) holds weights and runs on the split"
+                    f" outputs, but its input {list(shape)} is not cut along one dimension on a tp rank ({list(mine)})")
+        region.inner[module] = split[0]
+    return ""
+
+
+def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int,
+                tp: int) -> BlockTrace:
+    """The trace of ``block`` as tp rank ``rank`` holds it: the region shrunk, ``fixes`` set."""
     local = meta_copy(block)
     features = {name: owned[rank] for name, owned in region.owned.items()}
     for name, index in features.items():
@@ -303,7 +324,13 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         local.get_submodule(region.input_module).register_forward_pre_hook(_resize_input(1 / tp), with_kwargs=True)
         for column in region.columns:
             local.get_submodule(column).register_forward_pre_hook(_resize_input(tp), with_kwargs=True)
-    trace = trace_block(local, args, kwargs, features)
+    return trace_block(local, args, kwargs, features)
+
+
+def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int, tp: int) -> str:
+    """'' if ``block`` as tp rank ``rank`` holds it (the region shrunk, ``fixes`` set) traces this rank's part of
+    the whole trace; else what differs."""
+    trace = _rank_trace(block, args, kwargs, whole, region, fixes, rank, tp)
     if trace.problem:
         return trace.problem
     width = whole.sizes[region.row][0] // tp

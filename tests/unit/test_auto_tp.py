@@ -11,11 +11,12 @@ from helpers.user_models import PublishedGPT
 from lightning_3d.policies import PlanOptions, PolicyError
 from lightning_3d.policies.auto import AutoPolicy
 from lightning_3d.policies.auto_tp import sharded_share
-from lightning_3d.policies.projections import ColumnSplit, RowSplit
+from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
 
 transformers = pytest.importorskip("transformers")
 
-SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+# As a model is configured for training: no key/value cache.
+SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, use_cache=False)
 CONFIGS = {
     "phi3": dict(SIZES, intermediate_size=64, num_key_value_heads=4, pad_token_id=0),
     "bert": dict(SIZES, intermediate_size=64, is_decoder=True),
@@ -23,7 +24,8 @@ CONFIGS = {
     "falcon": dict(SIZES, new_decoder_architecture=True, num_kv_heads=2),
     "olmo": dict(SIZES, intermediate_size=64, pad_token_id=0, bos_token_id=0, eos_token_id=0),
     "gemma2": dict(SIZES, intermediate_size=64, num_key_value_heads=2, head_dim=8),
-    "gptj": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+    "gptj": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, use_cache=False),
+    "qwen3": dict(SIZES, intermediate_size=64, num_key_value_heads=2, head_dim=8),
 }
 
 
@@ -41,11 +43,33 @@ def plan(root, tp=2, **options):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_auto_shards_at_least_90_percent_of_the_block_parameters(model_type, tp):
     # At tp=4 with 2 kv heads auto refuses (it does not replicate kv heads; the "llama" policy does): 4 here.
-    root = hf(model_type, **({"falcon": dict(num_kv_heads=4), "gemma2": dict(num_key_value_heads=4)}.get(model_type, {})
+    root = hf(model_type, **({"falcon": dict(num_kv_heads=4), "gemma2": dict(num_key_value_heads=4),
+                              "qwen3": dict(num_key_value_heads=4)}.get(model_type, {})
                              if tp == 4 else {}))
     p = plan(root, tp)
     sharded, total = sharded_share(root, p.blocks, p.tp_plan)
     assert sharded / total >= 0.9, (sharded, total)
+
+
+def test_the_blocks_inputs_are_found_without_a_cache_where_the_mask_code_reads_values():
+    # Without a cache, transformers checks the position ids for packed sequences with .item(): on meta that
+    # fails, unless the values of what derives from the inputs are kept beside them (policies/meta_values.py).
+    from lightning_3d.policies.block_trace import block_inputs
+
+    model = hf("qwen3")["model"]
+    found = block_inputs(model, model.model.layers[0], width=32)
+    assert not isinstance(found, str), found
+    args, kwargs = found
+    assert args[0].shape == (1, 4, 32) and kwargs["position_embeddings"][0].shape[-2] == 4
+
+
+def test_weights_inside_a_split_attention_get_their_gradient_summed_over_tp():
+    # Qwen3's q_norm / k_norm (RMSNorm over head_dim) run on this rank's heads: whole weights on split features.
+    p = plan(hf("qwen3"))
+    for name in ("q_norm", "k_norm"):
+        style = p.tp_plan[f"model.model.layers.1.self_attn.{name}"]
+        assert isinstance(style, OnSplitFeatures) and style.dim == 2  # (batch, tokens, heads, head_dim)
+    assert not any(isinstance(s, OnSplitFeatures) for f, s in p.tp_plan.items() if "norm" in f and "attn" not in f)
 
 
 def test_fused_projections_keep_each_ranks_parts_together():

@@ -76,3 +76,6 @@ class Result:
     tp_whole_outside_blocks: list[list] = field(default_factory=list)
     """Per global rank: (name, global shape) of each parameter outside the blocks it holds that is whole over
     "tp" (not sharded): the embeddings, head and final norm a policy did not split."""
+    replica_spread: dict[str, float] = field(default_factory=dict)
+    """Tensor name -> the largest difference between two ranks' whole copies of it (each rank's copy of a
+    replicated parameter, or its gathered full tensor), for the names more than one rank holds."""

@@ -26,3 +26,7 @@ def assert_parity(result: Result, reference: Result, *, loss_atol: float = 1e-5,
     worst = max(result.params, key=lambda k: (result.params[k] - reference.params[k]).abs().max().item())
     param_diff = (result.params[worst] - reference.params[worst]).abs().max().item()
     assert param_diff <= param_atol, f"parameter {worst} differs by {param_diff:.3g} after training"
+    # Every rank's copy, not only the one compared: a gradient left unreduced over tp (a replicated weight on
+    # split features) lets the copies drift apart while one of them may still look right.
+    apart = {name: gap for name, gap in result.replica_spread.items() if gap > param_atol}
+    assert not apart, f"ranks hold different copies of {sorted(apart)[:5]}: {apart}"

@@ -25,9 +25,11 @@ def run_distributed(case: Case) -> Result | None:
     trainer.fit(module, data)
     if case.save_checkpoint:
         trainer.save_checkpoint(case.save_checkpoint)
-    params = gather_full_state(module)
+    spread: dict[str, float] = {}
+    params = gather_full_state(module, spread)
     result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, model_parameters(trainer),
-                    _parameter_bytes_per_rank(module), _tp_sharded_block_share(module), _tp_whole_outside_blocks(module))
+                    _parameter_bytes_per_rank(module), _tp_sharded_block_share(module), _tp_whole_outside_blocks(module),
+                    spread)
     return result if dist.get_rank() == 0 else None
 
 
@@ -71,9 +73,11 @@ def _tp_whole_outside_blocks(module: torch.nn.Module) -> list[list]:
     return per_rank
 
 
-def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gather_full_state(module: torch.nn.Module, spread: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full CPU tensor under its single-device FQN, on global rank 0 (other
-    ranks: empty). Collective: every rank calls it."""
+    ranks: empty). Collective: every rank calls it. ``spread``, if given, receives on rank 0, for each tensor
+    that more than one rank holds whole (replicated over tp or dp, or gathered from its shards), the largest
+    difference between two ranks' copies: copies that drift apart are a wrong result, whatever rank 0 holds."""
     from torch.distributed.tensor import DTensor
 
     from lightning_3d.checkpoint.boxes import is_strided, local_boxes
@@ -104,5 +108,8 @@ def gather_full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
                 for offsets, sizes, piece in boxes:
                     full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = piece
             else:
-                merged[name] = value
+                if name in merged and spread is not None:
+                    gap = (merged[name].double() - value.double()).abs().max().item() if value.numel() else 0.0
+                    spread[name] = max(spread.get(name, 0.0), gap)
+                merged.setdefault(name, value)
     return merged
