@@ -105,6 +105,8 @@ class BlockTrace:
     """Projection -> for each op that read its input tensor, the module stack that op ran in."""
     weighted_inputs: dict[str, tuple[frozenset[str], tuple[int, ...]]] = field(default_factory=dict)
     """Module with weights of its own, not a projection (a norm) -> the provenance and shape of its input."""
+    features_in_place: set[str] = field(default_factory=set)
+    """Of those, the modules whose output holds the features of their input at the same places (a norm)."""
     problem: str | None = None
 
 
@@ -241,6 +243,12 @@ class _Recorder(TorchDispatchMode):
     def _leave(self, fqn: str, module: nn.Module):
         def hook(_module, args, output):
             self.stack.pop()
+            if fqn in self.trace.weighted_inputs and isinstance(output, Tensor) and args:
+                before, after = self.shadow.get(id(args[0])), self.shadow.get(id(output))
+                if before and after and before.keys() == after.keys() and all(
+                        len(before[n]) == len(after[n]) and all(torch.equal(a, b) for a, b in zip(before[n], after[n]))
+                        for n in before):
+                    self.trace.features_in_place.add(fqn)
             if is_projection(module) and isinstance(output, Tensor):
                 self.prov[id(output)] = frozenset({fqn})
                 self.output_of[id(output)] = fqn

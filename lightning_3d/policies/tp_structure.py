@@ -295,7 +295,7 @@ def attribute_values(block: nn.Module, fixes: dict[str, dict[str, int]]) -> dict
 def _find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
     """Set ``region.inner``: the modules with weights that read only the region's columns, each with the one
     dimension of its input a rank holds 1/tp of; the reason when such a module's input is split otherwise."""
-    inside = [m for m, (reads, _) in whole.weighted_inputs.items() if reads and reads <= set(region.columns)]
+    inside = _inner_modules(whole, region)
     if not inside:
         return ""
     local = _rank_trace(block, args, kwargs, whole, region, region.fixes, 0, tp)
@@ -309,10 +309,22 @@ def _find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     return ""
 
 
+def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
+    """The modules with weights of their own that read only the region's columns."""
+    return [m for m, (reads, _) in whole.weighted_inputs.items() if reads and reads <= set(region.columns)]
+
+
 def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int,
                 tp: int) -> BlockTrace:
-    """The trace of ``block`` as tp rank ``rank`` holds it: the region shrunk, ``fixes`` set."""
+    """The trace of ``block`` as tp rank ``rank`` holds it: the region shrunk, ``fixes`` set.
+
+    A module inside the region that keeps its features in place (a norm) passes its input through here: on the
+    ranks it runs on DTensors (:class:`~lightning_3d.policies.projections.OnSplitFeatures`), which compute what
+    it computes on the whole input -- a norm over all of a split projection's features (OLMo 2's q_norm) too --
+    whereas its plain meta copy would meet this rank's share with whole weights."""
     local = meta_copy(block)
+    for module in set(_inner_modules(whole, region)) & whole.features_in_place:
+        local.get_submodule(module).forward = _pass_through
     features = {name: owned[rank] for name, owned in region.owned.items()}
     for name, index in features.items():
         _keep_outputs(local.get_submodule(name), len(index))
@@ -353,6 +365,10 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             if getattr(got_event, side) != getattr(event, side)[heads]:
                 return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
     return ""
+
+
+def _pass_through(x, *args, **kwargs):
+    return x
 
 
 def _resize_input(factor: float):

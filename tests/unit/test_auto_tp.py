@@ -26,6 +26,7 @@ CONFIGS = {
     "gemma2": dict(SIZES, intermediate_size=64, num_key_value_heads=2, head_dim=8),
     "gptj": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, use_cache=False),
     "qwen3": dict(SIZES, intermediate_size=64, num_key_value_heads=2, head_dim=8),
+    "olmo2": dict(SIZES, intermediate_size=64, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
 }
 
 
@@ -44,7 +45,7 @@ def plan(root, tp=2, **options):
 def test_auto_shards_at_least_90_percent_of_the_block_parameters(model_type, tp):
     # At tp=4 with 2 kv heads auto refuses (it does not replicate kv heads; the "llama" policy does): 4 here.
     root = hf(model_type, **({"falcon": dict(num_kv_heads=4), "gemma2": dict(num_key_value_heads=4),
-                              "qwen3": dict(num_key_value_heads=4)}.get(model_type, {})
+                              "qwen3": dict(num_key_value_heads=4), "olmo2": dict(num_key_value_heads=4)}.get(model_type, {})
                              if tp == 4 else {}))
     p = plan(root, tp)
     sharded, total = sharded_share(root, p.blocks, p.tp_plan)
@@ -70,6 +71,9 @@ def test_weights_inside_a_split_attention_get_their_gradient_summed_over_tp():
         style = p.tp_plan[f"model.model.layers.1.self_attn.{name}"]
         assert isinstance(style, OnSplitFeatures) and style.dim == 2  # (batch, tokens, heads, head_dim)
     assert not any(isinstance(s, OnSplitFeatures) for f, s in p.tp_plan.items() if "norm" in f and "attn" not in f)
+    # OLMo 2's q_norm / k_norm normalize all of q's (k's) features: split along the last of (batch, tokens, features).
+    p = plan(hf("olmo2"))
+    assert p.tp_plan["model.model.layers.0.self_attn.k_norm"].dim == 2
 
 
 def test_fused_projections_keep_each_ranks_parts_together():
