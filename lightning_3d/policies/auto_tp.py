@@ -209,6 +209,18 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                    f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")
 
 
+def expert_banks(block: nn.Module) -> list[str]:
+    """The mixture-of-experts weights in ``block``, as "FQN (shape)": parameters with an expert dimension
+    (transformers' ``experts.gate_up_proj`` of shape (experts, 2 x intermediate, hidden)), and lists of
+    same-class modules holding projections (experts written as an ``nn.ModuleList`` of MLPs)."""
+    found = [f"{name} {tuple(p.shape)}" for name, p in block.named_parameters() if p.dim() >= 3]
+    for name, module in block.named_modules():
+        if (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
+                and any(is_projection(m) for m in module[0].modules())):
+            found.append(f"{name} ({len(module)} x {type(module[0]).__name__})")
+    return found
+
+
 def _model_prefix(blocks: list[str]) -> str:
     """The root's child that holds the blocks ("" if they are the root's own children)."""
     return blocks[0].split(".")[0] if blocks and "." in blocks[0] else ""
@@ -220,6 +232,17 @@ def _model_name(root: nn.Module, blocks: list[str]) -> str:
 
 def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int) -> str:
     block = blocks[0] if blocks else "(no repeated blocks found)"
+    experts = expert_banks(root.get_submodule(blocks[0])) if blocks else []
+    if experts:
+        return (
+            f"policy='auto' does not split the mixture-of-experts blocks of {_model_name(root, blocks)} over tp: in"
+            f" {block} (every block alike), {', '.join(experts)} hold the experts' weights, one slice per expert,"
+            " and which tokens reach an expert is decided by the router at run time, so tracing the block on the"
+            " meta device cannot follow them (and splitting every expert over tp would waste the sparsity that"
+            f" expert parallelism keeps). Train it at tensor_parallel_size=1 (pipeline and data parallel apply"
+            f" as to any model), or write a policy that splits these weights, or pass allow_replicated=True to"
+            f" keep the whole block on every tp rank."
+        )
     if split.problem:
         reasons = f"  the block could not be traced on the meta device: {split.problem}"
     else:

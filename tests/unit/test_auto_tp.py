@@ -133,3 +133,11 @@ def test_a_block_auto_cannot_split_is_refused_with_what_and_how_unless_allowed()
     allowed = plan(root, allow_replicated=True)
     assert "model.model.layers.0.self_attn.qkv_proj" not in allowed.tp_plan
     assert isinstance(allowed.tp_plan["model.model.layers.0.mlp.gate_up_proj"], ColumnSplit)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
+def test_mixture_of_experts_blocks_are_refused_at_tp_naming_the_experts(model_type):
+    sizes = dict(SIZES, intermediate_size=64, num_key_value_heads=2, num_experts=4, num_local_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
+    with pytest.raises(PolicyError, match=r"mixture-of-experts(.|\n)*experts\.gate_up_proj \(4, (.|\n)*tensor_parallel_size=1"):
+        plan(hf(model_type, **sizes))
