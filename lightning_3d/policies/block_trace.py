@@ -50,8 +50,10 @@ _MOVES = {
     aten.repeat_interleave.self_int, aten.contiguous.default, aten.detach.default, aten.lift_fresh.default,
 }
 """Ops that only move values: applied to the shadows as they are."""
-_KEEP_SHAPE = {aten._to_copy.default, aten._softmax.default, aten.native_dropout.default}
-"""Ops that keep each value in its place (a cast, dropout, a softmax over heads' rows)."""
+_KEEP_SHAPE = {aten._to_copy.default, aten._softmax.default, aten.native_dropout.default,
+               aten.native_layer_norm.default, aten._fused_rms_norm.default}
+"""Ops that keep each value in its place (a cast, dropout, a softmax over heads' rows, a norm over features:
+Persimmon's per-head LayerNorm of q and k)."""
 _ADDS = {aten.add.Tensor, aten.add_.Tensor}
 _PRODUCTS = {aten.bmm.default, aten.mm.default, aten.baddbmm.default}
 _SDPA = F.scaled_dot_product_attention

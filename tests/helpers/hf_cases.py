@@ -123,6 +123,9 @@ AUTO_TP_MODELS = {
     # Per-head q_norm / k_norm inside the split attention: whole weights whose gradient is summed over tp.
     "qwen3": dict(_HF_SIZES, model_type="qwen3", intermediate_size=64, num_key_value_heads=2, head_dim=8),
     # q_norm / k_norm over all of q's and k's features: each rank holds half of them, DTensor computes the norm.
+    # A LayerNorm per head on q and k of a fused head-major query_key_value.
+    "persimmon": dict(_HF_SIZES, model_type="persimmon", intermediate_size=64, pad_token_id=0, bos_token_id=0,
+                      eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0),
     "olmo2": dict(_HF_SIZES, model_type="olmo2", intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
                   bos_token_id=0, eos_token_id=0),
     "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),

@@ -27,6 +27,8 @@ CONFIGS = {
     "gptj": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, use_cache=False),
     "qwen3": dict(SIZES, intermediate_size=64, num_key_value_heads=2, head_dim=8),
     "olmo2": dict(SIZES, intermediate_size=64, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    # Fused head-major query_key_value, then a LayerNorm per head on q and k (features followed through it).
+    "persimmon": dict(SIZES, intermediate_size=64, pad_token_id=0, bos_token_id=0, eos_token_id=0),
 }
 
 
