@@ -45,10 +45,12 @@ PRIVATE_NAMES: dict[str, Private] = {
         "compile=True falls back to eager on what dynamo raises while tracing or compiling a block, and only on"
         " that", "none in torch 2.13: torch.compile's errors have no public base class"),
     "torch.utils._python_dispatch.TorchDispatchMode": Private(
-        "see each collective after DTensor has lowered it (CommRecorder, the pipeline's step checks)",
+        "see each collective after DTensor has lowered it (CommRecorder, the pipeline's step checks); follow which"
+        " tensors tensor parallelism would split, op by op, when layout='auto' measures a model (SplitTracker)",
         "torch.overrides.TorchFunctionMode is public but sees DTensor calls before their collectives exist"),
     "torch._subclasses.fake_tensor": Private(
-        "run a block on fake tensors to check its shapes before the first step, without computing it",
+        "run a block on fake tensors to check its shapes before the first step, without computing it; measure a"
+        " model's FLOPs and saved tensors on the run's device and precision for layout='auto' (measure_model)",
         "no public fake-tensor mode; the meta device would need a meta copy of each block"),
     "torch._C.DisableTorchFunctionSubclass": Private(
         "run a call on vocabulary-sharded logits as on any DTensor from their own __torch_function__ (sharded_logits)",
@@ -155,6 +157,10 @@ PRIVATE_NAMES: dict[str, Private] = {
         " these ops with a leading underscore, and a dispatch mode sees them, not their public wrappers",
         "none: a TorchDispatchMode sees ATen operators by these names", attribute=True)
        for op in ("_unsafe_view", "_softmax", "_to_copy")},
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": Private(
+        "count the FLOPs of the CPU's fused attention when layout='auto' measures a model (measure_model):"
+        " FlopCounterMode has formulas for the CUDA kernels only", "none: FlopCounterMode's custom formulas are"
+        " keyed by the ATen operator, which ATen names with a leading underscore"),
     # ------------------------------------------------------------------ Lightning: imported
     "lightning.fabric.strategies._StrategyRegistry": Private(
         "the type of register_strategies' argument, as Lightning's own strategies annotate it",

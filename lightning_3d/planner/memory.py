@@ -168,7 +168,7 @@ def step_gradient_bytes(model: ModelSpec, layout: Layout, precision: Precision, 
 def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, *, checkpointed: bool = False,
                            gathered_region_inputs: bool = True) -> float:
     """Bytes one block saves for backward per micro-batch on one tp rank (Korthikanti et al. 2022, section
-    4.1, counted tensor by tensor). ``gathered_region_inputs``: with sequence parallelism, whether the
+    4.1, counted tensor by tensor; for a measured model, as measured). ``gathered_region_inputs``: with sequence parallelism, whether the
     all-gathered norm outputs are saved whole (lightning-3d, DTensor) or as shards (Megatron-LM)."""
     b, s, h, t = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp
     tokens = b * s
@@ -176,6 +176,8 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     seq_split = t if layout.sequence_parallel else 1
     if checkpointed:
         return tokens * h * r / seq_split  # the block's input, from which backward recomputes the rest
+    if model.measured is not None:  # as measured, in the run's precision (MeasuredCosts)
+        return model.measured.block_bytes(b, t)
     mask = 1 if model.dropout > 0 else 0  # bytes per element of a dropout mask
     stats = FP32 * (2 if model.norm == "layernorm" else 1)  # mean and 1/std (or 1/rms) per token
     # Between the tensor-parallel regions: two norm inputs (residual stream), their statistics (and outputs,
@@ -236,6 +238,12 @@ def chunk_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     chunks = []
     for stage in stage_ids_of(pp_rank, layout.pp, layout.virtual_stages):
         total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt) for i in stages[stage])
+        if model.measured is not None:
+            total += (b * model.measured.first_stage_bytes_per_sequence if stage == 0 else 0.0)
+            total += (b * model.measured.last_stage_bytes_per_sequence + loss_activation_bytes(model, layout)
+                      if stage == len(stages) - 1 else 0.0)
+            chunks.append(total)
+            continue
         if stage == 0:
             total += b * s * INT64 + s * INT64 * model.learned_positions + b * s * h * (model.dropout > 0) / seq_split
         if stage == len(stages) - 1:

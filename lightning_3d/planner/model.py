@@ -2,7 +2,9 @@
 
 A :class:`ModelSpec` is the decoder-only transformer the cost model reasons about: ``num_layers`` blocks of
 attention + MLP between a token embedding and an output head. It comes from the reference GPT
-(:meth:`ModelSpec.from_gpt_config`), a Hugging Face config (:meth:`ModelSpec.from_hf_config`) or plain sizes.
+(:meth:`ModelSpec.from_gpt_config`), a Hugging Face config (:meth:`ModelSpec.from_hf_config`), plain sizes, or
+measurements of any other model whose blocks the policy finds (:class:`MeasuredCosts`,
+:meth:`ModelSpec.from_measured`).
 Parameters are counted per piece and split into what tensor parallelism divides over ``tp`` ranks and what
 every tp rank keeps whole (norms, the biases of row-parallel layers, a learned position table), because that
 is what one rank holds.
@@ -34,6 +36,57 @@ class Params:
     @property
     def total(self) -> int:
         return self.split + self.replicated
+
+    def __add__(self, other: "Params") -> "Params":
+        return Params(self.split + other.split, self.replicated + other.replicated)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredCosts:
+    """A model's costs as measured on the model itself, for a model no config describes (a user's own, whose
+    blocks the policy finds): at launch, on fake tensors, nothing allocated (``strategies/measure_model.py``).
+    Per piece the pipeline places: the blocks, what the first stage holds besides them (the embedding) and what
+    the last stage holds (the final norm and the output head).
+
+    What a measurement cannot give is taken as follows: the blocks are alike (the mean block); activations
+    scale with the micro-batch's sequences; under sequence parallelism a block's activations count as without
+    it (an upper bound: sequence parallelism only divides what tensor parallelism leaves whole)."""
+
+    block: Params
+    """One block's parameters (the mean over the blocks), split over tp where the policy's plan splits them
+    (column- and row-parallel weights, column-parallel biases)."""
+    embedding: Params
+    """The first stage's parameters besides its blocks: the modules the policy places before the blocks, and any
+    the pipeline places nowhere else."""
+    head: Params
+    """The last stage's parameters besides its blocks, less those tied to the embedding's."""
+    tied_head: Params
+    """The last stage's parameters that are the embedding's too (a tied output head): counted once on one
+    stage, and as a copy on the last stage when pp > 1 (``ModelSpec.head_params``)."""
+    tp_sizes: tuple[int, ...]
+    """The tensor-parallel sizes the policy's plan splits the model by (1 included): what a layout may take."""
+    block_flops_per_token: float
+    """Forward FLOPs of one block per token, at the measured sequence length (2 per multiply-add; attention's
+    two products counted whole, as ``planner.time`` counts them)."""
+    head_flops_per_token: float
+    """Forward FLOPs outside the blocks per token: embedding, final norm, output head (not the loss)."""
+    block_whole_bytes_per_sequence: float
+    """Bytes one block saves for backward per sequence that every tp rank keeps whole (the residual stream,
+    norm inputs and outputs, what enters a column-parallel layer), in the precision measured."""
+    block_split_bytes_per_sequence: float
+    """Bytes one block saves per sequence that tensor parallelism divides over its ranks: what is computed from
+    a column-parallel layer's output up to a row-parallel layer's input."""
+    first_stage_bytes_per_sequence: float
+    """Bytes saved per sequence before the first block (token ids, positions, the embedding's)."""
+    last_stage_bytes_per_sequence: float
+    """Bytes saved per sequence after the last block, up to the model's output (the final norm, the head's
+    input); the loss's are the planner's (``memory.loss_activation_bytes``)."""
+    precision: str
+    """The precision the bytes were measured in (``planner.memory.PRECISIONS``)."""
+
+    def block_bytes(self, sequences: int, tp: int) -> float:
+        """Bytes one block saves for backward on one tp rank for a micro-batch of ``sequences``."""
+        return sequences * (self.block_whole_bytes_per_sequence + self.block_split_bytes_per_sequence / tp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +143,10 @@ class ModelSpec:
     """q, k and v come from one matrix (Megatron-LM, GPT-2); False: three Linear modules (the reference GPT,
     Llama), whose common input autocast casts to bf16 once for each, so it is saved three times."""
     name: str = "model"
+    measured: MeasuredCosts | None = None
+    """Costs measured on the model itself (:class:`MeasuredCosts`), for a model no config describes: its
+    parameters, FLOPs and saved tensors come from them instead of the formulas, and its tp sizes from
+    ``measured.tp_sizes`` (``num_heads`` is then 1)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length"):
@@ -137,11 +194,29 @@ class ModelSpec:
     def positions(self) -> int:
         return self.max_positions or self.seq_length
 
+    def splits_over(self, tp: int) -> bool:
+        """Whether tensor parallelism over ``tp`` ranks splits this model: tp divides the heads, the kv heads
+        and the vocabulary; for a measured model, tp is one its policy's plan splits it by."""
+        if self.measured is not None:
+            return tp in self.measured.tp_sizes
+        return not (self.num_heads % tp or self.kv_heads % tp or self.vocab_size % tp)
+
+    @property
+    def tp_rule(self) -> str:
+        """What :meth:`splits_over` asks of tp, with this model's numbers (for error messages)."""
+        if self.measured is not None:
+            sizes = ", ".join(map(str, self.measured.tp_sizes))
+            return f"tp must be a size the policy's plan splits the model by ({sizes})"
+        return (f"tp must divide num_heads ({self.num_heads}), num_kv_heads ({self.kv_heads}) and vocab_size"
+                f" ({self.vocab_size})")
+
     # ------------------------------------------------------------------------------------- parameters
 
     def block_params(self) -> Params:
         """One transformer block. Column-parallel: q, k, v, up (and gate) with their biases; row-parallel: o,
         down, whose biases are added after the reduction and so kept whole, as are the norms."""
+        if self.measured is not None:
+            return self.measured.block
         h, f, kv, b = self.hidden_size, self.ffn, self.kv_size, int(self.bias)
         mlp_in = 2 if self.gated_mlp else 1
         split = (h * h + 2 * h * kv + h * h  # q, k, v, o
@@ -153,11 +228,16 @@ class ModelSpec:
     def embedding_params(self) -> Params:
         """What the first pipeline stage holds besides blocks: the token embedding (split over the vocabulary)
         and the learned position table (whole)."""
+        if self.measured is not None:
+            return self.measured.embedding
         return Params(self.vocab_size * self.hidden_size, self.positions * self.hidden_size * self.learned_positions)
 
     def head_params(self, pipeline_parallel_size: int = 1) -> Params:
         """What the last stage holds besides blocks: the final norm and the output projection (split over the
         vocabulary). Tied to the embedding, the projection adds nothing on one stage, and a copy with pp > 1."""
+        if self.measured is not None:
+            tied = self.measured.tied_head if pipeline_parallel_size > 1 else Params(0, 0)
+            return self.measured.head + tied
         own_matrix = not self.tied_embeddings or pipeline_parallel_size > 1
         return Params(self.vocab_size * self.hidden_size * own_matrix, self._norm_params())
 
@@ -170,6 +250,16 @@ class ModelSpec:
         return self.hidden_size * (1 + int(self.bias and self.norm == "layernorm"))
 
     # ---------------------------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_measured(cls, costs: MeasuredCosts, *, num_layers: int, hidden_size: int, vocab_size: int,
+                      seq_length: int, dropout: float = 0.0, name: str = "model") -> "ModelSpec":
+        """A model described by its measured ``costs``, with its sizes where the planner reads sizes: the blocks
+        a pipeline splits, the residual width its stages send, the vocabulary its head and loss span, the
+        sequence. One head stands for the attention's: its tp sizes are ``costs.tp_sizes``
+        (:meth:`splits_over`), not a head count's divisors."""
+        return cls(name=name, num_layers=num_layers, hidden_size=hidden_size, num_heads=1, vocab_size=vocab_size,
+                   seq_length=seq_length, learned_positions=False, dropout=dropout, measured=costs)
 
     @classmethod
     def from_gpt_config(cls, config: Any, *, seq_length: int | None = None) -> "ModelSpec":
@@ -236,12 +326,15 @@ def _require_positive(name: str, value: Any) -> None:
 
 
 def model_spec(module: Any, seq_length: int | None = None) -> ModelSpec | None:
-    """The planner's description of ``module``'s model: the reference GPT or a Hugging Face model; else None."""
-    from lightning_3d.models import GPTConfig
+    """The planner's description of ``module``'s model from its config: the reference GPT (a
+    ``lightning_3d.models.GPT`` inside ``module``) or a Hugging Face model; else None (the strategy then
+    measures the model, ``strategies/measure_model.py``). A ``GPTConfig`` held by a module whose model is
+    not the reference GPT describes nothing: its sizes may be the user's, its architecture is not."""
+    from lightning_3d.models import GPT
 
-    config = getattr(module, "config", None)
-    if isinstance(config, GPTConfig):
-        return ModelSpec.from_gpt_config(config, seq_length=seq_length)
+    gpt = next((m for m in module.modules() if isinstance(m, GPT)), None) if hasattr(module, "modules") else None
+    if gpt is not None:
+        return ModelSpec.from_gpt_config(gpt.config, seq_length=seq_length)
     hf = getattr(module, "model_config", None) or getattr(getattr(module, "model", None), "config", None)
     if hf is not None and hasattr(hf, "to_dict"):
         try:

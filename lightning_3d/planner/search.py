@@ -58,8 +58,7 @@ def plan(model: ModelSpec, cluster: Cluster, *, global_batch_size: int, precisio
     if not results:
         raise PlannerError(
             f"No layout of {cluster.world_size} {cluster.rank_name}s splits this model and batch"
-            f"{_held(fixed)}: tp must divide num_heads ({model.num_heads}), num_kv_heads ({model.kv_heads}) and"
-            f" vocab_size ({model.vocab_size}), and dp must divide global_batch_size ({global_batch_size})."
+            f"{_held(fixed)}: {model.tp_rule}, and dp must divide global_batch_size ({global_batch_size})."
             " Pad vocab_size to a multiple of 128, use a global batch size with more divisors, or hold fewer"
             " settings fixed.")
     if not fitting:
@@ -102,8 +101,7 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
         return [fixed[name]] if name in fixed else list(choices)
 
     for tp in options("tp", divisors(world_size)):
-        if (world_size % tp or tp > gpus_per_node or model.num_heads % tp or model.kv_heads % tp
-                or model.vocab_size % tp):
+        if world_size % tp or tp > gpus_per_node or not model.splits_over(tp):
             continue
         for pp in options("pp", divisors(world_size // tp)):
             dp = world_size // (tp * pp)

@@ -112,7 +112,10 @@ class StepTime:
 
 
 def block_forward_flops(model: ModelSpec, tokens: int) -> float:
-    """Matmul FLOPs of one block's forward over ``tokens`` = b s tokens (2 per multiply-add)."""
+    """Matmul FLOPs of one block's forward over ``tokens`` = b s tokens (2 per multiply-add); for a measured
+    model, its measured FLOPs per token."""
+    if model.measured is not None:
+        return model.measured.block_flops_per_token * tokens
     h, s = model.hidden_size, model.seq_length
     projections = 2 * tokens * h * (2 * h + 2 * model.kv_size)  # q, o; k, v
     mlp = 2 * tokens * h * model.ffn * (3 if model.gated_mlp else 2)
@@ -121,6 +124,9 @@ def block_forward_flops(model: ModelSpec, tokens: int) -> float:
 
 
 def head_forward_flops(model: ModelSpec, tokens: int) -> float:
+    """FLOPs of the output head's forward (for a measured model: everything outside the blocks)."""
+    if model.measured is not None:
+        return model.measured.head_flops_per_token * tokens
     return 2 * tokens * model.hidden_size * model.vocab_size
 
 

@@ -3,9 +3,10 @@
 At set-up, after ``configure_model()`` built the model on the meta device and before any collective of the
 model, every rank:
 
-1. describes the model for the planner (``ModelSpec``: the reference GPT or a Hugging Face config) and reads
-   the first training batch (the per-replica batch size and the sequence length, as Lightning's loader
-   gives them);
+1. reads the first training batch (the per-replica batch size and the sequence length, as Lightning's loader
+   gives them) and describes the model for the planner (``ModelSpec``): from its config for the reference GPT
+   or a Hugging Face model, else -- any model whose blocks the policy finds -- measured on the model itself on
+   fake tensors (``strategies/measure_model.py``: parameters per piece, FLOPs, bytes saved for backward);
 2. calibrates (``strategies/measure.py``): one of the model's blocks forward and backward at the candidate
    micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, the links
    (all-reduce, point-to-point) at two message sizes, a pipeline schedule's own cost per micro-batch, and
@@ -43,6 +44,7 @@ from lightning_3d.planner.model import ModelSpec, model_spec
 from lightning_3d.planner.report import Candidate, why_best
 from lightning_3d.planner.search import evaluate
 from lightning_3d.strategies.measure import measure
+from lightning_3d.strategies.measure_model import measured_model_spec
 
 if TYPE_CHECKING:
     from lightning_3d.planner.calibration import Calibration
@@ -86,9 +88,8 @@ def ranked(spec: ModelSpec, config: ParallelConfig, *, world_size: int, per_node
                for layout in candidate_layouts(spec, config, world_size, per_node, batch_size)]
     if not results:
         raise ParallelConfigError(
-            f"layout='auto' found no layout of {world_size} ranks for this model and batch: tp must divide the"
-            f" heads ({spec.num_heads}), kv heads ({spec.kv_heads}) and vocabulary ({spec.vocab_size}), pp at most"
-            f" the {spec.num_layers} blocks, micro-batches the per-replica batch ({batch_size}); fixed settings:"
+            f"layout='auto' found no layout of {world_size} ranks for this model and batch: {spec.tp_rule}, pp"
+            f" at most the {spec.num_layers} blocks, micro-batches the per-replica batch ({batch_size}); fixed settings:"
             f" {_fixed(config) or 'none'}.")
     fitting = [c for c in results if c.memory.total <= memory_per_rank]
     if not fitting:
@@ -116,7 +117,7 @@ def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, 
         return list(choices) if name in auto else [getattr(config, name)]
 
     for tp in options("tensor_parallel_size", divisors(world_size)):
-        if tp > per_node or world_size % tp or spec.num_heads % tp or spec.kv_heads % tp or spec.vocab_size % tp:
+        if tp > per_node or world_size % tp or not spec.splits_over(tp):
             continue
         for pp in options("pipeline_parallel_size", divisors(world_size // tp)):
             dp = world_size // (tp * pp)
@@ -235,32 +236,36 @@ def _fixed(config: ParallelConfig) -> str:
 
 def decide_layout(config: ParallelConfig, module, policy, trainer, *, world_size: int, per_node: int,
                   device: torch.device) -> Decision:
-    """What :func:`decide` needs, from the strategy's objects: the planner's description of the model, its first
-    block (the policy's plan), the first training batch and the precision. Collective."""
+    """What :func:`decide` needs, from the strategy's objects: the planner's description of the model (from its
+    config, or measured: ``strategies/measure_model.py``), its blocks (the policy's plan), the first training batch and the
+    precision. Collective."""
     from lightning_3d.parallel.parallelize import plan_model
+    from lightning_3d.parallel.tensor_parallel import check_tp_plan
 
     batch = first_training_batch(trainer)
     probe = config.decided(tensor_parallel_size=1, pipeline_parallel_size=1, pipeline_schedule="1f1b",
                            num_microbatches=None, zero_stage=0, activation_checkpointing=None)
-    blocks = plan_model(policy, module, probe, 1).blocks
-    seq = _sequence_length(batch)
-    spec = model_spec(module, seq)
+    plan = plan_model(policy, module, probe, 1)
     precision = str(trainer.precision)
-    if spec is None or precision not in PRECISIONS or not blocks:
-        why = (f"it models the reference GPT and Hugging Face configs, not {type(module).__name__}" if spec is None
-               else f"it models precision {sorted(PRECISIONS)}, not {precision!r}" if precision not in PRECISIONS
+    if precision not in PRECISIONS or not plan.blocks:
+        why = (f"it models precision {sorted(PRECISIONS)}, not {precision!r}" if precision not in PRECISIONS
                else "the policy names no blocks")
         raise ParallelConfigError(f"layout='auto' needs the planner's model of this run, but {why}. Set the layout"
                                   f" ({', '.join(config.auto_fields)}) explicitly.")
+    known = model_spec(module, _sequence_length(batch))
     tp_plans = {}  # the tp sizes a layout may take, each timed split as the policy splits it
     for tp in divisors(world_size):
         allowed = "tensor_parallel_size" in config.auto_fields or tp == config.tensor_parallel_size
-        if 1 < tp <= per_node and allowed and not (spec.num_heads % tp or spec.kv_heads % tp or spec.vocab_size % tp):
+        if 1 < tp <= per_node and allowed and (known is None or known.splits_over(tp)):
             try:  # (timed without sequence parallelism: the block's input is then whole, as captured)
                 tp_plans[tp] = plan_model(policy, module, replace(probe, sequence_parallel=False), tp)
+                if known is None:  # a measured model's sizes are not known to divide: the plan's own check
+                    check_tp_plan(module, tp_plans[tp].tp_plan, tp)
             except (PolicyError, LayoutError):
+                tp_plans.pop(tp, None)
                 continue  # a size the policy cannot split this model by: no layout takes it
-    return decide(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
+    spec = known or measured_model_spec(module, plan, tp_plans, batch, device=device, precision=precision)
+    return decide(config, module=module, spec=spec, blocks=plan.blocks, tp_plans=tp_plans, batch=batch,
                   precision_name=precision, world_size=world_size, per_node=per_node, device=device,
                   accumulate=trainer.accumulate_grad_batches)
 

@@ -12,6 +12,10 @@
   ordinary Lightning way: Hugging Face initializes it in ``post_init()``, not in ``reset_parameters()``.
 * :class:`LlamaStyleLM` follows Meta's reference Llama: blocks called with a mask, RMSNorm weights made by
   ``torch.ones`` (no ``reset_parameters()``), untied head.
+* :class:`StoryLM` is a small language model as tutorials write one, with nothing of GPT's names: pre-norm
+  blocks in an ``nn.ModuleList``, its own init in the parent (``self.apply``: N(0, 0.02) weights, zero biases,
+  the residual outputs scaled down by sqrt(2 * layers)), learned positions, a SiLU MLP three times the width, an
+  untied head.
 * :class:`SkipNoneLM` is the exception: written with its own policy (:class:`SkipNonePolicy`) that names
   ``pipeline_root``, ``before`` and ``after``, its forward skipping the modules a stage does not hold.
 
@@ -281,6 +285,69 @@ class LlamaStyleModule(_NextTokenModule):
         padding_mask = torch.ones_like(tokens)
         padding_mask[::2, -3:] = 0
         return self.model(tokens, padding_mask)
+
+
+class StoryAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.query, self.key, self.value))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head size)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class StoryBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = nn.LayerNorm(dim), StoryAttention(dim, heads)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 3 * dim), nn.Linear(3 * dim, dim)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        x = x + self.dropout(self.attention(self.attention_norm(x)))
+        return x + self.dropout(self.down(F.silu(self.up(self.mlp_norm(x)))))
+
+
+class StoryLM(nn.Module):
+    def __init__(self, vocab_size: int, context: int, layers: int, dim: int, heads: int) -> None:
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab_size, dim), nn.Embedding(context, dim)
+        self.layers = nn.ModuleList(StoryBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.unembed = nn.Linear(dim, vocab_size, bias=False)
+        self.apply(self._init)
+        for block in self.layers:  # each residual branch's output, so the stream's variance stays put with depth
+            nn.init.normal_(block.attention.out.weight, std=0.02 / math.sqrt(2 * layers))
+            nn.init.normal_(block.down.weight, std=0.02 / math.sqrt(2 * layers))
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.layers:
+            x = block(x)
+        return self.unembed(self.norm(x))
+
+
+class StoryLMModule(_NextTokenModule):
+    def configure_model(self):
+        if self.model is None:
+            c = self.config
+            self.model = StoryLM(c.vocab_size, c.block_size, c.n_layer, c.n_embd, c.n_head)
+
+    def logits(self, tokens):
+        return self.model(tokens)
 
 
 class SkipNoneLM(nn.Module):

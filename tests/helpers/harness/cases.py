@@ -35,8 +35,8 @@ class Case:
     module: str = "gpt"
     """Which LightningModule: "gpt" (built in configure_model), "gpt_eager" (built in __init__), "gpt_self"
     (training_step calls ``self(...)``, i.e. LightningModule.forward), "toy" (a non-GPT model, toy_model.py),
-    "user_nanogpt" / "user_llama" / "user_llama_style" (models written without lightning_3d in mind, built in
-    configure_model, user_models.py),
+    "user_nanogpt" / "user_llama" / "user_llama_style" / "user_story_lm" (models written without lightning_3d in
+    mind, built in configure_model, user_models.py),
     "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
     the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too), "hf_labels"
     (the same, the loss computed by the model from ``labels=``)."""
@@ -79,3 +79,6 @@ class Result:
     replica_spread: dict[str, float] = field(default_factory=dict)
     """Tensor name -> the largest difference between two ranks' whole copies of it (each rank's copy of a
     replicated parameter, or its gathered full tensor), for the names more than one rank holds."""
+    layout: dict | None = None
+    """The layout ``layout="auto"`` chose (``planner.Layout`` as a dict: dp, tp, pp, schedule, ...); None for a
+    layout given."""

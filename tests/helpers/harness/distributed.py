@@ -4,6 +4,7 @@ its strategy, its full state gathered by single-device names on rank 0."""
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ def run_distributed(case: Case) -> Result | None:
     result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, model_parameters(trainer),
                     _parameter_bytes_per_rank(module), _tp_sharded_block_share(module), _tp_whole_outside_blocks(module),
                     spread)
+    decision = getattr(strategy, "layout_decision", None)  # layout="auto": what it chose
+    result.layout = asdict(decision.layout) if decision is not None else None
     return result if dist.get_rank() == 0 else None
 
 
