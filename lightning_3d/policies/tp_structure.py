@@ -72,9 +72,11 @@ class Region:
     """Module -> attribute -> its value on each tp rank (``config.<name>``: a value of the module's config);
     :func:`attribute_values` turns them into what to set."""
     inner: dict[str, int] = field(default_factory=dict)
-    """Module with weights of its own that runs on the columns' split outputs (Qwen3's per-head ``q_norm``)
-    -> the dimension of its input that tp splits. Its weights stay whole on every rank, and each rank's
-    gradient of them covers only its own heads: they are summed over tp."""
+    """Module with weights of its own that runs on the columns' split outputs (Qwen3's per-head ``q_norm``,
+    OLMo 2's ``q_norm`` over all of q) -> the dimension of its input that tp splits. Its weights stay whole on
+    every rank and it runs on a DTensor of this rank's share, which completes what the share alone would get
+    wrong: a per-head weight's gradient (this rank's heads only) is summed over tp; a norm over the split
+    features is taken over all of them."""
 
 
 @dataclass
