@@ -1,0 +1,240 @@
+"""Which causal LMs are in the census, and the tiny config each is built from.
+
+The census takes every model type of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that is a decoder-only
+language model (:func:`not_decoder_only` says why the others are not) and builds it from its own config class
+with the sizes of ``TINY`` set wherever the class has the field, configured the way users set a model up for
+training: ``use_cache=False``, every dropout 0, eager attention, grouped key/value heads (2 query heads per
+kv head) wherever the config has a kv-head count, the model's own default for tied embeddings. ``OVERRIDES``
+holds what single models need beyond that, each with its reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+SEQ_LEN = 16
+VOCAB = 64
+WIDTH = 32
+DEPTH = 4
+"""Blocks per model: 2 per stage at pp=2."""
+HEADS = 4
+KV_HEADS = 2
+"""Grouped-query attention, 2 query heads per kv head: at tp=2 each rank keeps one kv head and its 2 query heads."""
+HEAD_DIM = WIDTH // HEADS
+FFN = 2 * WIDTH
+EXPERT_FFN = WIDTH
+MAX_PARAMETERS = 2_000_000
+"""The tiny models have 30k-300k parameters; above this, some size of the model's config is not in ``TINY``
+(and the model would be slow, or too large to build at all)."""
+
+TINY = {
+    # width, depth, heads: heads and kv heads divisible by tp=2
+    ("hidden_size", "n_embd", "d_model", "embedding_size", "hidden_size_global"): WIDTH,
+    ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"): DEPTH,
+    ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "swa_num_attention_heads",
+     "linear_num_heads"): HEADS,
+    ("num_key_value_heads", "num_kv_heads", "swa_num_key_value_heads"): KV_HEADS,
+    ("head_dim", "attention_head_dim", "kv_channels", "v_head_dim", "qk_head_dim", "dim_head", "swa_head_dim",
+     "global_head_dim", "linear_head_dim"): HEAD_DIM,
+    ("intermediate_size", "ffn_dim", "n_inner", "d_inner", "dim_ff", "dff", "decoder_ffn_dim", "ffn_hidden_size",
+     "intermediate_size_mlp", "dense_intermediate_size", "first_dense_intermediate_size",
+     "mlp_only_intermediate_size"): FFN,
+    # mixture of experts: a few small experts, two routed per token, in one group (4 experts make no 8 groups)
+    ("moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
+     "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size"): EXPERT_FFN,
+    ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"): 4,
+    ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "moe_top_k"): 2,
+    ("n_group", "num_expert_group", "topk_group"): 1,
+    # multi-head latent attention (DeepSeek): low-rank projections, each head a rotary and a plain part
+    ("qk_rope_head_dim", "qk_nope_head_dim"): HEAD_DIM // 2,
+    ("kv_lora_rank", "q_lora_rank", "o_lora_rank"): 2 * HEAD_DIM,
+    # linear attention and state-space layers (hybrids, Mamba): state-space heads x head size = 2 x width
+    ("linear_key_head_dim", "linear_value_head_dim", "mamba_head_dim", "mamba_d_head", "mamba_headdim"): HEAD_DIM,
+    ("linear_num_key_heads", "linear_num_value_heads"): HEADS,
+    ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"): 2 * WIDTH // HEAD_DIM,
+    ("mamba_d_ssm",): 2 * WIDTH,
+    ("mamba_d_state", "state_size", "ssm_state_size"): HEAD_DIM,
+    ("time_step_rank", "mamba_dt_rank"): HEAD_DIM // 2,
+    ("chunk_size", "mamba_chunk_size"): SEQ_LEN,
+    # a sparse-attention indexer (DeepSeek V3.2, GLM MoE DSA)
+    ("index_n_heads", "index_num_heads"): 2,
+    ("index_head_dim",): HEAD_DIM,
+    ("index_topk",): SEQ_LEN,
+    ("vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab"): VOCAB,
+    ("hidden_size_per_layer_input",): HEAD_DIM,  # Gemma's per-layer embeddings
+    ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"): 4 * SEQ_LEN,
+}
+"""The tiny sizes, each set where the model's config has the field, to a number or from None (a size the
+config derives, e.g. ``head_dim``), except the fields of ``OFF_WHEN_NONE``."""
+
+OFF_WHEN_NONE = {"q_lora_rank", "num_experts", "moe_intermediate_size", "n_group", "topk_group"}
+"""Size fields whose None turns a feature off (a full-rank query, a dense MLP, ungrouped routing): left None."""
+
+OVERRIDES: dict[str, dict] = {
+    "dots3_note_text": dict(head_dim=2 * (HEAD_DIM // 2)),  # its sliding-window heads: rotary + plain part
+    "dots1": dict(n_shared_experts=1),  # its default None fails the build; DeepSeek-style, one shared expert
+    "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),  # alternating layers, 2 pairs = 4 blocks
+    "mamba2": dict(num_heads=8),  # heads x head size = expansion (2) x width; `num_heads` is not attention's
+    # layer ids within 4 blocks; its key/value rounding works on heads of a multiple of 16
+    "kolibri1_1": dict(head_dim=16, index_layers=[3], kv_source_layers=[0, 1, 2, 3]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),  # None fails the build
+    # the sparse-attention indexer's sizes default to None, which fails the build
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
+                           indexer_compress_ratio=2),
+    # attention runs on the hidden states and the embeddings side by side; two hybrid layers share weights
+    "zaya": dict(num_experts_per_tok=1),  # the only routing it supports
+    # the last 2 layers reuse the keys and values of earlier ones: a producer of each kind before them
+    "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
+    # the audio encoder's convolutions have widths of their own
+    "phi4_multimodal": dict(audio_config=dict(nemo_conv_channels=WIDTH, ext_pw_out_channel=WIDTH,
+                                              depthwise_separable_out_channel=WIDTH)),
+    "zamba": dict(attention_hidden_size=2 * WIDTH, layers_block_type=["linear_attention", "hybrid"] * 2),
+    "zamba2": dict(attention_hidden_size=2 * WIDTH, hybrid_layer_ids=[1, 3],
+                   layers_block_type=["linear_attention", "hybrid"] * 2),
+}
+"""What single models need beyond ``TINY`` to build and train from tokens."""
+
+
+def model_types() -> list[str]:
+    """Every model type of transformers' causal-LM mapping, in its order."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+@functools.cache
+def _default_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]()
+
+
+def not_decoder_only(model_type: str) -> str | None:
+    """Why ``model_type`` is outside the census (an encoder, an encoder-decoder's decoder, a multimodal
+    model, a wrapper of another entry), else None."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type].endswith("ForConditionalGeneration"):
+        return "multimodal: takes pixel or audio inputs"
+    if "Assistant" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]:
+        return "a draft model for assisted generation: reads its target model's keys and values"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # BERT and its kin, BART and its kin
+        return "an encoder (masked LM) run as a decoder"
+    try:
+        config = _default_config(model_type)
+    except Exception:  # an invalid default: the model is in the census, and does_not_build says why
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return "the decoder of an encoder-decoder"
+    text = getattr(getattr(config, "text_config", None), "model_type", None)
+    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(text) == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]:
+        return f"the same model as {text} (its config wraps {text}'s with a vision one)"
+    return None
+
+
+def tiny_config(model_type: str) -> dict:
+    """The ``Case.model`` of ``model_type``: ``model_type``, ``seq_len`` and its config's keyword arguments."""
+    sizes = _tiny(_default_config(model_type).to_dict())
+    sizes.update(use_cache=False, attn_implementation="eager")
+    for name, value in OVERRIDES.get(model_type, {}).items():  # a sub-config's override adds to its tiny sizes
+        sizes[name] = {**sizes[name], **value} if isinstance(sizes.get(name), dict) else value
+    return dict(model_type=model_type, seq_len=SEQ_LEN, **sizes)
+
+
+def _tiny(defaults: dict) -> dict:
+    """``TINY`` and no dropout over a config's fields (``defaults``), and so over each sub-config's (a model
+    made of parts, e.g. BLT's encoder, global transformer and decoder, has one config per part)."""
+    sizes = {}
+    depth = defaults.get("num_hidden_layers")
+    for name, default in defaults.items():
+        if isinstance(default, dict) and "model_type" in default:
+            sizes[name] = {**default, **_tiny(default)}
+        elif isinstance(default, list) and depth and len(default) == depth:
+            sizes[name] = _per_layer(name, default)
+        elif name == "per_layer_config" and default:  # sizes that differ per layer, keyed by the full model's
+            sizes[name] = {}  # layer numbers: the tiny model's layers all have the tiny sizes
+    for fields, value in TINY.items():
+        for name in fields:
+            default = defaults.get(name, False)
+            if default is None and name not in OFF_WHEN_NONE or _is_number(default):
+                sizes[name] = value
+    if _is_number(defaults.get("qk_rope_head_dim")):  # multi-head latent attention: rotary on a part of its
+        sizes["head_dim"] = HEAD_DIM // 2  # own, and keys and values made for every query head (no groups)
+        if "num_key_value_heads" in defaults:
+            sizes["num_key_value_heads"] = HEADS
+    if _is_number(defaults.get("rotary_dim")):  # rotary on part of each head, as in GPT-J and CodeGen
+        sizes["rotary_dim"] = HEAD_DIM // 2
+    for name, default in defaults.items():  # deterministic training, as with dropout off
+        if ("dropout" in name or "pdrop" in name) and isinstance(default, float):
+            sizes[name] = 0.0
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids must be rows of the tiny vocabulary
+        if _is_number(defaults.get(name)) and defaults[name] >= VOCAB:
+            sizes[name] = 0
+    return sizes
+
+
+def _per_layer(name: str, default: list) -> list:
+    """A per-layer list (layer kinds, per-layer sizes) cut to ``DEPTH``, keeping every kind of layer."""
+    for fields, value in TINY.items():
+        if name in fields:
+            return [value] * DEPTH
+    kinds = [repr(entry) for entry in default]  # repr: entries may be lists or dicts
+    missing = [default[kinds.index(kind)] for kind in dict.fromkeys(kinds) if kind not in kinds[:DEPTH]]
+    return default[:DEPTH - len(missing)] + missing  # e.g. Gemma 3n's first full-attention layer is its fifth
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def build(model_type: str):
+    """The tiny model in ``model_type``'s ``AutoModelForCausalLM`` class, as ``HFCausalLMModule`` builds it."""
+    from lightning_3d.models.hf import hf_config, require_transformers
+
+    sizes = tiny_config(model_type)
+    sizes.pop("model_type"), sizes.pop("seq_len")
+    return require_transformers().AutoModelForCausalLM.from_config(hf_config(model_type, sizes))
+
+
+def does_not_build(model_type: str) -> str | None:
+    """Why the tiny model cannot be built and trained on CPU in one process (one forward and backward on
+    tokens), else None: the first line of the error, and whether the model's default (full-size) config
+    builds (if not, the cause is not the tiny config)."""
+    import torch
+
+    try:
+        with torch.device("meta"):  # a size the tiny config left large would not fit in memory
+            parameters = sum(p.numel() for p in build(model_type).parameters())
+        if parameters > MAX_PARAMETERS:
+            return f"{parameters:,} parameters from the tiny config: a size field it does not set"
+        model = build(model_type)
+        tokens = torch.randint(0, VOCAB, (2, SEQ_LEN))
+        loss = torch.nn.functional.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(),
+                                                 tokens.flatten())
+        if not math.isfinite(loss.item()):
+            return f"loss {loss.item()} in one process"
+        loss.backward()
+    except Exception as err:  # any failure to build or run is the reason
+        return f"{_first_line(err)}{_default_builds(model_type)}"
+    return None
+
+
+def _default_builds(model_type: str) -> str:
+    import torch
+    import transformers
+
+    try:
+        config = _default_config(model_type)
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as err:
+        return f" (its default config fails too: {_first_line(err)[:80]})"
+    return " (its default config builds)"
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    # a validation error's first line names the validator; the cause is on its last
+    return f"{type(err).__name__}: {lines[-1] if 'validation error' in str(err) else (lines or [''])[0]}"[:200]

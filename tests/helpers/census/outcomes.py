@@ -1,0 +1,92 @@
+"""What a census run came to -- PASS, refused, failed, wrong, unsplit -- judged against one process, and the
+table of them.
+
+The tolerances, and why:
+
+* losses within ``LOSS_ATOL`` = 1e-4 of one process at every step (issue 52's bound): the tp and pp runs sum
+  the same numbers in another order, a few 1e-7 on a loss of ~4 (the harness' ``assert_parity`` holds its
+  own cases to 1e-5). The census' 150 architectures add ops of every kind (soft-capping, routers,
+  state-space scans), so the bound leaves a margin of ~100 over rounding, while a wrong gradient shows
+  from the second step as 1e-3 or more (Qwen3's unreduced k_norm: 1.1e-3 by step 6, 2.4e-2 on the weight).
+* every parameter within ``PARAM_ATOL`` = 1e-4 after the steps: AdamW with eps 1e-3 (``ADAM_EPS``) moves a
+  weight by at most lr = 1e-2 per step; a rounding-level gradient error moves it by ~1e-8 per step (see
+  ``ADAM_EPS``), a wrong gradient by up to the learning rate.
+* every copy alike (``Result.replica_spread``) within ``REPLICA_ATOL`` = 1e-6: the ranks that hold a whole
+  tensor (replicated over tp, or a tied weight on two stages) apply the same update to the same value, so
+  their copies agree to the last bit or, reduced in another order, to fp32 rounding (~1e-7 of weights of
+  size ~1); a gradient left partial on one rank moves that rank's copy by ~1e-3 per step.
+* at tp=2, at least ``MIN_TP_SHARE`` = 90% of each rank's block parameters sharded over tp (else the run is
+  "unsplit": the numbers may be right, the memory is not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from helpers.harness import Result
+
+LOSS_ATOL = 1e-4
+PARAM_ATOL = 1e-4
+REPLICA_ATOL = 1e-6
+MIN_TP_SHARE = 0.9
+STATUSES = ("PASS", "refused", "failed", "wrong", "unsplit")
+"""refused: lightning_3d raised one of its own errors, on purpose, with a reason; failed: anything else raised,
+or the launch died or hung; wrong: it trained, to other numbers than one process; unsplit: right numbers at
+tp=2 with less than ``MIN_TP_SHARE`` of the block parameters split."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str
+    detail: str = ""
+    """The reason (refused, failed: the first line of the error) or the numbers (wrong, unsplit)."""
+
+    def cell(self, width: int | None = None) -> str:
+        text = self.status + (f": {self.detail}" if self.detail else "")
+        return text if width is None or len(text) <= width else text[:width - 3] + "..."
+
+
+def judge(run, reference: Result, layout: str) -> Outcome:
+    """``run`` (a Result, or a ``running.CaseError``) against the one-process ``reference``."""
+    if not isinstance(run, Result):
+        first = next((line.strip() for line in run.message.splitlines() if line.strip()), "")
+        if run.refused:
+            return Outcome("refused", first)
+        return Outcome("failed", f"{run.type.rsplit('.', 1)[-1]}: {first}" + (f" (rank {run.rank})" if run.rank else ""))
+    if len(run.losses) != len(reference.losses) or not all(map(math.isfinite, run.losses)):
+        return Outcome("wrong", f"losses {run.losses} against {reference.losses}")
+    if run.params.keys() != reference.params.keys():
+        differ = sorted(set(run.params) ^ set(reference.params))
+        return Outcome("failed", f"parameter names differ from one process: {differ[:3]}")
+    wrong = []
+    loss_gap = max(abs(a - b) for a, b in zip(run.losses, reference.losses))
+    if not loss_gap <= LOSS_ATOL:
+        wrong.append(f"losses {loss_gap:.1e} apart")
+    gaps = {name: (run.params[name].double() - reference.params[name].double()).abs().max().item()
+            for name in reference.params if reference.params[name].is_floating_point()}
+    worst = max(gaps, key=gaps.get, default=None)
+    if worst is not None and not gaps[worst] <= PARAM_ATOL:
+        wrong.append(f"{worst} {gaps[worst]:.1e} apart")
+    apart = max(run.replica_spread, key=run.replica_spread.get, default=None)
+    if apart is not None and not run.replica_spread[apart] <= REPLICA_ATOL:
+        wrong.append(f"ranks' copies of {apart} {run.replica_spread[apart]:.1e} apart")
+    if wrong:
+        return Outcome("wrong", "; ".join(wrong))
+    share = min(run.tp_sharded_block_share, default=0.0)
+    if layout.startswith("tp") and share < MIN_TP_SHARE:
+        return Outcome("unsplit", f"{share:.0%} of block parameters split over tp")
+    return Outcome("PASS")
+
+
+def table(rows: dict[str, dict[str, Outcome]], layouts: list[str], width: int | None = 110) -> str:
+    """A markdown table, model | one column per layout, and the count of each status per layout."""
+    lines = [f"| model | {' | '.join(layouts)} |", f"|---|{'---|' * len(layouts)}"]
+    for model, outcomes in rows.items():
+        cells = [outcomes[layout].cell(width).replace("|", "/") for layout in layouts]
+        lines.append(f"| {model} | {' | '.join(cells)} |")
+    lines += ["", f"| {len(rows)} models | {' | '.join(layouts)} |", f"|---|{'---|' * len(layouts)}"]
+    for status in STATUSES:
+        counts = [sum(outcomes[layout].status == status for outcomes in rows.values()) for layout in layouts]
+        lines.append(f"| {status} | {' | '.join(map(str, counts))} |")
+    return "\n".join(lines)
