@@ -1,23 +1,67 @@
 """layout="auto" on 4 gloo ranks (helpers/workers/auto_layout_worker.py, one launch): every rank runs the layout
 rank 0 chose after calibrating, it trains, and under a memory budget that rules out the free choice the
-choice fits the budget -- by the planner's estimate and by the model states each rank holds."""
+choice fits the budget -- by the planner's estimate and by the model states each rank holds. A user's own model,
+which the planner knows only by measuring it, trains with one process's losses."""
 
 import json
 
 import pytest
+import torch
 
 from helpers import WORKERS
+from helpers.harness import assert_parity, reference_for
 from helpers.launchers import forkrun
+from helpers.workers.auto_layout_worker import USER_MODEL
 from lightning_3d.planner.calibration import SEPARATELY_TIMED
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_layout")
-    forkrun(4, str(WORKERS / "auto_layout_worker.py"), str(out), timeout=300, rank_files=out)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+    forkrun(4, str(WORKERS / "auto_layout_worker.py"), str(out), timeout=480, rank_files=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(launched):
+    return [json.loads((launched / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+def test_a_users_own_model_trains_under_the_layout_chosen_with_one_processs_losses(launched):
+    """StoryLM (tests/helpers/user_models.py) is neither the reference GPT nor a Hugging Face model: layout="auto"
+    refused it ("it models the reference GPT and Hugging Face configs"). Measured on fake tensors instead, it is
+    planned, and trains under the layout chosen as in one process: losses, gradient norms, parameters."""
+    result = torch.load(launched / f"{USER_MODEL.name}.pt", weights_only=False)
+    layout = result.layout
+    assert layout is not None and layout["dp"] == 1 and layout["tp"] * layout["pp"] == 4, layout
+    assert_parity(result, reference_for(USER_MODEL))
+
+
+def test_the_planners_measured_parameters_are_what_each_rank_of_the_chosen_layout_holds(launched):
+    """The parameter bytes the planner counts per rank from the measured model (blocks split as the policy's plan
+    splits them, the embedding on the first stage, the final norm and head on the last) against the bytes each
+    rank holds after training."""
+    from helpers.harness import module_and_data
+    from lightning_3d.parallel.config import ParallelConfig
+    from lightning_3d.parallel.parallelize import plan_model
+    from lightning_3d.planner.layout import Layout
+    from lightning_3d.planner.memory import rank_parameters
+    from lightning_3d.policies.registry import resolve_policy
+    from lightning_3d.strategies.measure_model import measured_model_spec
+
+    result = torch.load(launched / f"{USER_MODEL.name}.pt", weights_only=False)
+    module, data = module_and_data(USER_MODEL, USER_MODEL.global_batch_size)
+    with torch.device("meta"):
+        module.configure_model()
+    policy, layout = resolve_policy("auto"), Layout(**result.layout)
+    plans = {layout.tp: plan_model(policy, module, ParallelConfig(), layout.tp)} if layout.tp > 1 else {}
+    data.setup("fit")
+    spec = measured_model_spec(module, plan_model(policy, module, ParallelConfig(), 1), plans,
+                               next(iter(data.train_dataloader())), device=torch.device("cpu"), precision="32-true")
+    predicted = [4 * rank_parameters(spec, layout, rank // (layout.tp * layout.dp)) for rank in range(4)]
+    assert predicted == result.rank_parameter_bytes, (layout, predicted, result.rank_parameter_bytes)
 
 
 @pytest.mark.parametrize("run", ["free", "budget", "llama"])

@@ -1,6 +1,8 @@
 """layout="auto" on the ranks (tests/parity/test_auto_layout_on_ranks.py): one run that decides freely, one
 with a memory budget of 60% of what the first choice needs, one of a model from transformers (Llama from a tiny
-config, called as users call it: its cache object included); each rank writes what it ran and what it held.
+config, called as users call it: its cache object included), and the parity harness's case of a user's own model
+(:data:`USER_MODEL`, measured for the planner); each rank writes what it ran and what it held, rank 0 the case's
+result.
 
     python -m torch.distributed.run --nproc-per-node 4 auto_layout_worker.py OUT_DIR
 """
@@ -12,11 +14,21 @@ from pathlib import Path
 
 import lightning as L
 
+import torch
+
+from helpers.harness import Case, run_distributed
 from helpers.launchers import end_process_group
 from helpers.user_models import UserLlamaModule
 from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from lightning_3d.parallel.memory import memory_report
+
+USER_MODEL = Case(name="auto_user_story_lm", module="user_story_lm",
+                  strategy_kwargs={"layout": "auto", "data_parallel_size": 1, "layout_check_steps": 1000},
+                  model=dict(n_layer=4, n_embd=32, n_head=4, block_size=16))
+"""A user's own model (``StoryLM``: no config the planner reads, its own init) under layout="auto". dp is held at 1
+so that the per-rank batch the harness deals (the global batch over dp) is known before the decision: the
+planner chooses the rest (tp x pp = 4, schedule, micro-batches, recompute)."""
 
 DECIDED = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_schedule", "num_microbatches", "zero_stage",
            "activation_checkpointing", "virtual_pipeline_size")
@@ -106,6 +118,9 @@ def main(out_dir: str) -> None:
     free = run()
     budgeted = run(max_memory_per_device=int(0.6 * free["predicted_memory"]))
     llama = run(UserLlamaModule)
+    user_model = run_distributed(USER_MODEL)
+    if user_model is not None:
+        torch.save(user_model, Path(out_dir) / f"{USER_MODEL.name}.pt")
     groups = {**measurement_groups(), "per_fit": groups_per_fit(), "alive": alive_groups(),
               "gloo_threads": gloo_threads()}
     (Path(out_dir) / f"rank{os.environ['RANK']}.json").write_text(
