@@ -87,9 +87,10 @@ def _assumed_choice(trainer, module, datamodule, config: ParallelConfig, per_nod
     precision = PRECISIONS.get(str(trainer.precision))
     batch = _hparam(datamodule, "batch_size")
     if spec is None or precision is None or batch is None:
-        raise ParallelConfigError("layout='auto' needs the planner's model of this run (the reference GPT or a"
-                                  " Hugging Face config, a known precision, a data module with batch_size); the dry"
-                                  " run has none here, a run reads the first batch. Set the layout explicitly.")
+        raise ParallelConfigError("layout='auto' in a dry run needs the planner's model of this run from a config"
+                                  " (the reference GPT or a Hugging Face model), a known precision and a data module"
+                                  " with batch_size; it has none here. A run measures any other model on its first"
+                                  " training batch and decides then; to see a layout here, set it explicitly.")
     world = per_node * trainer.num_nodes
     memory = config.max_memory_per_device or _memory_per_rank(device, per_node) or float(2**40)
     cluster, calibration = host_cluster(world, per_node, memory, device.type), None
@@ -177,7 +178,8 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
     spec = model_spec(module, _hparam(datamodule, "seq_len"))
     precision = PRECISIONS.get(str(trainer.precision))
     if spec is None or precision is None:
-        why = (f"the planner models the reference GPT and Hugging Face configs, not {type(module).__name__}"
+        why = (f"a dry run reads the model's sizes from a config (the reference GPT, Hugging Face), and"
+               f" {type(module).__name__} has none; layout='auto' measures it at launch"
                if spec is None else f"the planner models precision {sorted(PRECISIONS)}, not {trainer.precision!r}")
         return [f"memory per rank: not estimated ({why})"]
     batch = _hparam(datamodule, "batch_size")
