@@ -89,8 +89,8 @@ def ranked(spec: ModelSpec, config: ParallelConfig, *, world_size: int, per_node
     if not results:
         raise ParallelConfigError(
             f"layout='auto' found no layout of {world_size} ranks for this model and batch: {spec.tp_rule}, pp"
-            f" at most the {spec.num_layers} blocks, micro-batches the per-replica batch ({batch_size}); fixed settings:"
-            f" {_fixed(config) or 'none'}.")
+            f" at most the {spec.num_layers} blocks, micro-batches the per-replica batch ({batch_size}); fixed"
+            f" settings: {_fixed(config) or 'none'}.")
     fitting = [c for c in results if c.memory.total <= memory_per_rank]
     if not fitting:
         smallest = min(results, key=lambda c: c.memory.total)
@@ -237,8 +237,8 @@ def _fixed(config: ParallelConfig) -> str:
 def decide_layout(config: ParallelConfig, module, policy, trainer, *, world_size: int, per_node: int,
                   device: torch.device) -> Decision:
     """What :func:`decide` needs, from the strategy's objects: the planner's description of the model (from its
-    config, or measured: ``strategies/measure_model.py``), its blocks (the policy's plan), the first training batch and the
-    precision. Collective."""
+    config, or measured: ``strategies/measure_model.py``), its blocks (the policy's plan), the first training
+    batch and the precision. Collective."""
     from lightning_3d.parallel.parallelize import plan_model
     from lightning_3d.parallel.tensor_parallel import check_tp_plan
 

@@ -27,7 +27,6 @@ tensors: it is refused, naming that, with what to set instead.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -54,22 +53,26 @@ def measured_model_spec(module: nn.Module, plan: Plan, tp_plans: dict[int, Plan]
     training batch; ``precision``: Lightning's precision flag of the run ("bf16-mixed" runs under autocast).
     Every rank computes the same description; no collective."""
     split_plan = tp_plans[min(tp_plans)] if tp_plans else None
-    trace = _trace(module, plan, split_plan, batch, device, precision)
-    sequences, tokens = trace.batch_size, trace.batch_size * trace.seq_length
-    layers = len(plan.blocks)
+    recorder, tracker = _record(module, plan, split_plan, batch, device, precision)
+    saved = {(piece, split): 0 for piece in ("before", "blocks", "after") for split in (False, True)}
+    for key, (piece, tensor) in recorder.saved.items():
+        saved[piece, tracker.is_split(key)] += tensor.untyped_storage().nbytes()
+    sequences, seq_length = _batch_shape(batch)
+    tokens, layers = sequences * seq_length, len(plan.blocks)
     pieces = parameter_pieces(module, plan, split_plan)
     costs = MeasuredCosts(
         block=pieces["block"], embedding=pieces["embedding"], head=pieces["head"], tied_head=pieces["tied_head"],
-        tp_sizes=(1, *sorted(tp_plans)), block_flops_per_token=trace.flops["blocks"] / layers / tokens,
-        head_flops_per_token=(trace.flops["before"] + trace.flops["after"]) / tokens,
-        block_whole_bytes_per_sequence=trace.saved["blocks", False] / layers / sequences,
-        block_split_bytes_per_sequence=trace.saved["blocks", True] / layers / sequences,
-        first_stage_bytes_per_sequence=(trace.saved["before", False] + trace.saved["before", True]) / sequences,
-        last_stage_bytes_per_sequence=(trace.saved["after", False] + trace.saved["after", True]) / sequences,
+        tp_sizes=(1, *sorted(tp_plans)), block_flops_per_token=recorder.flops["blocks"] / layers / tokens,
+        head_flops_per_token=(recorder.flops["before"] + recorder.flops["after"]) / tokens,
+        block_whole_bytes_per_sequence=saved["blocks", False] / layers / sequences,
+        block_split_bytes_per_sequence=saved["blocks", True] / layers / sequences,
+        first_stage_bytes_per_sequence=(saved["before", False] + saved["before", True]) / sequences,
+        last_stage_bytes_per_sequence=(saved["after", False] + saved["after", True]) / sequences,
         precision=precision)
     dropout = max((m.p for m in module.modules() if isinstance(m, DROPOUTS)), default=0.0)
-    return ModelSpec.from_measured(costs, num_layers=layers, hidden_size=trace.hidden_size, vocab_size=trace.vocab_size,
-                         seq_length=trace.seq_length, dropout=dropout, name=type(module).__name__)
+    return ModelSpec.from_measured(costs, num_layers=layers, hidden_size=recorder.hidden_size,
+                                   vocab_size=recorder.vocab_size, seq_length=seq_length, dropout=dropout,
+                                   name=type(module).__name__)
 
 
 def parameter_pieces(module: nn.Module, plan: Plan, split_plan: Optional[Plan]) -> dict[str, Params]:
@@ -150,70 +153,76 @@ class _TrainingStep(nn.Module):
         return self.module.training_step(batch, 0)
 
 
-@dataclass
-class _Trace:
-    batch_size: int = 0
-    seq_length: int = 0
-    hidden_size: int = 0
-    vocab_size: int = 0
-    flops: dict[str, int] = field(default_factory=lambda: {"before": 0, "blocks": 0, "after": 0})
-    saved: dict[tuple[str, bool], int] = field(default_factory=lambda: {
-        (piece, split): 0 for piece in ("before", "blocks", "after") for split in (False, True)})
+class _Recorder:
+    """What one run of the model records, by piece: ``before`` the first block, in the ``blocks``, ``after`` a
+    block (the final norm and head; work between blocks counts there too). FLOPs go to the piece they run in,
+    a saved tensor to the piece that saves it first."""
+
+    def __init__(self, weights: set, counter: FlopCounterMode) -> None:
+        self.weights, self.counter = weights, counter
+        self.hidden_size = self.vocab_size = 0
+        self.flops = {"before": 0, "blocks": 0, "after": 0}
+        self.saved: dict[StorageWeakRef, tuple[str, Tensor]] = {}
+        """Each saved storage with its piece and a tensor that holds it (a storage freed during the run could
+        lend a later one its key)."""
+        self._piece, self._mark = "before", 0
+
+    def enter(self, piece: str) -> None:
+        total = self.counter.get_total_flops()
+        self.flops[self._piece] += total - self._mark  # the FLOPs since the last change belong to the piece ending
+        self._piece, self._mark = piece, total
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        key = StorageWeakRef(tensor.untyped_storage())
+        if key not in self.saved and key not in self.weights and not _copy_of_weight(tensor, self.weights):
+            self.saved[key] = (self._piece, tensor)
+        return tensor
+
+    def hooks(self, module: nn.Module, plan: Plan) -> list[Any]:
+        """Hooks that follow the pieces, take the residual width from the first block's input and the vocabulary
+        from the output module's output, and stop the run there; their handles."""
+        blocks = [module.get_submodule(name) for name in plan.blocks]
+        handles = [blocks[0].register_forward_pre_hook(self._first_block, with_kwargs=True)]
+        for block in blocks:
+            handles.append(block.register_forward_pre_hook(lambda *_: self.enter("blocks")))
+            handles.append(block.register_forward_hook(lambda *_: self.enter("after")))
+        handles.append(module.get_submodule(_output_name(plan)).register_forward_hook(self._stop))
+        return handles
+
+    def _first_block(self, _module, args, kwargs) -> None:
+        hidden = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.is_floating_point()),
+                      None)
+        self.hidden_size = self.hidden_size or (int(hidden.shape[-1]) if hidden is not None else 0)
+
+    def _stop(self, _module, _args, output) -> None:
+        out = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.ndim >= 2), None)
+        self.vocab_size = int(out.shape[-1]) if out is not None else 0
+        raise _Stop
 
 
-def _trace(module: nn.Module, plan: Plan, split_plan: Optional[Plan], batch: Any, device: torch.device,
-           precision: str) -> _Trace:
+def _record(module: nn.Module, plan: Plan, split_plan: Optional[Plan], batch: Any, device: torch.device,
+            precision: str) -> tuple[_Recorder, SplitTracker]:
+    """The training step up to the model's output on fake tensors, recorded (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    trace = _Trace()
     step = _TrainingStep(module)
     fake_mode = FakeTensorMode()
     with fake_mode:
         values = _fake_state(step, device)
         fake_batch = tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype, device=device)
                               if isinstance(v, Tensor) else v, batch)
-    trace.batch_size, trace.seq_length = _batch_shape(batch)
-    weights = {StorageWeakRef(v.untyped_storage()) for v in values.values()}
-    tracker = SplitTracker()
     counter = FlopCounterMode(display=False, custom_mapping=_FLOP_FORMULAS)
-    phase = ["before"]
-    marks = [0]
-    seen: dict[StorageWeakRef, tuple[str, Tensor]] = {}
-
-    def enter(name: str) -> None:  # FLOPs since the last change of phase belong to the one ending
-        total = counter.get_total_flops()
-        trace.flops[phase[0]] += total - marks[0]
-        phase[0], marks[0] = name, total
-
-    def pack(tensor: Tensor) -> Tensor:
-        key = StorageWeakRef(tensor.untyped_storage())
-        if key not in seen and key not in weights and not _copy_of_weight(tensor, weights):
-            seen[key] = (phase[0], tensor)  # (held: a storage freed during the run could lend a later one its key)
-        return tensor
-
-    def first_block(_module, args, kwargs) -> None:
-        hidden = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.is_floating_point()),
-                      None)
-        trace.hidden_size = trace.hidden_size or (int(hidden.shape[-1]) if hidden is not None else 0)
-
-    def stop(_module, _args, output) -> None:
-        out = next((t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.ndim >= 2), None)
-        trace.vocab_size = int(out.shape[-1]) if out is not None else 0
-        raise _Stop
-
-    blocks = [module.get_submodule(name) for name in plan.blocks]
-    handles = [blocks[0].register_forward_pre_hook(first_block, with_kwargs=True)]
-    for block in blocks:
-        handles.append(block.register_forward_pre_hook(lambda *_: enter("blocks")))
-        handles.append(block.register_forward_hook(lambda *_: enter("after")))
-    handles.append(_output_module(module, plan).register_forward_hook(stop))
+    recorder = _Recorder({StorageWeakRef(v.untyped_storage()) for v in values.values()}, counter)
+    tracker = SplitTracker()
+    handles = recorder.hooks(module, plan)
     if split_plan is not None:
         handles += tracker.watch(module, *split_modules(module, split_plan))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed"
                 else contextlib.nullcontext())
     stopped = False
     try:
-        with fake_mode, counter, tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        with fake_mode, counter, tracker, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
+                autocast:
             functional_call(step, values, (fake_batch,), strict=False)
     except _Stop:
         stopped = True
@@ -227,15 +236,13 @@ def _trace(module: nn.Module, plan: Plan, split_plan: Optional[Plan], batch: Any
     finally:
         for handle in handles:
             handle.remove()
-    if not stopped or not trace.hidden_size or not trace.vocab_size:
+    if not stopped or not recorder.hidden_size or not recorder.vocab_size:
         raise ParallelConfigError(
             f"layout='auto' measures {type(module).__name__}'s model by running training_step up to the model's"
             " output, but training_step did not call the model's blocks and then its output module"
             f" ({_output_name(plan)!r}) with a tensor (batch, sequence, ...). Set the layout explicitly.")
-    enter("after")
-    for key, (piece, tensor) in seen.items():
-        trace.saved[piece, tracker.is_split(key)] += tensor.untyped_storage().nbytes()
-    return trace
+    recorder.enter("after")
+    return recorder, tracker
 
 
 def _fake_state(step: nn.Module, device: torch.device) -> dict[str, Tensor]:
@@ -268,10 +275,6 @@ _COPIES_AND_VIEWS = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackwa
                                "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0",
                                "AliasBackward0", "CloneBackward0"})
 """The autograd nodes of ops that copy or view a tensor whole (the names autograd gives their backward)."""
-
-
-def _output_module(module: nn.Module, plan: Plan) -> nn.Module:
-    return module.get_submodule(_output_name(plan))
 
 
 def _output_name(plan: Plan) -> str:

@@ -152,8 +152,8 @@ def test_the_calibrations_own_process_groups_are_destroyed_after_their_measureme
     # GPUs an NCCL communicator each and its buffers).
     assert all(rank["groups"]["after_links"] == rank["groups"]["before"] for rank in ranks), [r["groups"] for r in ranks]
     assert all(rank["groups"]["after"] == rank["groups"]["before"] for rank in ranks), [r["groups"] for r in ranks]
-    # ... and after four layout="auto" fits none of the meshes the calibration timed on is alive (their first
-    # dimension, named "rest" before, is in no layout's mesh).
+    # ... and after the launch's five layout="auto" fits none of the meshes the calibration timed on is alive (their
+    # first dimension, named "rest" before, is in no layout's mesh).
     for rank in ranks:
         assert not [desc for desc in rank["groups"]["alive"] if "calibration" in desc or desc == "mesh_rest"], rank
     # ... nor held where the process's group map no longer lists it: the tp-split block was timed on a deep copy,
