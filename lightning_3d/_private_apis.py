@@ -140,9 +140,6 @@ PRIVATE_NAMES: dict[str, Private] = {
         " NaNGuard's per-forward hook, where named_parameters(recurse=False) costs more than the check",
         "register_parameter cannot replace in place without hooks firing", attribute=True),
     "torch.nn.Module._buffers": Private("as _parameters, for buffers", "as _parameters", attribute=True),
-    "torch.Tensor._base": Private(
-        "tell a view of a placeholder from a new tensor (pipeline placeholder watch)", "no public accessor",
-        attribute=True),
     "torch._ops.OpOverload._schema": Private(
         "which arguments an aten op writes, and whether it draws random numbers (a generator argument), to"
         " replay a recorded build op by op", "no public view of an op's schema", attribute=True),

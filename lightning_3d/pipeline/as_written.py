@@ -4,10 +4,12 @@ For a model no policy was written for -- blocks in an ``nn.ModuleList`` and ``fo
 block(x)`` -- every stage calls the pipeline root's own ``forward`` with the model's own inputs. In a stage
 (a copy of the root, ``pipeline.split``):
 
-* the blocks other stages hold are :class:`PassThroughBlock` placeholders that return their first input;
+* the blocks other stages hold are :class:`~lightning_3d.pipeline.placeholders.PassThroughBlock` placeholders
+  that return their first input (in the structure the block returns: ``(input, None)`` for a block that
+  returns ``(hidden, attn_weights)``);
 * the modules before the blocks (embeddings) on later stages, and after them (final norm, head) on earlier
-  stages, are :class:`Shell` s: they hold no parameters, work out the shape of their output on a meta-device
-  copy and return zeros of that shape;
+  stages, are :class:`~lightning_3d.pipeline.placeholders.Shell` s: they hold no parameters, work out the
+  shape of their output on a meta-device copy and return zeros of that shape;
 * a pre-hook on the stage's first block replaces that block's input with the activation received from the
   previous stage, and on every stage but the last a hook on its last block ends the forward there: the stage
   sends that block's output on, followed by the model's inputs (token ids, masks), which every stage needs to
@@ -17,61 +19,24 @@ Whatever the forward computes around the blocks on a stage that does not hold th
 mask) is thrown away at the swap, so it costs a little and changes nothing. :class:`InputSpec` carries the
 structure of the model call (``args``/``kwargs``) from the engine, which captures it on every rank, to the
 stages that rebuild it from the tensors they receive. What would make that swap wrong -- control flow on the
-placeholders' values, code that changes the activation where two stages meet -- is refused at each stage's
-first call (``pipeline.placeholder_watch``). The last stage returns the tensors of what the forward returned
-(PyTorch's ``PipelineStage`` takes tensors only); an object holding them (a Hugging Face ``ModelOutput`` with
-its logits and cache) is rebuilt for the user's step by :meth:`StageForward.model_output`.
+placeholders' values, an output made of them, code that changes the activation where two stages meet -- is
+refused at each stage's first call (``pipeline.placeholder_watch``). The last stage returns the tensors of what
+the forward returned (PyTorch's ``PipelineStage`` takes tensors only); an object holding them (a Hugging Face
+``ModelOutput`` with its logits and cache) is rebuilt for the user's step by :meth:`StageForward.model_output`.
 """
 
 from __future__ import annotations
 
-import copy
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_3d.pipeline.placeholder_watch import Handover, PlaceholderWatch
+from lightning_3d.pipeline.placeholders import PassThroughBlock, Shell
 
-
-class PassThroughBlock(nn.Module):
-    """Holds the place of a block another stage runs: returns its first input (which the stage's first
-    block then replaces with the activation it receives). Owns nothing."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(v for v in kwargs.values() if isinstance(v, Tensor))
-
-
-class Shell(nn.Module):
-    """Holds the place of a module (an embedding, the head) another stage runs: returns zeros of the shape
-    and dtype that module would return, worked out on a meta-device copy (not a submodule: this stage holds
-    none of its parameters)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "meta_module", meta_copy(module))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        devices = [x.device for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
-        device = devices[0] if devices else torch.device("cpu")
-        on_meta = tree_map(lambda x: x.to("meta") if isinstance(x, Tensor) else x, (args, kwargs))
-        with torch.no_grad():
-            output = self.meta_module(*on_meta[0], **on_meta[1])
-        return tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype, device=device) if isinstance(x, Tensor)
-                        else x, output)
-
-
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are on the meta device (nothing allocated)."""
-    memo = {id(t): _on_meta(t) for t in [*module.parameters(), *module.buffers()]}
-    return copy.deepcopy(module, memo)
-
-
-def _on_meta(tensor: Tensor) -> Tensor:
-    meta = torch.empty_like(tensor, device="meta")
-    return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+__all__ = ["InputSpec", "PassThroughBlock", "Shell", "StageForward"]
 
 
 class InputSpec:
@@ -86,11 +51,14 @@ class StageForward:
     """``forward`` of one stage: the pipeline root's own, between this stage's first and last block."""
 
     def __init__(self, stage: nn.Module, first_block: str, last_block: str, *, stage_id: int,
-                 previous_block: str | None, is_last: bool, inputs: InputSpec) -> None:
+                 previous_block: str | None, is_last: bool, inputs: InputSpec, units: list[str],
+                 holders: dict[str, str]) -> None:
         self.stage, self.first_block, self.last_block = stage, first_block, last_block
         self.stage_id, self.previous_block, self.is_last, self.inputs = stage_id, previous_block, is_last, inputs
         self.is_first = previous_block is None
-        self.checked = self.is_first  # later stages check their first call (pipeline.placeholder_watch)
+        self.units = units  # the plan's modules (blocks, embeddings, head) this stage holds
+        self.holders = holders  # the plan's other modules -> the stage that holds each, in words
+        self.checked = False  # every stage checks its first call (pipeline.placeholder_watch)
         self._output: tuple[TreeSpec, dict[int, Any]] | None = None  # the last call's output, less its tensors
 
     def __call__(self, *received: Tensor, **kwargs: Any) -> Any:
@@ -104,21 +72,25 @@ class StageForward:
         handover, watch = self._first_call_checks()
         handles = []
         if activation is not None:  # first, before any other pre-hook (FSDP's casts the input it gets)
-            handles.append(first.register_forward_pre_hook(_ReplaceInput(activation, handover), with_kwargs=True,
-                                                           prepend=True))
+            handles.append(first.register_forward_pre_hook(_ReplaceInput(activation, handover, watch),
+                                                           with_kwargs=True, prepend=True))
         if not self.is_last:  # last, after FSDP's post-forward hook has run
             handles.append(last.register_forward_hook(_end_stage))
         try:
             with watch or nullcontext():
                 output = type(self.stage).forward(self.stage, *args, **kwargs)
-            return self._tensors_of(output)
+            sent, result = output, self._tensors_of(output)
         except _StageEnd as end:
-            return (end.output, *[x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)])
+            sent, result = end.output, (end.output, *[x for x in tree_flatten((args, kwargs))[0]
+                                                      if isinstance(x, Tensor)])
         finally:
             for handle in handles:
                 handle.remove()
             if handover is not None:
                 handover.remove()
+        if watch is not None:
+            watch.check_output(sent)
+        return result
 
     def _tensors_of(self, output: Any) -> Any:
         """The last stage's output as ``PipelineStage`` takes it: a tensor or a tuple of tensors as they are;
@@ -144,20 +116,25 @@ class StageForward:
         if self.checked:
             return None, None
         self.checked = True
-        placeholders = [m for m in self.stage.modules() if isinstance(m, (PassThroughBlock, Shell))]
-        return (Handover(self.stage.get_submodule(self.previous_block), self.previous_block, self.first_block,
-                         self.stage_id),
-                PlaceholderWatch(self.stage, placeholders, self.first_block, self.stage_id))
+        placeholders = {name: m for name, m in self.stage.named_modules()
+                        if isinstance(m, (PassThroughBlock, Shell))}
+        handover = None if self.is_first else Handover(self.stage.get_submodule(self.previous_block),
+                                                       self.previous_block, self.first_block, self.stage_id)
+        units = [self.stage.get_submodule(name) for name in self.units]
+        return handover, PlaceholderWatch(self.stage, placeholders, self.holders, units, self.first_block,
+                                          self.stage_id)
 
 
 class _ReplaceInput:
-    def __init__(self, activation: Tensor, handover: Handover | None) -> None:
-        self.activation, self.handover = activation, handover
+    def __init__(self, activation: Tensor, handover: Handover | None, watch: PlaceholderWatch | None) -> None:
+        self.activation, self.handover, self.watch = activation, handover, watch
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         name = None if args else next(k for k, v in kwargs.items() if isinstance(v, Tensor))
         if self.handover is not None:
             self.handover.check(args[0] if args else kwargs[name])
+        if self.watch is not None:
+            self.watch.received(self.activation)
         if args:
             return (self.activation, *args[1:]), kwargs
         return args, {**kwargs, name: self.activation}

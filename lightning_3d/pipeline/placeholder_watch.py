@@ -1,23 +1,33 @@
-"""What a stage cannot run as written, found at its first call: code that uses the values before its blocks.
+"""What a stage cannot run as written, found at its first call: code that uses values the stage does not have.
 
-A stage that does not hold the first blocks runs the model's forward (``pipeline.as_written``) on
-placeholders up to its first block: :class:`~lightning_3d.pipeline.as_written.Shell` s return zeros for the
-embeddings, :class:`~lightning_3d.pipeline.as_written.PassThroughBlock` s hand their input on, and the first
-block's input is then swapped for the activation the previous stage sent. What the forward computes from the
-placeholders is meaningless, which does no harm as long as only that swapped input is made of it. Two patterns
-would turn it into a silently wrong result; both raise :class:`StepPatternError` instead, on the stage's first
-call (step 1), on the rank that finds them (the fault watch takes the job down with its name):
+A stage runs the model's forward (``pipeline.as_written``) with placeholders for what other stages hold:
+:class:`~lightning_3d.pipeline.as_written.Shell` s return zeros for the embeddings or the head (and zeros
+for their parameters, where the forward reads one), :class:`~lightning_3d.pipeline.as_written.PassThroughBlock`
+s hand their input on, and the first block's input is swapped for the activation the previous stage sent.
+What the forward computes from the placeholders is meaningless, which does no harm as long as only that
+swapped input is made of it. Three patterns would turn it into a silently wrong result; each raises
+:class:`StepPatternError` instead, on the stage's first call (step 1), on the rank that finds it (the fault
+watch takes the job down with its name):
 
 * **Control flow on values the stage does not have** -- an early exit (``if x.abs().max() > limit: break``),
   a branch on ``x.isnan().any()``, ``.item()`` of an activation: the stage would decide on zeros what one
   process decides on the real activation. :class:`PlaceholderWatch` follows every tensor computed from a
   placeholder and stops at its first conversion to a Python value.
+* **An output made of placeholders, or not of the activation received** -- a module the plan put on
+  another stage but which the forward uses on this one (a final norm registered before the blocks and
+  called after them, an embedding's weight read again as the head's), a block called a second time: the
+  stage would send or return what the placeholder gave. :class:`PlaceholderWatch` checks that the stage's
+  output derives from no placeholder and, after the first stage, from the activation it received.
 * **Code that changes the activation where the pipeline cuts** -- ``x = x * scale`` between the last block
   of one stage and the first of the next: the previous stage sends its last block's output before that line
   runs, and the swap drops what the line computed on this one. :class:`Handover` checks that the first
   block's input is what the block before it returned.
 
-Both run once per stage (the first call), so the steps after it pay nothing.
+What derives from what is followed through every torch function, and through the calls of the modules the
+stage holds of the plan's (blocks, embeddings, head: their outputs derive from their inputs), so the tensor
+parallel and FSDP hooks on those, which wrap and unwrap tensors outside torch functions, keep the trail. A
+module that only reads its input's dtype or device (a rotary embedding) does not pass a label on. All of it runs
+once per stage (the first call), so the steps after it pay nothing.
 """
 
 from __future__ import annotations
@@ -30,54 +40,113 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_3d.pipeline.placeholders import Shell
 from lightning_3d.pipeline.step_checks import StepPatternError
 
 # Tensor methods that hand a tensor's values to Python, where control flow can branch on them.
 HOST_CONVERSIONS = frozenset({"__bool__", "__int__", "__float__", "__complex__", "__index__", "item", "tolist",
                               "numpy"})
 _LIBRARY_FILES = ("/torch/", "/lightning_3d/", "/lightning/", "/contextlib.py")
+RECEIVED = "<received>"
+"""The label of the activation the stage received from the previous one, and of what derives from it."""
 
 
 class PlaceholderWatch(TorchFunctionMode):
-    """Active while a stage runs the forward for the first time: marks the outputs of the placeholders (and
-    everything computed from them) and raises :class:`StepPatternError` when one of them is converted to a
-    Python value. Values computed from the model's inputs (masks, positions) or from the received activation
-    are the real ones, on every stage, and stay unmarked."""
+    """Active while a stage runs the forward for the first time: labels the outputs of the placeholders (by
+    the placeholder's name) and the received activation, carries the labels to everything computed from
+    them, and raises :class:`StepPatternError` when a placeholder's value is converted to a Python value or
+    reaches the stage's output (:meth:`check_output`). Values computed from the model's inputs (masks,
+    positions) are the real ones, on every stage, and carry no label.
 
-    def __init__(self, stage: nn.Module, placeholders: list[nn.Module], first_block: str, stage_id: int) -> None:
+    ``placeholders``: name in the stage -> the placeholder; ``holders``: name -> which stage holds the module
+    it stands for, in words ("stage 0"); ``units``: the modules of the plan the stage holds
+    (blocks, embeddings, head)."""
+
+    def __init__(self, stage: nn.Module, placeholders: dict[str, nn.Module], holders: dict[str, str],
+                 units: list[nn.Module], first_block: str, stage_id: int) -> None:
         super().__init__()
         self.stage_name, self.first_block, self.stage_id = type(stage).__name__, first_block, stage_id
-        self.marked: dict[int, weakref.ref] = {}
-        self.handles = [p.register_forward_hook(self._mark_output) for p in placeholders]
+        self.holders = holders
+        self.labels: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+        self.where: dict[str, str] = {}  # placeholder name -> where the forward last used it
+        self.inputs: list[frozenset[str]] = []  # the labels of the modules running, innermost last
+        self.handles = [h for name, p in placeholders.items() for h in
+                        (p.register_forward_hook(self._placeholder_output(name)),
+                         *([p.watch_reads(self._placeholder_output(name))] if isinstance(p, Shell) else []))]
+        self.handles += [h for m in units for h in (
+            m.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
+            m.register_forward_hook(self._leave, always_call=True))]
+        self.gives = {name: "gives zeros" if isinstance(p, Shell) else "hands its input on"
+                      for name, p in placeholders.items()}
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self.handles:
             handle.remove()
         return super().__exit__(*exc)
 
+    def received(self, activation: Tensor) -> None:
+        """``activation`` is what the previous stage sent."""
+        self._label(activation, frozenset({RECEIVED}))
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in HOST_CONVERSIONS and args and self._is_marked(args[0]):
-            raise StepPatternError(self._message(name))
+        if name in HOST_CONVERSIONS and args and self._of_placeholders(self.labels_of(args[0])):
+            raise StepPatternError(self._conversion_message(name))
         output = func(*args, **kwargs)
-        if any(self._is_marked(x) for x in tree_flatten((args, kwargs))[0]):
-            self._mark(output)
+        labels = self.labels_of((args, kwargs))
+        if labels:
+            self._label(output, labels)
         return output
 
-    def _mark_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._mark(output)
+    def check_output(self, output: Any) -> None:
+        """Raise if ``output`` (what the stage sends or returns) derives from a placeholder, or, after the
+        first stage, not from the activation the stage received."""
+        labels = self.labels_of(output)
+        used = sorted(self._of_placeholders(labels))
+        if used:
+            raise StepPatternError(self._placeholder_message(used[0]))
+        if self.stage_id > 0 and RECEIVED not in labels:
+            raise StepPatternError(
+                f"The output of stage {self.stage_id} of the pipeline does not depend on the activation it"
+                f" receives, which {self.stage_name}'s forward gives block {self.first_block!r}: the forward"
+                f" computes that output from something else. Each stage must continue from the previous"
+                f" stage's last block: make the forward pass each block's output to the next block, or train"
+                f" with pipeline_parallel_size=1."
+            )
 
-    def _mark(self, value: Any) -> None:
+    def labels_of(self, value: Any) -> frozenset[str]:
+        found: frozenset[str] = frozenset()
+        for x in tree_flatten(value)[0]:
+            entry = self.labels.get(id(x)) if isinstance(x, Tensor) else None
+            if entry is not None and entry[0]() is x:
+                found |= entry[1]
+        return found
+
+    def _placeholder_output(self, name: str):
+        def label(*hook_args: Any) -> None:
+            self.where[name] = _user_line()
+            self._label(hook_args[-1], frozenset({name}))
+        return label
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        self.inputs.append(self.labels_of((args, kwargs)))
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        labels = self.inputs.pop() if self.inputs else frozenset()
+        if labels:
+            self._label(output, labels)
+
+    def _label(self, value: Any, labels: frozenset[str]) -> None:
         for x in tree_flatten(value)[0]:
             if isinstance(x, Tensor):
-                self.marked[id(x)] = weakref.ref(x)
+                self.labels[id(x)] = (weakref.ref(x), labels | self.labels_of(x))
 
-    def _is_marked(self, x: Any) -> bool:
-        ref = self.marked.get(id(x)) if isinstance(x, Tensor) else None
-        return ref is not None and ref() is x
+    @staticmethod
+    def _of_placeholders(labels: frozenset[str]) -> frozenset[str]:
+        return labels - {RECEIVED}
 
-    def _message(self, conversion: str) -> str:
+    def _conversion_message(self, conversion: str) -> str:
         return (
             f"The forward of {self.stage_name} reads the value of a tensor computed before block"
             f" {self.first_block!r} ({conversion}){_user_line()}. Stage {self.stage_id} of the pipeline does"
@@ -87,6 +156,20 @@ class PlaceholderWatch(TorchFunctionMode):
             f" depends on activation values (an early exit, a branch on x.isnan().any(), .item()) cannot be"
             f" pipelined as written: move it into a block (each block runs on the stage that holds it), or"
             f" train with pipeline_parallel_size=1."
+        )
+
+    def _placeholder_message(self, name: str) -> str:
+        return (
+            f"The output of stage {self.stage_id} of the pipeline is computed from {name!r}, which"
+            f" {self.holders.get(name, 'another stage')} holds: on stage {self.stage_id} a placeholder stands for"
+            f" it and {self.gives[name]}{self.where.get(name, '')}. The forward uses {name!r} where this stage runs"
+            f" (its blocks start at {self.first_block!r}), not only where the stage that holds it does."
+            f" policy='auto' gives the first stage the modules the forward uses before the blocks and the last"
+            f" stage those it uses after them (found by running the forward on the meta device, else by the"
+            f" order the modules are registered in); a module used on both sides or among the blocks, or a"
+            f" block called twice, fits neither. Register a policy that names Plan.before and Plan.after, give"
+            f" a module used on both sides a second module that shares its weight (as a head tied to the"
+            f" embedding: lm_head.weight = embed.weight), or train with pipeline_parallel_size=1."
         )
 
 
@@ -104,10 +187,10 @@ class Handover:
         self.returned = output
 
     def check(self, given: Any) -> None:
-        returned = self.returned
-        # A block returning a tuple is indexed by the forward (``x = block(x)[0]``); its placeholder returns
-        # the tensor itself, so the first block gets a view of it.
-        if given is returned or (isinstance(given, Tensor) and given._base is returned and returned is not None):
+        # A block returning a tuple is indexed by the forward (``x = block(x)[0]``): the first block gets the
+        # first tensor of what its placeholder returned.
+        returned = next((x for x in tree_flatten(self.returned)[0] if isinstance(x, Tensor)), None)
+        if given is returned and returned is not None:
             return
         what = ("is never called before it" if returned is None
                 else "returned something else than the first block gets")

@@ -148,6 +148,9 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
     num_stages = len(stage_blocks)
     inputs = InputSpec()  # shared by this rank's stages that run the forward as written
     split = [*plan.blocks, *plan.before, *plan.after]
+    holders = {_relative(fqn, root_name): "stage 0" for fqn in plan.before}
+    holders |= {_relative(fqn, root_name): f"the last stage ({num_stages - 1})" for fqn in plan.after}
+    holders |= {_relative(block, root_name): f"stage {s}" for s, blocks in enumerate(stage_blocks) for block in blocks}
     stages = []
     for stage_id in stage_ids:
         stage = copy.deepcopy(root)
@@ -163,7 +166,9 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
             held = [_relative(b, root_name) for b in stage_blocks[stage_id]]
             previous = _relative(stage_blocks[stage_id - 1][-1], root_name) if stage_id > 0 else None
             stage.forward = StageForward(stage, held[0], held[-1], stage_id=stage_id, previous_block=previous,
-                                         is_last=stage_id == num_stages - 1, inputs=inputs)
+                                         is_last=stage_id == num_stages - 1, inputs=inputs,
+                                         units=[_relative(fqn, root_name) for fqn in split if fqn in keep],
+                                         holders=holders)
         elif plan.stage_forward is not None:
             stage.forward = partial(plan.stage_forward, stage)
         stages.append(stage)
@@ -238,7 +243,7 @@ def _remove(module: nn.Module, fqn: str, as_written: bool = False) -> None:
     if as_written:  # the forward still calls it: a placeholder takes its place (pipeline.as_written)
         child = _get(module, fqn)
         if child is not None:  # (a union root: _put gives it back what this rank holds)
-            _put(module, fqn, PassThroughBlock() if isinstance(parent, CONTAINERS) else Shell(child))
+            _put(module, fqn, PassThroughBlock(child) if isinstance(parent, CONTAINERS) else Shell(child))
         return
     if isinstance(parent, nn.ModuleDict):
         if name in parent:

@@ -5,10 +5,14 @@ policy for tensor parallelism -- the blocks are the longest list of same-class l
 (``auto.repeated_blocks``). Then, by structure:
 
 * the **pipeline root** is the LightningModule's child that holds them (the model ``training_step`` calls);
-* on the path from the root down to the blocks' container, the children with parameters registered
-  **before** that path are the first stage's (embeddings), those registered **after** it the last stage's
-  (final norm, output head); children without parameters (dropout, a rotary embedding's buffers) are shared
-  by every stage;
+* on the path from the root down to the blocks' container, the children with parameters that the forward
+  uses **before** the blocks are the first stage's (embeddings), those it uses **after** them the last
+  stage's (final norm, output head), in the order one forward on a meta-device copy uses them
+  (:mod:`~lightning_3d.policies.call_order`). A child that forward does not reach, or uses both before and
+  after the blocks, goes by where it is registered: before the path or after it. Children without
+  parameters (dropout, a rotary embedding's buffers) are shared by every stage. Whatever the placement,
+  each stage checks at its first call that its output owes nothing to a module it does not hold
+  (``pipeline.placeholder_watch``);
 * parameters that are one tensor under two names (an input embedding tied to the head) are **tied**;
 * each stage runs the model's own forward (``Plan.forward_as_written``, ``lightning_3d.pipeline.as_written``).
 """
@@ -21,6 +25,7 @@ from torch import nn
 
 from lightning_3d.common import join_fqn, parent_fqn
 from lightning_3d.policies.base import Plan
+from lightning_3d.policies.call_order import forward_uses
 
 
 def with_pipeline(root: nn.Module, plan: Plan) -> Plan:
@@ -39,8 +44,7 @@ def pipeline_parts(root: nn.Module, blocks: list[str]) -> dict:
     path = container.split(".") if container else []
     if len(path) < 2:
         return {}
-    before: list[str] = []
-    after: list[str] = []
+    candidates: list[tuple[str, bool]] = []  # (FQN, registered before the path)
     for depth in range(1, len(path)):
         parent = ".".join(path[:depth])
         names = [name for name, _ in root.get_submodule(parent).named_children()]
@@ -48,9 +52,32 @@ def pipeline_parts(root: nn.Module, blocks: list[str]) -> dict:
         for index, name in enumerate(names):
             fqn = join_fqn(parent, name)
             if index != on_path and _has_parameters(root.get_submodule(fqn)):
-                (before if index < on_path else after).append(fqn)
+                candidates.append((fqn, index < on_path))
+    uses = _uses(root, path[0], [fqn for fqn, _ in candidates], blocks)
+    before: list[str] = []
+    after: list[str] = []
+    for fqn, registered_before in candidates:
+        (before if uses.get(fqn, registered_before) else after).append(fqn)
     return dict(pipeline_root=path[0], before=before, after=after, tied_parameters=tied_parameters(root),
                 forward_as_written=True)
+
+
+def _uses(root: nn.Module, pipeline_root: str, candidates: list[str], blocks: list[str]) -> dict[str, bool]:
+    """FQN -> whether the forward uses it before the blocks (True) or after them (False), for the candidates
+    one forward of the pipeline root on meta uses on one side of the blocks only."""
+    def relative(fqn: str) -> str:
+        return fqn[len(pipeline_root) + 1:]
+
+    groups = {fqn: [relative(fqn)] for fqn in candidates} | {_BLOCKS: [relative(b) for b in blocks]}
+    spans = forward_uses(root.get_submodule(pipeline_root), groups)
+    around = spans.get(_BLOCKS)
+    if around is None:
+        return {}
+    return {fqn: span.last < around.first for fqn, span in spans.items()
+            if fqn != _BLOCKS and (span.last < around.first or span.first > around.last)}
+
+
+_BLOCKS = "<blocks>"
 
 
 def tied_parameters(root: nn.Module) -> list[tuple[str, str]]:

@@ -2,8 +2,8 @@
 write: Phi-3 (fused qkv_proj and gate_up_proj), BERT (attention and MLP over sibling modules), GPT-NeoX and
 Falcon (fused head-major query_key_value), OLMo, Gemma 2, Qwen2, GPT-2 (Conv1D) from transformers configs,
 and nanoGPT as published (fused c_attn, sizes read from its input). Each matches one process step by step at
-(dp, pp, tp) = (1, 1, 2), with sequence parallelism, and at (1, 2, 2) (Falcon: tp only, its blocks return
-tuples a pipeline of its forward cannot cut); at least 90% of each rank's block parameters are sharded over
+(dp, pp, tp) = (1, 1, 2), with sequence parallelism, and at (1, 2, 2); at least 90% of each rank's block
+parameters are sharded over
 tp, counted from the placements on the ranks, and so are the token embedding and the head (over the
 vocabulary, a tied pair included); a checkpoint written at tp=2 holds the single-device layout:
 transformers loads it, and runs at tp=1 and tp=4 start from it."""

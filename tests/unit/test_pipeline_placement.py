@@ -1,0 +1,149 @@
+"""A forward as people write it pipelines as written (``lightning_3d.pipeline.as_written``) with one process's
+output, or fails at a stage's first call naming the module -- never a silently wrong result:
+
+* the modules outside the blocks go to the stage on whose side of the blocks the forward uses them, not the
+  side they are registered on (OPT registers its final norm before its layers);
+* blocks that return a tuple the forward indexes (``hidden = block(hidden)[0]``: BLOOM, GPT-Neo, MPT, Falcon);
+* a forward that reads an attribute of a module another stage holds (``embed.weight.device``: Llama 4);
+* a stage whose output would be made of a placeholder's zeros (a module placed on the wrong side, an
+  embedding's weight read again as the head's) or would not depend on the activation it receives.
+
+Two stages run in one process, chained as the pipeline chains them; their runs on ranks are in
+parity/test_parity_pipeline_as_written.py."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from helpers.hf_cases import PIPELINE_HF_MODELS
+from lightning_3d.pipeline.split import split_stages
+from lightning_3d.pipeline.step_checks import StepPatternError
+from lightning_3d.policies import Plan, PlanOptions
+from lightning_3d.policies.auto import AutoPolicy
+from lightning_3d.policies.auto_pipeline import with_pipeline
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class NormFirstLM(nn.Module):
+    """Registers its final norm before its blocks and calls it after them, as OPT's decoder does."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.final_norm = nn.LayerNorm(width)
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
+class TupleBlock(Residual):
+    def forward(self, x):
+        return super().forward(x), None  # (hidden, attention weights), as transformers' older blocks return
+
+
+class TupleBlocksLM(NormFirstLM):
+    """Blocks that return a tuple, indexed by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TupleBlock(32) for _ in range(4))
+
+    def forward(self, idx):
+        x = self.embed(idx.to(self.embed.weight.device))  # reads an attribute of another stage's module
+        for block in self.blocks:
+            outputs = block(x)
+            x = outputs[0]
+        return self.head(self.final_norm(x))
+
+
+class EmbeddingAsHeadLM(NormFirstLM):
+    """Reads the embedding's weight again after the blocks, as its head: no module of its own for it."""
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.final_norm(x), self.embed.weight)
+
+
+class IgnoresReceivedLM(NormFirstLM):
+    """Its head reads features of the token ids, not what the blocks made of them."""
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.final_norm(F.one_hot(idx % h.shape[-1], h.shape[-1]).float()))
+
+
+def planned(model: nn.Module) -> tuple[nn.Module, Plan]:
+    root = nn.ModuleDict({"model": model})  # as a LightningModule holds it (self.model)
+    return root, with_pipeline(root, AutoPolicy().plan(root, PlanOptions()))
+
+
+def chained(root: nn.Module, plan: Plan, args: tuple = (), kwargs: dict | None = None):
+    """The output of two stages (half the blocks each) chained as the pipeline chains them."""
+    kwargs = kwargs or {}
+    half = len(plan.blocks) // 2
+    first, second = split_stages(root, plan, [plan.blocks[:half], plan.blocks[half:]], [0, 1])
+    first.forward.inputs.spec = tree_flatten((args, kwargs))[1]
+    return second(*first(*args, **kwargs))
+
+
+def test_a_module_goes_to_the_side_of_the_blocks_the_forward_uses_it_on_not_where_it_is_registered():
+    torch.manual_seed(0)
+    model, tokens = NormFirstLM(), torch.randint(0, 64, (2, 8))
+    root, plan = planned(copy.deepcopy(model))
+    assert plan.before == ["model.embed"] and plan.after == ["model.final_norm", "model.head"]
+    assert torch.equal(chained(root, plan, (tokens,)), model(tokens))
+
+
+def test_blocks_that_return_tuples_and_reads_of_another_stages_attributes_run_as_in_one_process():
+    torch.manual_seed(0)
+    model, tokens = TupleBlocksLM(), torch.randint(0, 64, (2, 8))
+    root, plan = planned(copy.deepcopy(model))
+    assert torch.equal(chained(root, plan, (tokens,)), model(tokens))
+
+
+@pytest.mark.parametrize("build, plan_change, found", [
+    (NormFirstLM, dict(before=["model.embed", "model.final_norm"], after=["model.head"]),
+     r"output of stage 1 of the pipeline is computed from 'final_norm', which stage 0 holds"),
+    (EmbeddingAsHeadLM, {}, r"output of stage 1 of the pipeline is computed from 'embed', which stage 0 holds"),
+    (IgnoresReceivedLM, {}, r"output of stage 1 of the pipeline does not depend on the activation it receives"),
+], ids=["module_on_the_wrong_side", "embedding_weight_read_as_head", "output_ignores_the_activation"])
+def test_a_stage_whose_output_owes_to_a_placeholder_or_not_to_its_input_fails_at_its_first_call(
+        build, plan_change, found):
+    torch.manual_seed(0)
+    root, plan = planned(build())
+    with pytest.raises(StepPatternError, match=found):
+        chained(root, replace(plan, **plan_change), (torch.randint(0, 64, (2, 8)),))
+
+
+@pytest.mark.parametrize("model_type", sorted(PIPELINE_HF_MODELS))
+def test_transformers_models_two_stages_give_the_models_own_logits(model_type):
+    transformers = pytest.importorskip("transformers")
+    config = {k: v for k, v in PIPELINE_HF_MODELS[model_type].items() if k != "seq_len"}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).train()
+    tokens = torch.randint(2, config["vocab_size"], (2, 8))
+    root, plan = planned(copy.deepcopy(model))
+    output = chained(root, plan, kwargs=dict(input_ids=tokens))
+    assert torch.equal(output[0] if isinstance(output, tuple) else output, model(input_ids=tokens).logits)
