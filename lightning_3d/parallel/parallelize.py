@@ -155,10 +155,23 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     if config.compile:
         apply_compile(module, plan, rank)
 
-    # 5. Initial weights: materialize this rank's tensors and replay reset_parameters() on them (meta), or
-    #    fill them from rank 0's build as written, one full tensor at a time (exact, streamed), or replay the
-    #    recorded build for this rank's tensors only, each draw seeded apart (fast), or keep the broadcast
-    #    weights (exact, built on every rank).
+    # 5. Under ZeRO/HSDP with the model on the meta device: precision and data parallel (7, 8) come first, so
+    #    FSDP2 shards the meta tensors and a rank then allocates and initializes its dp shard only, never the
+    #    unsharded tp/pp share (torchtitan's order). Otherwise the weights are initialized first (6): DDP and
+    #    FSDP2's replicate take real tensors.
+    blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: FSDP2's units
+    data_parallel = partial(_data_parallel, blocks=blocks, config=config, dims=dims, mesh=mesh, device=device,
+                            precision=precision)
+    shard_first = on_meta and shards_over_dp(config, dims)
+    if shard_first:
+        precision.convert_module(module)
+        stages = {i: data_parallel(stage) for i, stage in stages.items()}
+        called = module if stages else data_parallel(module)
+
+    # 6. Initial weights: materialize this rank's tensors (its shards) and replay reset_parameters() on them
+    #    (meta), or fill them from rank 0's build as written, one full tensor at a time (exact, streamed), or
+    #    replay the recorded build for this rank's tensors only, each draw seeded apart (fast), or keep the
+    #    broadcast weights (exact, built on every rank).
     if on_meta:
         materialize(module, device)
         if weights.seeded is not None:
@@ -170,21 +183,19 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
         else:
             replay_init(skeleton, module, state_tensor(rank0["init"]), plan.init_module, params_loaded,
                         weights.reset_order)
+    # (on sharded modules FSDP2 takes the materialized shards in here: its _apply re-reads them)
     module.to(device)
     init = "fast" if weights.seeded is not None else "exact" if weights.streamed or not on_meta else "meta"
     rank_zero_info(f"lightning_3d: model_init={init!r} (see lightning_3d.parallel.weight_init)")
 
-    # 6. Precision: Lightning's plugin converts the weights ("bf16-true") before data parallel shards them.
-    precision.convert_module(module)
+    if not shard_first:
+        # 7. Precision: Lightning's plugin converts the weights ("bf16-true") before data parallel shards them.
+        precision.convert_module(module)
+        # 8. Data parallel over "dp" (replicated or ZeRO shards): around the module, or around each stage.
+        stages = {i: data_parallel(stage) for i, stage in stages.items()}
+        called = module if stages else data_parallel(module)
 
-    # 7. Data parallel over "dp" (replicated or ZeRO shards): around the module, or around each stage.
-    blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: FSDP2's units
-    data_parallel = partial(_data_parallel, blocks=blocks, config=config, dims=dims, mesh=mesh, device=device,
-                            precision=precision)
-    stages = {i: data_parallel(stage) for i, stage in stages.items()}
-    called = module if stages else data_parallel(module)
-
-    # 8. Pretrained weights over the initialized ones: after data parallel, so a rank reads only the slices it
+    # 9. Pretrained weights over the initialized ones: after data parallel, so a rank reads only the slices it
     #    holds (its tp shard, and under ZeRO-3 its dp shard of that).
     if config.init_from:
         load_pretrained(module, config.init_from, plan.checkpoint_names, plan.tied_parameters)
@@ -194,11 +205,11 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     step_result = whole if sharded_logits else None  # logits a step returns reach Lightning whole
     engine = None
     if stages:
-        # 9. Tied weights' gradients summed between the first and last stages (built once data parallel has
+        # 10. Tied weights' gradients summed between the first and last stages (built once data parallel has
         #    replaced the parameters), after the tp sums left pending in the schedule's backward.
         tied = (TiedGradients(module, tied_copies, embedding_group(dims, coords))
                 if plan.tied_parameters else None)
-        # 10. The pipeline engine over this rank's stages.
+        # 11. The pipeline engine over this rank's stages.
         engine = PipelineEngine(
             module=module, root_name=plan.pipeline_root, num_stages=len(stage_blocks),
             stages=stages, schedule=config.pipeline_schedule, num_microbatches=config.microbatches,
@@ -250,12 +261,16 @@ def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: in
     return with_pipeline(module, policy.plan(module, options))
 
 
+def shards_over_dp(config: ParallelConfig, dims: ParallelDims) -> bool:
+    """Whether data parallel is FSDP2's ``fully_shard`` (ZeRO, HSDP): over dp > 1, or over one rank to offload
+    (ZeRO-Offload on one GPU keeps parameters, gradients and optimizer state in host memory)."""
+    return config.zero_stage > 0 and (dims.dp > 1 or config.offload)
+
+
 def _data_parallel(module: nn.Module, *, blocks: list[nn.Module], config: ParallelConfig, dims: ParallelDims,
                    mesh: DeviceMesh, device: torch.device, precision: Precision) -> nn.Module:
-    # dp = 1 has nothing to replicate or shard over -- but offload still asks FSDP2 to keep parameters,
-    # gradients and optimizer state in host memory, which it does over one rank too (ZeRO-Offload on one GPU).
-    offload_alone = config.offload and config.zero_stage > 0
-    if dims.dp == 1 and not offload_alone:
+    # dp = 1 has nothing to replicate or shard over, unless offload asks FSDP2 to keep the state on the host.
+    if dims.dp == 1 and not shards_over_dp(config, dims):
         return module
     inner = [m for m in module.modules() if m is not module and any(m is b for b in blocks)]
     dp_mesh = dims.dp_mesh_for_zero(mesh) if config.zero_stage > 0 else mesh["dp"]  # HSDP: (replicate, shard)

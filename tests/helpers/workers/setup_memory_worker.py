@@ -1,13 +1,15 @@
 """Peak host memory of set-up, per rank, for a model built in ``configure_model()`` as users write it
 (``test_setup_memory``, ``benchmarks/setup_memory.py``).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 4 setup_memory_worker.py OUT_DIR MODEL
+    python -m torch.distributed.run --standalone --nproc-per-node 4 setup_memory_worker.py OUT_DIR MODEL [LAYOUT]
 
 MODEL: "llama_<hidden>x<layers>" (transformers' LlamaForCausalLM from its config: its init runs in
 ``post_init``, so it takes the exact route) or "gpt_<width>x<layers>" (the reference GPT: the meta route).
-Each rank writes ``rank{R}.json``: its parameter bytes after set-up, the largest tensor of the model, the
+LAYOUT: names of ``LAYOUTS``, comma-separated (default "pp2_tp2"): one fit each, in one launch.
+Each rank writes ``rank{R}.json``, per layout: its parameter bytes after set-up, the largest tensor of the model, the
 peak growth of its resident set from just before ``fit`` to the start of training, and set-up seconds."""
 
+import gc
 import json
 import os
 import sys
@@ -22,7 +24,11 @@ from lightning_3d import ThreeDStrategy
 from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule
 from lightning_3d.parallel.memory import memory_report
 
-LAYOUT = dict(pipeline_parallel_size=2, tensor_parallel_size=2)
+LAYOUTS = {
+    "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2, num_microbatches=2),
+    "dp4_zero3": dict(zero_stage=3),
+    "hsdp2x2_zero3": dict(zero_stage=3, data_parallel_shard_size=2),  # 2 replicas x 2 shards
+}
 VOCAB, SEQ = 512, 16
 
 
@@ -71,14 +77,25 @@ class Measure(L.Callback):
                        "setup_seconds": round(time.monotonic() - self.start, 1)}
 
 
-def main(out_dir: str, spec: str) -> None:
+def main(out_dir: str, spec: str, layouts: str = "pp2_tp2") -> None:
+    """One fit per layout (comma-separated names of ``LAYOUTS``), each measured from the resident set it
+    starts from; ``rank{R}.json`` holds every layout's result by name."""
     if spec.startswith("llama"):  # the user's import, not the set-up's: before the measured window
         import transformers  # noqa: F401
+    results = {}
+    for layout in layouts.split(","):
+        results[layout] = _measured_fit(spec, layout)
+        gc.collect()  # the previous fit's model and optimizer go before the next one's baseline
+    (Path(out_dir) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
+    end_process_group()
+
+
+def _measured_fit(spec: str, layout: str) -> dict:
     L.seed_everything(0, verbose=False)
     module = module_for(spec)
     data = SyntheticDataModule(vocab_size=VOCAB, seq_len=SEQ, batch_size=2)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        strategy=ThreeDStrategy(**LAYOUT, num_microbatches=2), max_steps=1, limit_train_batches=1,
+                        strategy=ThreeDStrategy(**LAYOUTS[layout]), max_steps=1, limit_train_batches=1,
                         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     # The peak (VmHWM) afresh from the current resident set: what follows is the strategy's doing.
@@ -86,9 +103,8 @@ def main(out_dir: str, spec: str) -> None:
     measure = Measure(_status_kib("VmRSS"), time.monotonic())
     trainer.callbacks.append(measure)
     trainer.fit(module, data)
-    (Path(out_dir) / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(measure.result))
-    end_process_group()
+    return measure.result
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
