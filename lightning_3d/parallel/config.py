@@ -18,6 +18,7 @@ AUTO_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_sched
 _DEFAULTS_OF_AUTO = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "pipeline_schedule": "1f1b",
                      "num_microbatches": None, "zero_stage": 0, "activation_checkpointing": None}
 PIPELINE_REDUCE_GRADS = ("per_step", "per_microbatch")
+REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(kw_only=True)
@@ -66,6 +67,10 @@ class ParallelConfig:
     shards) from the first backward to the end of the step. "per_microbatch": each block's gradient as that
     block's backward ends, in every micro-batch -- about one block's whole gradient at a time, for
     num_microbatches times the reduce-scatter bytes (``lightning_3d.pipeline.grad_sync``)."""
+    reduce_dtype: str = "float32"
+    """The dtype gradients are reduced over dp in: "float32" (torchtitan's and Megatron-LM's default; under
+    "bf16-true" each bf16 gradient is upcast for the reduction and the result cast back) or "bfloat16" (half the
+    bytes, with bf16's rounding in every sum). Under "32-true" and "bf16-mixed" gradients are fp32 already."""
     offload: bool = False
     """Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's CPU offload; CUDA
     only, a no-op with a warning on CPU). Needs zero_stage > 0; works at dp=1 too (FSDP2 over one rank)."""
@@ -131,6 +136,7 @@ class ParallelConfig:
         _require_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         _require_choice("model_init", self.model_init, MODEL_INIT)
         _require_choice("pipeline_reduce_grads", self.pipeline_reduce_grads, PIPELINE_REDUCE_GRADS)
+        _require_choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         if self.pipeline_reduce_grads == "per_microbatch":
             _check_reduce_per_microbatch(self)
         if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in MULTI_STAGE_SCHEDULES:

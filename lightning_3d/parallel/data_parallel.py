@@ -11,6 +11,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_3d.parallel.precision import allreduce_in
+
 
 def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
                         device: torch.device, pipeline_stage: bool = False, zero_stage: int = 0,
@@ -37,17 +39,24 @@ def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: Dev
     """
     if zero_stage > 0:
         return apply_zero(module, blocks, dp_mesh, zero_stage, pipeline_stage, mp_policy, offload_policy)
+    wide = mp_policy.reduce_dtype if mp_policy is not None else None  # the reductions' dtype, if set
     if pipeline_stage or any(isinstance(p, DTensor) for p in module.parameters()):
+        # Replicated weights compute as they are (autocast casts them under "bf16-mixed"); only the reductions
+        # take the policy's dtype.
+        reductions = MixedPrecisionPolicy(reduce_dtype=wide)
         for block in blocks:
-            replicate(block, mesh=dp_mesh)
-        replicate(module, mesh=dp_mesh)
+            replicate(block, mesh=dp_mesh, mp_policy=reductions)
+        replicate(module, mesh=dp_mesh, mp_policy=reductions)
         return module
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         module,
         device_ids=None if device.type == "cpu" else [device.index],
         process_group=dp_mesh.get_group(),
         init_sync=False,
     )
+    if wide is not None and any(p.dtype != wide for p in module.parameters() if p.requires_grad):
+        ddp.register_comm_hook(dp_mesh.get_group(), allreduce_in(wide))  # bf16 gradients averaged in fp32
+    return ddp
 
 
 def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int,

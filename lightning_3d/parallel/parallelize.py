@@ -275,7 +275,7 @@ def _data_parallel(module: nn.Module, *, blocks: list[nn.Module], config: Parall
     inner = [m for m in module.modules() if m is not module and any(m is b for b in blocks)]
     dp_mesh = dims.dp_mesh_for_zero(mesh) if config.zero_stage > 0 else mesh["dp"]  # HSDP: (replicate, shard)
     return apply_data_parallel(module, inner, dp_mesh, device, pipeline_stage=dims.pp > 1,
-                               zero_stage=config.zero_stage, mp_policy=mixed_precision_policy(precision),
+                               zero_stage=config.zero_stage, mp_policy=mixed_precision_policy(precision, config.reduce_dtype),
                                offload_policy=offload_policy(config, device))
 
 

@@ -11,6 +11,9 @@ where parameters are sharded (``zero_stage > 0``):
   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); its shards, which the optimizer steps,
   stay fp32.
 * ``"bf16-true"`` -- ``HalfPrecision``: the model is converted to bf16 before sharding; no master weights.
+  Gradients are reduced over dp in ``ParallelConfig.reduce_dtype`` (fp32 by default, as torchtitan and
+  Megatron-LM do): FSDP2's ``reduce_dtype`` where it shards or replicates, a DDP communication hook
+  (:func:`allreduce_in`) where DDP replicates.
 * ``"16-mixed"`` -- fp16 autocast with Lightning's gradient scaler, on CUDA only, and only where every rank
   holds whole, replicated gradients (tp = pp = 1, zero_stage = 0): the scaler skips a step when *its own*
   gradients overflow, and ranks holding different shards or stages would then disagree about skipping.
@@ -20,6 +23,7 @@ where parameters are sharded (``zero_stage > 0``):
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -53,11 +57,26 @@ def check_precision(plugin: Precision, device: torch.device, dims: ParallelDims,
         )
 
 
-def mixed_precision_policy(plugin: Precision) -> MixedPrecisionPolicy:
-    """FSDP2's policy for sharded modules: bf16 gathers and compute, fp32 reductions, under "bf16-mixed"."""
-    if getattr(plugin, "precision", None) == "bf16-mixed":
+def mixed_precision_policy(plugin: Precision, reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
+    """FSDP2's policy: under "bf16-mixed" bf16 gathers and compute with fp32 reductions; under "bf16-true" the
+    gradients reduced in ``reduce_dtype`` (``ParallelConfig.reduce_dtype``)."""
+    precision = getattr(plugin, "precision", None)
+    if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "bf16-true":
+        return MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype))
     return MixedPrecisionPolicy()
+
+
+def allreduce_in(dtype: torch.dtype):
+    """A DDP communication hook that averages each gradient bucket in ``dtype`` (fp32 for bf16 gradients) and
+    hands it back in the bucket's own dtype. Register with ``ddp.register_comm_hook(process_group, hook)``."""
+    def hook(group, bucket):  # DDP checks the annotations' objects: none, rather than postponed strings
+        buffer = bucket.buffer()
+        wide = buffer.to(dtype).div_(dist.get_world_size(group))
+        work = dist.all_reduce(wide, group=group, async_op=True).get_future()
+        return work.then(lambda done: buffer.copy_(done.value()[0]))
+    return hook
 
 
 def warn_about_no_ops(config: ParallelConfig, dims: ParallelDims, device: torch.device) -> None:
