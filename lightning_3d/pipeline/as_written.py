@@ -50,10 +50,9 @@ class InputSpec:
 class StageForward:
     """``forward`` of one stage: the pipeline root's own, between this stage's first and last block."""
 
-    def __init__(self, stage: nn.Module, first_block: str, last_block: str, *, stage_id: int,
-                 previous_block: str | None, is_last: bool, inputs: InputSpec, units: list[str],
-                 holders: dict[str, str]) -> None:
-        self.stage, self.first_block, self.last_block = stage, first_block, last_block
+    def __init__(self, stage: nn.Module, blocks: list[str], *, stage_id: int, previous_block: str | None,
+                 is_last: bool, inputs: InputSpec, units: list[str], holders: dict[str, str]) -> None:
+        self.stage, self.blocks, self.first_block, self.last_block = stage, blocks, blocks[0], blocks[-1]
         self.stage_id, self.previous_block, self.is_last, self.inputs = stage_id, previous_block, is_last, inputs
         self.is_first = previous_block is None
         self.units = units  # the plan's modules (blocks, embeddings, head) this stage holds
@@ -120,9 +119,8 @@ class StageForward:
                         if isinstance(m, (PassThroughBlock, Shell))}
         handover = None if self.is_first else Handover(self.stage.get_submodule(self.previous_block),
                                                        self.previous_block, self.first_block, self.stage_id)
-        units = [self.stage.get_submodule(name) for name in self.units]
-        return handover, PlaceholderWatch(self.stage, placeholders, self.holders, units, self.first_block,
-                                          self.stage_id)
+        units = {name: self.stage.get_submodule(name) for name in self.units}
+        return handover, PlaceholderWatch(self.stage, placeholders, self.holders, units, self.blocks, self.stage_id)
 
 
 class _ReplaceInput:

@@ -1,11 +1,11 @@
 """What a stage cannot run as written, found at its first call: code that uses values the stage does not have.
 
 A stage runs the model's forward (``pipeline.as_written``) with placeholders for what other stages hold:
-:class:`~lightning_3d.pipeline.as_written.Shell` s return zeros for the embeddings or the head (and zeros
-for their parameters, where the forward reads one), :class:`~lightning_3d.pipeline.as_written.PassThroughBlock`
+:class:`~lightning_3d.pipeline.placeholders.Shell` s return zeros for the embeddings or the head (and zeros
+for their parameters, where the forward reads one), :class:`~lightning_3d.pipeline.placeholders.PassThroughBlock`
 s hand their input on, and the first block's input is swapped for the activation the previous stage sent.
 What the forward computes from the placeholders is meaningless, which does no harm as long as only that
-swapped input is made of it. Three patterns would turn it into a silently wrong result; each raises
+swapped input is made of it. Three kinds of pattern would turn it into a silently wrong result; each raises
 :class:`StepPatternError` instead, on the stage's first call (step 1), on the rank that finds it (the fault
 watch takes the job down with its name):
 
@@ -13,11 +13,14 @@ watch takes the job down with its name):
   a branch on ``x.isnan().any()``, ``.item()`` of an activation: the stage would decide on zeros what one
   process decides on the real activation. :class:`PlaceholderWatch` follows every tensor computed from a
   placeholder and stops at its first conversion to a Python value.
-* **An output made of placeholders, or not of the activation received** -- a module the plan put on
-  another stage but which the forward uses on this one (a final norm registered before the blocks and
-  called after them, an embedding's weight read again as the head's), a block called a second time: the
-  stage would send or return what the placeholder gave. :class:`PlaceholderWatch` checks that the stage's
-  output derives from no placeholder and, after the first stage, from the activation it received.
+* **An output made of placeholders, of values from inside the blocks, or not of the activation received**
+  -- a module the plan put on another stage but which the forward uses on this one (a final norm registered
+  before the blocks and called after them, an embedding's weight read again as the head's), a block called a
+  second time: the stage would send or return what the placeholder gave; a value collected from within the
+  blocks (the router logits of an auxiliary loss, gathered by hooks): one process gathers it from every
+  block, a stage only from its own. :class:`PlaceholderWatch` checks that the stage's output derives from no
+  placeholder, from nothing inside a block but what the block returns, and, after the first stage, from the
+  activation it received.
 * **Code that changes the activation where the pipeline cuts** -- ``x = x * scale`` between the last block
   of one stage and the first of the next: the previous stage sends its last block's output before that line
   runs, and the swap drops what the line computed on this one. :class:`Handover` checks that the first
@@ -49,6 +52,12 @@ HOST_CONVERSIONS = frozenset({"__bool__", "__int__", "__float__", "__complex__",
 _LIBRARY_FILES = ("/torch/", "/lightning_3d/", "/lightning/", "/contextlib.py")
 RECEIVED = "<received>"
 """The label of the activation the stage received from the previous one, and of what derives from it."""
+_INSIDE = "<inside "
+
+
+def _inside(block: str) -> str:
+    """The label of what a block computes before it returns (its output gets its inputs' labels instead)."""
+    return f"{_INSIDE}{block}>"
 
 
 class PlaceholderWatch(TorchFunctionMode):
@@ -59,22 +68,22 @@ class PlaceholderWatch(TorchFunctionMode):
     positions) are the real ones, on every stage, and carry no label.
 
     ``placeholders``: name in the stage -> the placeholder; ``holders``: name -> which stage holds the module
-    it stands for, in words ("stage 0"); ``units``: the modules of the plan the stage holds
-    (blocks, embeddings, head)."""
+    it stands for, in words ("stage 0"); ``units``: name -> the modules of the plan the stage holds (blocks,
+    embeddings, head); ``blocks``: the names of its blocks, in order."""
 
     def __init__(self, stage: nn.Module, placeholders: dict[str, nn.Module], holders: dict[str, str],
-                 units: list[nn.Module], first_block: str, stage_id: int) -> None:
+                 units: dict[str, nn.Module], blocks: list[str], stage_id: int) -> None:
         super().__init__()
-        self.stage_name, self.first_block, self.stage_id = type(stage).__name__, first_block, stage_id
-        self.holders = holders
+        self.stage_name, self.first_block, self.stage_id = type(stage).__name__, blocks[0], stage_id
+        self.holders, self.blocks = holders, set(blocks)
         self.labels: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
         self.where: dict[str, str] = {}  # placeholder name -> where the forward last used it
-        self.inputs: list[frozenset[str]] = []  # the labels of the modules running, innermost last
+        self.running: list[tuple[str, frozenset[str]]] = []  # the units running and their inputs' labels
         self.handles = [h for name, p in placeholders.items() for h in
                         (p.register_forward_hook(self._placeholder_output(name)),
                          *([p.watch_reads(self._placeholder_output(name))] if isinstance(p, Shell) else []))]
-        self.handles += [h for m in units for h in (
-            m.register_forward_pre_hook(self._enter, prepend=True, with_kwargs=True),
+        self.handles += [h for name, m in units.items() for h in (
+            m.register_forward_pre_hook(self._enter(name), prepend=True, with_kwargs=True),
             m.register_forward_hook(self._leave, always_call=True))]
         self.gives = {name: "gives zeros" if isinstance(p, Shell) else "hands its input on"
                       for name, p in placeholders.items()}
@@ -95,6 +104,9 @@ class PlaceholderWatch(TorchFunctionMode):
             raise StepPatternError(self._conversion_message(name))
         output = func(*args, **kwargs)
         labels = self.labels_of((args, kwargs))
+        block = next((unit for unit, _ in reversed(self.running) if unit in self.blocks), None)
+        if labels and block is not None:  # only the block's output leaves it as such (see _leave)
+            labels |= {_inside(block)}
         if labels:
             self._label(output, labels)
         return output
@@ -103,9 +115,12 @@ class PlaceholderWatch(TorchFunctionMode):
         """Raise if ``output`` (what the stage sends or returns) derives from a placeholder, or, after the
         first stage, not from the activation the stage received."""
         labels = self.labels_of(output)
+        inside = sorted(label for label in labels if label.startswith(_INSIDE))
         used = sorted(self._of_placeholders(labels))
         if used:
             raise StepPatternError(self._placeholder_message(used[0]))
+        if inside:
+            raise StepPatternError(self._inside_message(inside[0][len(_INSIDE):-1]))
         if self.stage_id > 0 and RECEIVED not in labels:
             raise StepPatternError(
                 f"The output of stage {self.stage_id} of the pipeline does not depend on the activation it"
@@ -129,12 +144,21 @@ class PlaceholderWatch(TorchFunctionMode):
             self._label(hook_args[-1], frozenset({name}))
         return label
 
-    def _enter(self, module: nn.Module, args: Any, kwargs: dict) -> None:
-        self.inputs.append(self.labels_of((args, kwargs)))
+    def _enter(self, name: str):
+        def enter(module: nn.Module, args: Any, kwargs: dict) -> None:
+            self.running.append((name, self.labels_of((args, kwargs))))
+        return enter
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        labels = self.inputs.pop() if self.inputs else frozenset()
-        if labels:
+        if not self.running:
+            return
+        name, labels = self.running.pop()
+        if name in self.blocks:  # what the block returns derives from its inputs, not from "inside" it
+            labels |= frozenset(label for label in self.labels_of(output) if not label.startswith(_INSIDE))
+            for x in tree_flatten(output)[0]:
+                if isinstance(x, Tensor):
+                    self.labels[id(x)] = (weakref.ref(x), labels)
+        elif labels:
             self._label(output, labels)
 
     def _label(self, value: Any, labels: frozenset[str]) -> None:
@@ -144,7 +168,17 @@ class PlaceholderWatch(TorchFunctionMode):
 
     @staticmethod
     def _of_placeholders(labels: frozenset[str]) -> frozenset[str]:
-        return labels - {RECEIVED}
+        return frozenset(label for label in labels if label != RECEIVED and not label.startswith(_INSIDE))
+
+    def _inside_message(self, block: str) -> str:
+        return (
+            f"The output of stage {self.stage_id} of the pipeline derives from a value computed inside block"
+            f" {block!r} other than what the block returns: a value the forward or a hook collects from within"
+            f" the blocks, such as the router logits of an auxiliary load-balancing loss. One process collects"
+            f" it from every block; stage {self.stage_id} runs only its own blocks, so the result would differ."
+            f" Leave such a term out (transformers: output_router_logits=False), compute it in the step from"
+            f" values every block returns, or train with pipeline_parallel_size=1."
+        )
 
     def _conversion_message(self, conversion: str) -> str:
         return (

@@ -165,7 +165,7 @@ def split_stages(module: nn.Module, plan: Plan, stage_blocks: list[list[str]], s
         if plan.forward_as_written:
             held = [_relative(b, root_name) for b in stage_blocks[stage_id]]
             previous = _relative(stage_blocks[stage_id - 1][-1], root_name) if stage_id > 0 else None
-            stage.forward = StageForward(stage, held[0], held[-1], stage_id=stage_id, previous_block=previous,
+            stage.forward = StageForward(stage, held, stage_id=stage_id, previous_block=previous,
                                          is_last=stage_id == num_stages - 1, inputs=inputs,
                                          units=[_relative(fqn, root_name) for fqn in split if fqn in keep],
                                          holders=holders)

@@ -6,7 +6,8 @@ output, or fails at a stage's first call naming the module -- never a silently w
 * blocks that return a tuple the forward indexes (``hidden = block(hidden)[0]``: BLOOM, GPT-Neo, MPT, Falcon);
 * a forward that reads an attribute of a module another stage holds (``embed.weight.device``: Llama 4);
 * a stage whose output would be made of a placeholder's zeros (a module placed on the wrong side, an
-  embedding's weight read again as the head's) or would not depend on the activation it receives.
+  embedding's weight read again as the head's), of values collected from inside its blocks (an auxiliary
+  loss over every block's router logits), or would not depend on the activation it receives.
 
 Two stages run in one process, chained as the pipeline chains them; their runs on ranks are in
 parity/test_parity_pipeline_as_written.py."""
@@ -94,6 +95,22 @@ class IgnoresReceivedLM(NormFirstLM):
         return self.head(self.final_norm(F.one_hot(idx % h.shape[-1], h.shape[-1]).float()))
 
 
+class CollectingLM(NormFirstLM):
+    """Adds a term made of every block's inner activations, which hooks collect during the forward (as
+    transformers collects router logits for an auxiliary load-balancing loss)."""
+
+    def forward(self, idx):
+        collected = []
+        handles = [m.register_forward_hook(lambda _m, _args, out: collected.append(out))
+                   for name, m in self.named_modules() if name.endswith(".fc")]
+        try:
+            logits = super().forward(idx)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return logits + 0.01 * sum(c.pow(2).mean() for c in collected)
+
+
 def planned(model: nn.Module) -> tuple[nn.Module, Plan]:
     root = nn.ModuleDict({"model": model})  # as a LightningModule holds it (self.model)
     return root, with_pipeline(root, AutoPolicy().plan(root, PlanOptions()))
@@ -128,7 +145,10 @@ def test_blocks_that_return_tuples_and_reads_of_another_stages_attributes_run_as
      r"output of stage 1 of the pipeline is computed from 'final_norm', which stage 0 holds"),
     (EmbeddingAsHeadLM, {}, r"output of stage 1 of the pipeline is computed from 'embed', which stage 0 holds"),
     (IgnoresReceivedLM, {}, r"output of stage 1 of the pipeline does not depend on the activation it receives"),
-], ids=["module_on_the_wrong_side", "embedding_weight_read_as_head", "output_ignores_the_activation"])
+    (CollectingLM, {}, r"output of stage 1 of the pipeline derives from a value computed inside block"
+                       r" 'blocks.2' other than what the block returns"),
+], ids=["module_on_the_wrong_side", "embedding_weight_read_as_head", "output_ignores_the_activation",
+        "values_collected_from_inside_the_blocks"])
 def test_a_stage_whose_output_owes_to_a_placeholder_or_not_to_its_input_fails_at_its_first_call(
         build, plan_change, found):
     torch.manual_seed(0)
