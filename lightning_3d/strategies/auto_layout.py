@@ -43,6 +43,7 @@ from lightning_3d.planner.memory import PRECISIONS, Precision
 from lightning_3d.planner.model import ModelSpec, model_spec
 from lightning_3d.planner.report import Candidate, why_best
 from lightning_3d.planner.search import evaluate
+from lightning_3d.strategies.calibrate_timing import RunPrecision
 from lightning_3d.strategies.measure import measure
 from lightning_3d.strategies.measure_model import measured_model_spec
 
@@ -294,7 +295,8 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str]
     precision = PRECISIONS[precision_name]
     batch_size = _batch_size(batch)
     calibration = measure(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
-                          batch_size=batch_size, world_size=world_size, per_node=per_node, device=device)
+                          batch_size=batch_size, world_size=world_size, per_node=per_node, device=device,
+                          precision=RunPrecision.of(precision_name))
     memory = memory_per_rank(config, device, per_node)
     box: list[Any] = [None]
     if dist.get_rank() == 0:

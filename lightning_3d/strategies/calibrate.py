@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.common import local
 from lightning_3d.policies.base import Plan
-from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
-                                                      release_groups, world_mesh)
+from lightning_3d.strategies.calibrate_timing import (FP32, MIN_REPEAT_SECONDS, RunPrecision, median_extra_seconds,
+                                                      median_seconds, release_groups, world_mesh)
 
 class _Captured(Exception):
     """Raised by the hook that took a block's call: the rest of the step is not needed."""
@@ -67,16 +67,20 @@ def capture_block_call(module: nn.Module, block: nn.Module, batch: Any, step: Ca
 
 
 def block_seconds_per_token(block: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
-                            device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, float]:
+                            device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS, *,
+                            precision: RunPrecision = FP32) -> dict[int, float]:
     """Forward + backward seconds per token of ``block`` (a meta copy is fine) at each micro-batch size, the
     call's batch dimension (size ``batch_size``) resized to it, each repetition at least ``repeat_s``
-    (:func:`repeat_seconds`). Collective (every rank times at once)."""
-    return _seconds_per_token(materialized(block, device), call, batch_size, micro_batch_sizes, device, repeat_s)
+    (:func:`repeat_seconds`), in the run's ``precision`` (every timing of a block here takes it: the weights and
+    inputs in its ``param_dtype``, the forward under its autocast). Collective (every rank times at once)."""
+    return _seconds_per_token(materialized(block, device, dtype=precision.param_dtype), call, batch_size,
+                              micro_batch_sizes, device, repeat_s, precision)
 
 
 def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping[int, Plan], call: tuple,
                                batch_size: int, micro_batch_sizes: list[int], device: torch.device,
-                               repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, dict[int, float]]:
+                               repeat_s: float = MIN_REPEAT_SECONDS, *,
+                               precision: RunPrecision = FP32) -> dict[int, dict[int, float]]:
     """As :func:`block_seconds_per_token`, with the block split by each tensor-parallel size's plan (``plans``:
     tp -> the policy's plan for the model; ``block_name`` the block's name in it) over groups of tp consecutive
     ranks, every group timing at once as a dp x tp layout runs: the even split of the matmuls, the block's
@@ -94,13 +98,15 @@ def tp_block_seconds_per_token(block_name: str, block: nn.Module, plans: Mapping
         parent.add_module(leaf, copy.deepcopy(block))
         with _tp_mesh(tp, device) as tp_mesh:
             apply_tensor_parallel(root, plan, tp_mesh)
-            split = materialized(root.get_submodule(block_name), device, in_place=True)  # (root is our own copy)
-            result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s)
+            split = materialized(root.get_submodule(block_name), device, in_place=True,  # (root is our own copy)
+                                 dtype=precision.param_dtype)
+            result[tp] = _seconds_per_token(split, call, batch_size, micro_batch_sizes, device, repeat_s, precision)
     return result
 
 
 def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micro_batch_size: int,
-                            device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+                            device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS, *,
+                            precision: RunPrecision = FP32) -> float:
     """What FSDP2 adds to one forward + backward of ``block`` at ``micro_batch_size``: the block wrapped by
     ``replicate`` over a mesh of the world, as data parallelism wraps each block under a pipeline or tensor
     parallelism, its gradient reduction off (the step-time model charges that apart), against the block alone.
@@ -109,17 +115,18 @@ def fsdp_block_call_seconds(block: nn.Module, call: tuple, batch_size: int, micr
     Collective."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     mesh = world_mesh(device)
-    alone = materialized(block, device)
+    alone = materialized(block, device, dtype=precision.param_dtype)
     wrapped = copy.deepcopy(alone)
     replicate(wrapped, mesh=mesh)
     wrapped.set_requires_gradient_sync(False)
-    base, _ = _call_run(alone, call, batch_size, micro_batch_size, device)
-    extra, _ = _call_run(wrapped, call, batch_size, micro_batch_size, device)
+    base, _ = _call_run(alone, call, batch_size, micro_batch_size, device, precision)
+    extra, _ = _call_run(wrapped, call, batch_size, micro_batch_size, device, precision)
     return median_extra_seconds(base, extra, device, repeat_s)
 
 
 def recompute_share(block: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, seconds_per_token: float,
-                    device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+                    device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS, *,
+                    precision: RunPrecision = FP32) -> float:
     """What recomputing ``block``'s forward during its backward adds to one forward + backward of the block, as
     a share of that forward + backward (``seconds_per_token`` at ``micro_batch_size``, as
     :func:`block_seconds_per_token` measured it), >= 0: the block under activation checkpointing (torch's
@@ -128,63 +135,66 @@ def recompute_share(block: nn.Module, call: tuple, batch_size: int, micro_batch_
     random state kept and restored, the forward's tensors made twice) comes on top. Collective."""
     from torch.distributed._composable.checkpoint_activation import checkpoint
 
-    alone = materialized(block, device)
+    alone = materialized(block, device, dtype=precision.param_dtype)
     recomputed = copy.deepcopy(alone)
     checkpoint(recomputed)
-    base, tokens = _call_run(alone, call, batch_size, micro_batch_size, device)
-    extra, _ = _call_run(recomputed, call, batch_size, micro_batch_size, device)
+    base, tokens = _call_run(alone, call, batch_size, micro_batch_size, device, precision)
+    extra, _ = _call_run(recomputed, call, batch_size, micro_batch_size, device, precision)
     return median_extra_seconds(base, extra, device, repeat_s) / (seconds_per_token * tokens)
 
 
 def zero_bubble_split_seconds_per_token(block: nn.Module, call: tuple, batch_size: int,
                                         micro_batch_sizes: list[int], device: torch.device,
-                                        repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, float]:
+                                        repeat_s: float = MIN_REPEAT_SECONDS, *,
+                                        precision: RunPrecision = FP32) -> dict[int, float]:
     """What splitting ``block``'s backward as zero bubble does -- the input's gradient first (``retain_graph``,
     after a walk of the autograd graph in Python that groups the weights' nodes), the weights' later -- adds to
     one forward + backward of the block, per token of each micro-batch size, >= 0: the split against the whole
     backward, timed in pairs. Much of it is per call, so it is timed at sizes, not scaled: on 8 gloo ranks over
     2 cores, a 64-wide block's split added 0.61 of its forward + backward at 1 sequence of 64 tokens and 0.36
     at 4. ``{micro-batch size: seconds per token}``. Collective."""
-    alone = materialized(block, device)
+    alone = materialized(block, device, dtype=precision.param_dtype)
     result = {}
     for b in micro_batch_sizes:
-        base, tokens = _call_run(alone, call, batch_size, b, device)
-        split, _ = _call_run(alone, call, batch_size, b, device, split_backward=True)
+        base, tokens = _call_run(alone, call, batch_size, b, device, precision)
+        split, _ = _call_run(alone, call, batch_size, b, device, precision, split_backward=True)
         result[b] = median_extra_seconds(base, split, device, repeat_s) / tokens
     return result
 
 
 def _seconds_per_token(timed: nn.Module, call: tuple, batch_size: int, micro_batch_sizes: list[int],
-                       device: torch.device, repeat_s: float) -> dict[int, float]:
+                       device: torch.device, repeat_s: float, precision: RunPrecision) -> dict[int, float]:
     result = {}
     for b in micro_batch_sizes:
-        seconds, tokens = _call_seconds(timed, call, batch_size, b, device, repeat_s)
+        seconds, tokens = _call_seconds(timed, call, batch_size, b, device, repeat_s, precision)
         result[b] = seconds / tokens
     return result
 
 
 def _call_seconds(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, device: torch.device,
-                  repeat_s: float) -> tuple[float, int]:
+                  repeat_s: float, precision: RunPrecision) -> tuple[float, int]:
     """Seconds of one forward + backward of ``timed`` on the captured call resized to ``micro_batch_size``, and
     the tokens of that call. Collective."""
-    run, tokens = _call_run(timed, call, batch_size, micro_batch_size, device)
+    run, tokens = _call_run(timed, call, batch_size, micro_batch_size, device, precision)
     return median_seconds(run, device, barrier=True, min_seconds=repeat_s), tokens
 
 
-def _call_run(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: int,
-              device: torch.device, *, split_backward: bool = False) -> tuple[Callable[[], None], int]:
+def _call_run(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: int, device: torch.device,
+              precision: RunPrecision = FP32, *, split_backward: bool = False) -> tuple[Callable[[], None], int]:
     """One forward + backward of ``timed`` on the captured call resized to ``micro_batch_size``, as a call to
-    time, and the tokens of that call. ``split_backward``: the backward as zero bubble runs it, the input's
+    time, and the tokens of that call: its floating inputs in ``precision.param_dtype``, the forward under its
+    autocast. ``split_backward``: the backward as zero bubble runs it, the input's
     gradient and then the weights' (``torch.distributed.pipelining``'s own two functions)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    args, kwargs = _inputs(call, batch_size, micro_batch_size, device)
+    args, kwargs = _inputs(call, batch_size, micro_batch_size, device, precision.param_dtype)
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad]
     hidden = inputs[0]
     tokens = hidden.shape[0] * hidden.shape[1] if hidden.ndim >= 3 else hidden.shape[0]
 
     def run() -> None:
-        output = timed(*_fresh_state(args), **_fresh_state(kwargs))
+        with precision.forward(device):
+            output = timed(*_fresh_state(args), **_fresh_state(kwargs))
         out = next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad)
         if not split_backward:
             out.backward(torch.ones_like(out))
@@ -197,25 +207,28 @@ def _call_run(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: 
     return run, tokens
 
 
-def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, dtype: torch.dtype,
-                           device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, device: torch.device,
+                           repeat_s: float = MIN_REPEAT_SECONDS, *, precision: RunPrecision = FP32) -> float:
     """Forward + backward seconds per token of the output head and its loss: a ``hidden_size x vocab_size``
     matrix multiply and the cross-entropy over its logits (the softmax over the vocabulary, which on a large
-    vocabulary costs as much again as the matmul's non-matmul work). Collective (every rank times at once)."""
+    vocabulary costs as much again as the matmul's non-matmul work), in the run's ``precision`` (the loss over
+    fp32 logits, as autocast computes it). Collective (every rank times at once)."""
+    dtype = precision.param_dtype
     x = torch.randn(micro_tokens, hidden_size, device=device, dtype=dtype, requires_grad=True)
     weight = torch.randn(vocab_size, hidden_size, device=device, dtype=dtype, requires_grad=True) * 0.02
     targets = torch.randint(0, vocab_size, (micro_tokens,), device=device)
 
     def run() -> None:
-        logits = torch.nn.functional.linear(x, weight)
-        torch.nn.functional.cross_entropy(logits.float(), targets).backward(retain_graph=True)
+        with precision.forward(device):
+            loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, weight).float(), targets)
+        loss.backward(retain_graph=True)
 
     return median_seconds(run, device, barrier=True, min_seconds=repeat_s) / micro_tokens
 
 
 def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int, micro_batch_sizes: list[int],
-                              tps: list[int], device: torch.device,
-                              repeat_s: float = MIN_REPEAT_SECONDS) -> dict[int, dict[int, float]]:
+                              tps: list[int], device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS, *,
+                              precision: RunPrecision = FP32) -> dict[int, dict[int, float]]:
     """As :func:`head_seconds_per_token`, with the head split over the vocabulary on groups of each ``tps``
     size of consecutive ranks (every group timing at once), as tensor parallelism runs it: a column-parallel
     matrix multiply that leaves its logits sharded, and the vocabulary-parallel cross-entropy over them (its
@@ -228,19 +241,21 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
 
     result: dict[int, dict[int, float]] = {}
     for tp in sorted(tps):
-        head = nn.Linear(hidden_size, vocab_size, bias=False, device=device)
+        head = nn.Linear(hidden_size, vocab_size, bias=False, device=device, dtype=precision.param_dtype)
         nn.init.normal_(head.weight, std=0.02)
         with _tp_mesh(tp, device) as tp_mesh:
             parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                               use_local_output=False))
             for b in micro_batch_sizes:
                 tokens = b * seq_length
-                x = torch.randn(tokens, hidden_size, device=device, requires_grad=True)
+                x = torch.randn(tokens, hidden_size, device=device, dtype=precision.param_dtype, requires_grad=True)
                 targets = torch.randint(0, vocab_size, (tokens,), device=device)
 
                 def run() -> None:
                     with vocab_parallel_ops():
-                        torch.nn.functional.cross_entropy(head(x), targets).backward()
+                        with precision.forward(device):
+                            loss = torch.nn.functional.cross_entropy(head(x), targets)
+                        loss.backward()
 
                 result.setdefault(tp, {})[b] = (median_seconds(run, device, barrier=True, min_seconds=repeat_s)
                                                 / tokens)
@@ -292,15 +307,17 @@ def _fresh_state(values: Any) -> Any:
     return tree_map(lambda value: value if isinstance(value, plain) else copy.deepcopy(value), values)
 
 
-def materialized(block: nn.Module, device: torch.device, *, in_place: bool = False) -> nn.Module:
-    """A copy of ``block`` on ``device`` with random weights: values do not matter for timing, only that they
-    are ordinary numbers (uninitialized memory can hold NaNs or denormals, which run slower on CPUs).
+def materialized(block: nn.Module, device: torch.device, *, in_place: bool = False,
+                 dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A copy of ``block`` on ``device`` with random weights, its floating parameters and buffers in ``dtype``
+    (the run's, :class:`RunPrecision`'s ``param_dtype``): values do not matter for timing, only that they are
+    ordinary numbers (uninitialized memory can hold NaNs or denormals, which run slower on CPUs).
 
     ``in_place``: ``block`` itself, for a block already split over a tp mesh. A deep copy of its DTensors copies
     their mesh, and a mesh's copy looks its process groups up again and holds them: destroyed after the timing
     (``_tp_mesh``), they stayed alive in the copy, which DTensor's caches keep: one auto fit on 8 gloo ranks left
     5 groups per rank, 15 threads, for the rest of the process; on GPUs an NCCL communicator each."""
-    timed = (block if in_place else copy.deepcopy(block)).to_empty(device=device)
+    timed = (block if in_place else copy.deepcopy(block)).to_empty(device=device).to(dtype)
     with torch.no_grad():
         for param in timed.parameters():
             local(param).normal_(0.0, 0.02)  # a tp shard: its own numbers (no DTensor random op, no collective)
@@ -312,10 +329,12 @@ def materialized(block: nn.Module, device: torch.device, *, in_place: bool = Fal
     return timed.train()
 
 
-def _inputs(call: tuple, batch_size: int, micro_batch_size: int, device: torch.device) -> tuple:
+def _inputs(call: tuple, batch_size: int, micro_batch_size: int, device: torch.device,
+            dtype: torch.dtype = torch.float32) -> tuple:
     """The captured call's tensors made real on ``device``, the batch dimension resized: the first floating
     tensor of the call's shape (b, s, h) is the hidden state (it needs a gradient), the rest random
-    (floating), zeros (integers) or True (masks)."""
+    (floating; an fp32 one in ``dtype``, the run's weights' dtype, which its activations take), zeros (integers)
+    or True (masks)."""
     first = True
 
     def real(value: Any) -> Any:
@@ -326,7 +345,7 @@ def _inputs(call: tuple, batch_size: int, micro_batch_size: int, device: torch.d
         if shape and shape[0] == batch_size:
             shape[0] = micro_batch_size
         if value.is_floating_point():
-            tensor = torch.randn(shape, dtype=value.dtype, device=device)
+            tensor = torch.randn(shape, dtype=dtype if value.dtype == torch.float32 else value.dtype, device=device)
             if first:
                 first = False
                 tensor.requires_grad_(True)

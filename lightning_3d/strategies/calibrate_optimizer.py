@@ -14,17 +14,19 @@ import torch
 from torch import Tensor, nn
 
 from lightning_3d.strategies.calibrate import materialized
-from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median_extra_seconds, median_seconds,
-                                                      world_mesh)
+from lightning_3d.strategies.calibrate_timing import (FP32, MIN_REPEAT_SECONDS, RunPrecision, median_extra_seconds,
+                                                      median_seconds, world_mesh)
 
 
-def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device,
-                                    repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+def optimizer_seconds_per_parameter(block: nn.Module, device: torch.device, repeat_s: float = MIN_REPEAT_SECONDS,
+                                    *, precision: RunPrecision = FP32) -> float:
     """Seconds of one AdamW step per parameter, on the parameters of ``block`` (a meta copy is fine) as the
-    model has them -- their count and sizes, which set the per-tensor cost of a step that loops over them.
-    AdamW stands for the user's optimizer, which is not built yet when the layout is chosen. Collective."""
-    return _adamw_seconds_per_parameter([p for p in materialized(block, device).parameters() if p.requires_grad],
-                                        device, repeat_s)
+    model has them -- their count and sizes, which set the per-tensor cost of a step that loops over them --
+    in the dtype the run's optimizer steps (``precision.param_dtype``: bf16 under "bf16-true", else the fp32
+    master weights). AdamW stands for the user's optimizer, which is not built yet when the layout is chosen.
+    Collective."""
+    params = materialized(block, device, dtype=precision.param_dtype).parameters()
+    return _adamw_seconds_per_parameter([p for p in params if p.requires_grad], device, repeat_s)
 
 
 EMBEDDING_PROBE_NUMBERS = 2**21
@@ -33,13 +35,15 @@ that a tensor's fixed cost is lost in its numbers' (a larger embedding is cut to
 
 
 def embedding_optimizer_seconds_per_parameter(vocab_size: int, hidden_size: int, device: torch.device,
-                                              repeat_s: float = MIN_REPEAT_SECONDS) -> float:
+                                              repeat_s: float = MIN_REPEAT_SECONDS, *,
+                                              precision: RunPrecision = FP32) -> float:
     """As :func:`optimizer_seconds_per_parameter`, on one tensor of the embedding's shape (``vocab_size x
     hidden_size``, up to :data:`EMBEDDING_PROBE_NUMBERS`), as the parameters outside the blocks are: a few large
-    tensors. Collective."""
+    tensors, in ``precision.param_dtype``. Collective."""
     shape = (vocab_size, hidden_size) if vocab_size * hidden_size <= EMBEDDING_PROBE_NUMBERS \
         else (EMBEDDING_PROBE_NUMBERS,)
-    return _adamw_seconds_per_parameter([nn.Parameter(torch.zeros(shape, device=device))], device, repeat_s)
+    weight = nn.Parameter(torch.zeros(shape, device=device, dtype=precision.param_dtype))
+    return _adamw_seconds_per_parameter([weight], device, repeat_s)
 
 
 def _adamw_seconds_per_parameter(params: list[Tensor], device: torch.device, repeat_s: float) -> float:
@@ -52,7 +56,8 @@ def _adamw_seconds_per_parameter(params: list[Tensor], device: torch.device, rep
 
 
 def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
-                                        repeat_s: float = MIN_REPEAT_SECONDS, *, sharded: bool = False) -> float:
+                                        repeat_s: float = MIN_REPEAT_SECONDS, *, sharded: bool = False,
+                                        precision: RunPrecision = FP32) -> float:
     """What one AdamW step over ``block``'s parameters costs more when they are DTensors (as tensor parallelism
     and FSDP2 make them) than as plain tensors of the same local size: replicated over a mesh of the world, or
     with ``sharded`` each split along its first dimension over it (FSDP2's local shards: 1 / world of the
@@ -60,15 +65,16 @@ def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
     each of the optimizer's ops, which on a block of many small tensors costs several times its arithmetic
     (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors), and more on more
     numbers (the vocab GPT's 65 tensors on 8 CPU ranks: 30 ms more replicated, 15 ms more as 1/8 shards).
-    Seconds, >= 0. Collective."""
+    In ``precision.param_dtype``. Seconds, >= 0. Collective."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = world_mesh(device)
-    whole = [param for param in materialized(block, device).parameters() if param.requires_grad]
+    whole = [param for param in materialized(block, device, dtype=precision.param_dtype).parameters()
+             if param.requires_grad]
     if not whole:
         return 0.0
     world = mesh.size()
-    plain = [nn.Parameter(torch.randn(_first_dim_shard(p.shape, world), device=device)) if sharded else p
+    plain = [nn.Parameter(torch.randn(_first_dim_shard(p.shape, world), device=device, dtype=p.dtype)) if sharded else p
              for p in whole]
     placement = Shard(0) if sharded else Replicate()
     spread = [nn.Parameter(DTensor.from_local(param.detach().clone(), mesh, [placement], run_check=False))

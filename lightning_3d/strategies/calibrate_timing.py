@@ -5,15 +5,51 @@ rank, a difference between two runs in pairs. Used by ``strategies/calibrate.py`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_3d.parallel.group_cache import once_per_world
+
+@dataclass(frozen=True)
+class RunPrecision:
+    """The run's precision as the calibration times it: Lightning's ``precision=`` flag read as data, so the
+    timings run the kernels the run runs (bf16 matmuls are several times faster than fp32 ones on GPUs).
+
+    >>> RunPrecision.of("bf16-mixed").autocast_dtype
+    torch.bfloat16
+    """
+
+    autocast_dtype: Optional[torch.dtype] = None
+    """Forwards run under ``torch.autocast`` to this dtype, as Lightning's ``MixedPrecision`` runs a step's
+    (``"bf16-mixed"``, ``"16-mixed"``); the weights stay ``param_dtype``. None: no autocast."""
+    param_dtype: torch.dtype = torch.float32
+    """The dtype of weights, inputs and optimizer state: bf16 under ``"bf16-true"`` (Lightning's
+    ``HalfPrecision`` converts the model), else fp32."""
+
+    @classmethod
+    def of(cls, precision: str) -> "RunPrecision":
+        """The timing precision of Lightning's precision flag (``str(trainer.precision)``)."""
+        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+        params = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
+        return cls(autocast_dtype=autocast, param_dtype=params)
+
+    def forward(self, device: torch.device) -> ContextManager:
+        """The context a timed forward runs in: autocast on ``device``'s type where the run autocasts. The
+        backward runs outside it, as Lightning runs it (autograd keeps the forward's dtypes)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
+FP32 = RunPrecision()
+"""fp32 throughout ("32-true")."""
 
 REPEATS = 5
 """Timed repetitions of each measurement after one warm-up; the median is kept."""

@@ -14,14 +14,17 @@ from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.planner.calibration import Calibration
 from lightning_3d.planner.model import ModelSpec
 from lightning_3d.strategies import calibrate, calibrate_links, calibrate_optimizer, calibrate_timing
+from lightning_3d.strategies.calibrate_timing import FP32, RunPrecision
 
 
 def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str], tp_plans: dict, batch: Any,
-            batch_size: int, world_size: int, per_node: int, device: torch.device) -> Calibration:
+            batch_size: int, world_size: int, per_node: int, device: torch.device,
+            precision: RunPrecision = FP32) -> Calibration:
     """The calibration of these devices for this model and batch, the same on every rank (each timing keeps the
     slowest rank's numbers). ``blocks``: the policy's blocks, as the run wraps them (the first is timed);
     ``tp_plans``: the policy's plan at each tp size to time it split by; ``batch``: the first training batch,
-    ``batch_size`` its sequences. Collective."""
+    ``batch_size`` its sequences; ``precision``: the run's (:meth:`RunPrecision.of` its Lightning flag), which
+    every compute timing -- blocks, head, optimizer -- runs in. Collective."""
     block_name = blocks[0]
     block = module.get_submodule(block_name)
     call = calibrate.capture_block_call(module, block, batch, module.training_step)
@@ -31,35 +34,42 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str
     # Random weights and inputs for the timing, drawn from forked generators: the run's are left as they were.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         # Every timing below counts each repetition at its slowest rank: every rank gets the same numbers.
-        block_s = calibrate.block_seconds_per_token(block, call, batch_size, sizes, device, repeat_s)
+        block_s = calibrate.block_seconds_per_token(block, call, batch_size, sizes, device, repeat_s,
+                                                    precision=precision)
         tp_block_s = calibrate.tp_block_seconds_per_token(block_name, block, tp_plans, call, batch_size,
-                                                          sorted({sizes[0], sizes[-1]}), device, repeat_s)
+                                                          sorted({sizes[0], sizes[-1]}), device, repeat_s,
+                                                          precision=precision)
         head_s = calibrate.head_seconds_per_token(spec.hidden_size, spec.vocab_size, min(sizes) * spec.seq_length,
-                                                  torch.float32, device, repeat_s)
+                                                  device, repeat_s, precision=precision)
         tp_head_s = {}
         if config.vocab_parallel_loss:  # else the head's logits are gathered whole: the block-like split is off
             tp_head_s = calibrate.tp_head_seconds_per_token(spec.hidden_size, spec.vocab_size, spec.seq_length,
                                                             sorted({sizes[0], sizes[-1]}), sorted(tp_plans), device,
-                                                            repeat_s)
-        optimizer_s = calibrate_optimizer.optimizer_seconds_per_parameter(block, device, repeat_s)
+                                                            repeat_s, precision=precision)
+        optimizer_s = calibrate_optimizer.optimizer_seconds_per_parameter(block, device, repeat_s,
+                                                                          precision=precision)
         embedding_optimizer_s = calibrate_optimizer.embedding_optimizer_seconds_per_parameter(
-            spec.vocab_size, spec.hidden_size, device, repeat_s)
-        dtensor_s = calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, device, repeat_s)
+            spec.vocab_size, spec.hidden_size, device, repeat_s, precision=precision)
+        dtensor_s = calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, device, repeat_s,
+                                                                            precision=precision)
         dtensor_sharded_s = None
         if world_size > 1:
             dtensor_sharded_s = calibrate_optimizer.dtensor_optimizer_seconds_per_block(block, device, repeat_s,
-                                                                                        sharded=True)
+                                                                                        sharded=True,
+                                                                                        precision=precision)
         fsdp_s = 0.0
         if world_size > 1 and config.data_parallel_size != 1:  # a layout may have dp > 1
-            fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s)
+            fsdp_s = calibrate.fsdp_block_call_seconds(block, call, batch_size, sizes[0], device, repeat_s,
+                                                       precision=precision)
         split = {}
         if _zero_bubble_possible(config):
             split = calibrate.zero_bubble_split_seconds_per_token(block, call, batch_size,
-                                                                  sorted({sizes[0], sizes[-1]}), device, repeat_s)
+                                                                  sorted({sizes[0], sizes[-1]}), device, repeat_s,
+                                                                  precision=precision)
         recompute = None
         if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
             recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
-                                                  repeat_s)
+                                                  repeat_s, precision=precision)
     links = calibrate_links.link_speeds(world_size, per_node, device)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:

@@ -136,7 +136,7 @@ def test_the_head_is_timed_with_its_loss_and_the_optimizer_on_a_blocks_own_param
     original = torch.nn.functional.cross_entropy
     torch.nn.functional.cross_entropy = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
-        head = calibrate.head_seconds_per_token(16, 64, 32, torch.float32, torch.device("cpu"), repeat_s=0.001)
+        head = calibrate.head_seconds_per_token(16, 64, 32, torch.device("cpu"), repeat_s=0.001)
     finally:
         torch.nn.functional.cross_entropy = original
     assert calls and 0 < head < 1
