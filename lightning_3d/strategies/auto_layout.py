@@ -7,13 +7,14 @@ model, every rank:
    gives them) and describes the model for the planner (``ModelSpec``): from its config for the reference GPT
    or a Hugging Face model, else -- any model whose blocks the policy finds -- measured on the model itself on
    fake tensors (``strategies/measure_model.py``: parameters per piece, FLOPs, bytes saved for backward);
-2. calibrates (``strategies/measure.py``): one of the model's blocks forward and backward at the candidate
-   micro-batch sizes, the output head with its loss, an AdamW step on the block's parameters, the links
-   (all-reduce, point-to-point) at two message sizes, a pipeline schedule's own cost per micro-batch, and
-   DistributedDataParallel's gradient synchronization of the model's parameters, keeping the slowest rank's
-   numbers;
-3. takes its memory budget (free device memory on CUDA; on CPU ``max_memory_per_device`` or the host's
-   available memory divided among its ranks), the smallest over the ranks.
+2. takes its memory budget (``max_memory_per_device``, else free device memory on CUDA or the host's available
+   memory divided among its ranks on CPU), the smallest over the ranks, before the calibration allocates
+   anything;
+3. calibrates (``strategies/measure.py``) in the run's precision: one of the model's blocks forward and
+   backward at the candidate micro-batch sizes, the output head with its loss, an AdamW step on the block's
+   parameters, the links (all-reduce, point-to-point) at two message sizes, a pipeline schedule's own cost per
+   micro-batch, and DistributedDataParallel's gradient synchronization of the model's parameters, keeping the
+   slowest rank's numbers; then hands what it allocated back to the device (``torch.cuda.empty_cache``).
 
 Global rank 0 then asks the planner for every layout that fits (:func:`ranked`), the fixed settings kept as
 given, and broadcasts the fastest -- by time per token, since the batch is per replica: a layout with more
@@ -43,7 +44,7 @@ from lightning_3d.planner.memory import PRECISIONS, Precision
 from lightning_3d.planner.model import ModelSpec, model_spec
 from lightning_3d.planner.report import Candidate, why_best
 from lightning_3d.planner.search import evaluate
-from lightning_3d.strategies.calibrate_timing import RunPrecision
+from lightning_3d.strategies.calibrate_timing import RunPrecision, release_device_memory
 from lightning_3d.strategies.measure import measure
 from lightning_3d.strategies.measure_model import measured_model_spec
 
@@ -294,10 +295,15 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str]
     it split by; ``accumulate``: the trainer's ``accumulate_grad_batches`` (batches per optimizer step)."""
     precision = PRECISIONS[precision_name]
     batch_size = _batch_size(batch)
-    calibration = measure(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
-                          batch_size=batch_size, world_size=world_size, per_node=per_node, device=device,
-                          precision=RunPrecision.of(precision_name))
+    # The budget first: read after the calibration, free device memory would miss what its tensors left in the
+    # caching allocator.
     memory = memory_per_rank(config, device, per_node)
+    try:
+        calibration = measure(config, module=module, spec=spec, blocks=blocks, tp_plans=tp_plans, batch=batch,
+                              batch_size=batch_size, world_size=world_size, per_node=per_node, device=device,
+                              precision=RunPrecision.of(precision_name))
+    finally:
+        release_device_memory(device)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -320,7 +326,8 @@ def decide(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str]
 
 def memory_per_rank(config: ParallelConfig, device: torch.device, per_node: int) -> float:
     """What one rank may fill: ``max_memory_per_device``, else free device memory (CUDA) or the host's
-    available memory over its ranks (CPU); the smallest over the ranks."""
+    available memory over its ranks (CPU); the smallest over the ranks. :func:`decide` reads it before the
+    calibration allocates anything. Collective."""
     if config.max_memory_per_device is not None:
         return float(config.max_memory_per_device)
     if device.type == "cuda":

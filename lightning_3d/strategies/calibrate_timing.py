@@ -6,6 +6,7 @@ rank, a difference between two runs in pairs. Used by ``strategies/calibrate.py`
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import statistics
 import time
@@ -153,6 +154,16 @@ def world_mesh(device: torch.device):
     world = dist.get_world_size() if dist.is_initialized() else 1
     return once_per_world(("calibration world mesh", device.type, world),
                           lambda: init_device_mesh(device.type, (world,)))
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand what the calibration allocated back to the device: on CUDA its tensors, freed when it returned,
+    stay in PyTorch's caching allocator, which the run's own allocations reuse but which ``mem_get_info`` and
+    other processes count as taken, and a model, a graph or an optimizer state kept alive by a reference cycle
+    is collected first. Nothing to do on CPU (freed memory goes back to the host's allocator)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def release_groups(*groups: Any) -> None:
