@@ -207,13 +207,30 @@ def _call_run(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: 
     return run, tokens
 
 
+HEAD_PROBE_LOGITS = 2**26
+"""The most logits (tokens x this rank's share of the vocabulary) one timing of the head makes: 256 MiB in
+fp32, about 1 GiB with the loss's fp32 log-softmax and the gradients. A micro-batch of more tokens is timed
+on as many as fit this bound and its seconds per token taken as they are (a head's time grows linearly with
+its tokens once a call's fixed cost is spread over a few hundred): timed whole, 4 x 8192 tokens of a 128k
+vocabulary at tp 2 made 8.6 GB of fp32 logits, ~25 GB with the loss and gradients, at launch."""
+
+
+def head_probe_tokens(tokens: int, vocab_share: int) -> int:
+    """The tokens one timing of the head takes for a micro-batch of ``tokens``: all of them, up to
+    :data:`HEAD_PROBE_LOGITS` logits of ``vocab_share`` (the vocabulary, or one tp rank's share of it) each;
+    at least one."""
+    return max(1, min(tokens, HEAD_PROBE_LOGITS // max(1, vocab_share)))
+
+
 def head_seconds_per_token(hidden_size: int, vocab_size: int, micro_tokens: int, device: torch.device,
                            repeat_s: float = MIN_REPEAT_SECONDS, *, precision: RunPrecision = FP32) -> float:
     """Forward + backward seconds per token of the output head and its loss: a ``hidden_size x vocab_size``
     matrix multiply and the cross-entropy over its logits (the softmax over the vocabulary, which on a large
     vocabulary costs as much again as the matmul's non-matmul work), in the run's ``precision`` (the loss over
-    fp32 logits, as autocast computes it). Collective (every rank times at once)."""
+    fp32 logits, as autocast computes it), on at most :func:`head_probe_tokens` of ``micro_tokens``. Collective
+    (every rank times at once)."""
     dtype = precision.param_dtype
+    micro_tokens = head_probe_tokens(micro_tokens, vocab_size)
     x = torch.randn(micro_tokens, hidden_size, device=device, dtype=dtype, requires_grad=True)
     weight = torch.randn(vocab_size, hidden_size, device=device, dtype=dtype, requires_grad=True) * 0.02
     targets = torch.randint(0, vocab_size, (micro_tokens,), device=device)
@@ -232,8 +249,8 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
     """As :func:`head_seconds_per_token`, with the head split over the vocabulary on groups of each ``tps``
     size of consecutive ranks (every group timing at once), as tensor parallelism runs it: a column-parallel
     matrix multiply that leaves its logits sharded, and the vocabulary-parallel cross-entropy over them (its
-    all-reduces, DTensor's dispatch), at each micro-batch size of ``seq_length`` tokens per sequence.
-    ``{tp: {micro-batch size: seconds per token}}``. Collective."""
+    all-reduces, DTensor's dispatch), at each micro-batch size of ``seq_length`` tokens per sequence (on at most
+    :func:`head_probe_tokens` of them). ``{tp: {micro-batch size: seconds per token}}``. Collective."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
@@ -247,7 +264,7 @@ def tp_head_seconds_per_token(hidden_size: int, vocab_size: int, seq_length: int
             parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                               use_local_output=False))
             for b in micro_batch_sizes:
-                tokens = b * seq_length
+                tokens = head_probe_tokens(b * seq_length, -(-vocab_size // tp))
                 x = torch.randn(tokens, hidden_size, device=device, dtype=precision.param_dtype, requires_grad=True)
                 targets = torch.randint(0, vocab_size, (tokens,), device=device)
 
