@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from lightning_3d.checkpoint.boxes import local_boxes
 from lightning_3d.common import named_tensors
 from lightning_3d.errors import InitError
 
@@ -287,30 +288,13 @@ def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
 
 def _copy_slice(full: Tensor, target: Tensor) -> None:
     """Copy the part of the full tensor that ``target`` (a plain tensor or a DTensor shard) holds. The full
-    tensor is sliced where it lies and only the slice moves: the host's draw of a whole weight never goes to
-    the GPU (which ``distribute_tensor`` would do first)."""
+    tensor is sliced where it lies and only the slices move: the host's draw of a whole weight never goes to
+    the GPU (which ``distribute_tensor`` would do first). The slices are the boxes the checkpoints use
+    (``checkpoint.boxes.local_boxes``), which follow FSDP2's layout of a dp cut over a tp split too (a fused
+    q|k|v bias under ZeRO, sharded on the meta device before it is initialized)."""
     if not isinstance(target, DTensor):
         target.copy_(full)
         return
     local = target.to_local()
-    piece = _host_slice(full, target)
-    if piece is None or piece.shape != local.shape:
-        # src_data_rank=None: every rank already has the full tensor; slice locally, no communication.
-        piece = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-    local.copy_(piece)
-
-
-def _host_slice(full: Tensor, target: DTensor) -> Tensor | None:
-    """This rank's part of ``full`` for ``target``'s plain ``Shard``/``Replicate`` placements, cut where
-    ``full`` lies (``torch.chunk``'s split, as ``Shard`` cuts); None for other placements."""
-    coordinate = target.device_mesh.get_coordinate()
-    if coordinate is None or not all(p.is_replicate() or type(p) is Shard for p in target.placements):
-        return None
-    piece = full
-    for placement, index, size in zip(target.placements, coordinate, target.device_mesh.shape):
-        if placement.is_shard():
-            chunks = piece.chunk(size, dim=placement.dim)
-            if index >= len(chunks):
-                return None  # an empty shard: left to distribute_tensor
-            piece = chunks[index]
-    return piece
+    for offsets, sizes, region in local_boxes(target):
+        local[region].copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
