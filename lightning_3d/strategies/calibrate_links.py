@@ -2,7 +2,7 @@
 
 All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp and dp groups lie) and
 point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
-sizes, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; a two-stage
+sizes -- a small one and the run's own largest (:func:`message_sizes`) --, so that ``time = ring steps x latency + bytes / bandwidth`` gives both numbers; a two-stage
 pipeline schedule between those halves, for what the schedule itself costs per micro-batch beyond compute
 and sends; and DistributedDataParallel's gradient synchronization of the model's own parameter tensors.
 Every rank takes part (collectives); the slowest rank's numbers are kept, and the process groups made for a
@@ -24,16 +24,30 @@ from lightning_3d.strategies.calibrate_timing import (MIN_REPEAT_SECONDS, median
                                                       release_groups, world_mesh)
 
 MESSAGE_BYTES = (2**16, 2**22)
-"""The two message sizes each link is timed at (64 KiB and 4 MiB): latency dominates the first, bandwidth
-the second."""
+"""The two message sizes each link is timed at where the run sends nothing larger (64 KiB and 4 MiB): latency
+dominates the first, bandwidth the second."""
+LARGEST_MESSAGE_BYTES = 2**28
+"""The largest message a link is timed at (256 MiB), whatever the run sends: a rank allocates it (twice for an
+all-gather) at launch, and fast links reach their peak well below it."""
 
 
-def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[str, LinkSpeed]:
+def message_sizes(run_largest_bytes: float) -> tuple[int, int]:
+    """The two message sizes the links are timed at for a run whose largest message is ``run_largest_bytes``:
+    64 KiB, for the latency, and the run's largest, between 4 MiB and :data:`LARGEST_MESSAGE_BYTES`, for the
+    bandwidth. A link timed far below the messages it carries under-reads its bandwidth: NVLink reaches its
+    peak only at tens of MiB, and ZeRO's and DDP's messages (a block's parameters, a 25 MiB bucket) are so
+    large."""
+    return MESSAGE_BYTES[0], int(min(max(run_largest_bytes, MESSAGE_BYTES[1]), LARGEST_MESSAGE_BYTES))
+
+
+def link_speeds(world_size: int, per_node: int, device: torch.device,
+                sizes: tuple[int, int] = MESSAGE_BYTES) -> dict[str, LinkSpeed]:
     """All-reduce inside groups of consecutive ranks ("tp": within a node) and across nodes ("dp": ranks of
     equal local rank; within the node on one node), and point-to-point between the world's two halves ("pp");
     all-gather and reduce-scatter on the same groups ("tp.all_gather", "dp.reduce_scatter", ...: ZeRO's and
-    sequence parallelism's, which a backend may run at other speeds than its all-reduce). On one node the tp
-    and dp groups are the same ranks, timed once. Collective: every rank of the world calls it."""
+    sequence parallelism's, which a backend may run at other speeds than its all-reduce), each at the two
+    message ``sizes`` in bytes (:func:`message_sizes`). On one node the tp and dp groups are the same ranks,
+    timed once. Collective: every rank of the world calls it."""
     if world_size == 1:
         return {dim: LinkSpeed(latency_s=0.0, bandwidth_bytes_per_s=float("inf")) for dim in ("tp", "pp", "dp")}
     inside = min(per_node, world_size)
@@ -43,9 +57,9 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
         dp_group, _ = dist.new_subgroups_by_enumeration(across)
     else:
         dp_group = tp_group
-    inside_speeds = _group_speeds(tp_group, device)
-    across_speeds = inside_speeds if dp_group is tp_group else _group_speeds(dp_group, device)
-    speeds = {"pp": _slowest(_p2p_speed(world_size, device), device)}
+    inside_speeds = _group_speeds(tp_group, device, sizes)
+    across_speeds = inside_speeds if dp_group is tp_group else _group_speeds(dp_group, device, sizes)
+    speeds = {"pp": _slowest(_p2p_speed(world_size, device, sizes), device)}
     for dim, timed in (("tp", inside_speeds), ("dp", across_speeds)):
         speeds.update({dim if collective == "all_reduce" else f"{dim}.{collective}": speed
                        for collective, speed in timed.items()})
@@ -53,9 +67,9 @@ def link_speeds(world_size: int, per_node: int, device: torch.device) -> dict[st
     return speeds
 
 
-def _group_speeds(group, device: torch.device) -> dict[str, LinkSpeed]:
+def _group_speeds(group, device: torch.device, sizes: tuple[int, int]) -> dict[str, LinkSpeed]:
     """All-reduce, all-gather and reduce-scatter on ``group``, each the world's slowest."""
-    return {collective: _slowest(_collective_speed(collective, group, device), device)
+    return {collective: _slowest(_collective_speed(collective, group, device, sizes), device)
             for collective in ("all_reduce", "all_gather", "reduce_scatter")}
 
 
@@ -212,28 +226,29 @@ class _Units(nn.Module):
         return sum((unit(x) for unit in self.units), self.own(x))
 
 
-def _collective_speed(collective: str, group, device: torch.device) -> LinkSpeed:
-    """``collective`` on ``group`` at the two :data:`MESSAGE_BYTES` sizes, a message being the whole tensor (what
+def _collective_speed(collective: str, group, device: torch.device,
+                      sizes: tuple[int, int] = MESSAGE_BYTES) -> LinkSpeed:
+    """``collective`` on ``group`` at the two message ``sizes`` in bytes, a message being the whole tensor (what
     an all-gather returns, what a reduce-scatter takes), cut into equal shards of float32."""
     k = dist.get_world_size(group)
-    times, sizes = [], []
-    for nbytes in MESSAGE_BYTES:
+    times, timed = [], []
+    for nbytes in sizes:
         whole = torch.zeros(nbytes // 4 // k * k, device=device)
         shard = torch.zeros(whole.numel() // k, device=device)
         call = {"all_reduce": partial(dist.all_reduce, whole, group=group),
                 "all_gather": partial(dist.all_gather_single, whole, shard, group=group),
                 "reduce_scatter": partial(dist.reduce_scatter_single, shard, whole, group=group)}[collective]
         times.append(median_seconds(call, device, barrier=True))
-        sizes.append(whole.numel() * 4)
-    return LinkSpeed.fit(wire=tuple(wire_bytes(collective, n, k) for n in sizes), seconds=tuple(times),
+        timed.append(whole.numel() * 4)
+    return LinkSpeed.fit(wire=tuple(wire_bytes(collective, n, k) for n in timed), seconds=tuple(times),
                          steps=latency_steps(collective, k))
 
 
-def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
+def _p2p_speed(world_size: int, device: torch.device, sizes: tuple[int, int] = MESSAGE_BYTES) -> LinkSpeed:
     rank, half = dist.get_rank(), world_size // 2
     peer = (rank + half) % world_size if rank < 2 * half else None
     times = []
-    for nbytes in MESSAGE_BYTES:
+    for nbytes in sizes:
         buffer = torch.zeros(nbytes // 4, device=device)
 
         def exchange() -> None:  # the lower half sends first, the upper receives first: no deadlock
@@ -244,7 +259,7 @@ def _p2p_speed(world_size: int, device: torch.device) -> LinkSpeed:
             second(buffer, peer)
 
         times.append(median_seconds(exchange, device, barrier=True) / 2)  # one way
-    return LinkSpeed.fit(wire=MESSAGE_BYTES, seconds=tuple(times))
+    return LinkSpeed.fit(wire=tuple(4 * (n // 4) for n in sizes), seconds=tuple(times))
 
 
 def _slowest(speed: LinkSpeed, device: torch.device) -> LinkSpeed:

@@ -13,6 +13,7 @@ from lightning_3d.common import divisors
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.planner.calibration import Calibration
 from lightning_3d.planner.model import ModelSpec
+from lightning_3d.planner.time import DDP_BUCKET_BYTES
 from lightning_3d.strategies import calibrate, calibrate_links, calibrate_optimizer, calibrate_timing
 from lightning_3d.strategies.calibrate_timing import FP32, RunPrecision
 
@@ -70,7 +71,8 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str
         if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
             recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
                                                   repeat_s, precision=precision)
-    links = calibrate_links.link_speeds(world_size, per_node, device)
+    sizes = calibrate_links.message_sizes(largest_message_bytes(module, blocks, batch_size, spec))
+    links = calibrate_links.link_speeds(world_size, per_node, device, sizes)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
         pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size,
@@ -93,6 +95,16 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str
         recompute_share=recompute, ddp_sync_seconds_per_byte=ddp_s, zero2_sync_seconds_per_byte=zero_s.get(2),
         zero3_sync_seconds_per_byte=zero_s.get(3), optimizer_dtensor_seconds_per_sharded_block=dtensor_sharded_s,
         zero_bubble_split_seconds_per_token=split)
+
+
+def largest_message_bytes(module, blocks: list[str], batch_size: int, spec: ModelSpec) -> int:
+    """The largest message a layout of this run may send, in fp32 bytes (gradients are reduced in fp32): one
+    FSDP unit's all-gather or reduce-scatter (a block's parameters, or the rest of the model's), a DDP bucket
+    (the gradients, up to its 25 MiB), or the activations of the per-replica batch (a tp all-reduce, a pipeline
+    send)."""
+    units = [4 * sum(shape.numel() for shape in shapes) for shapes in _unit_shapes(module, blocks)]
+    activations = 4 * batch_size * spec.seq_length * spec.hidden_size
+    return max(*units, min(sum(units), DDP_BUCKET_BYTES), activations)
 
 
 def _zero_bubble_possible(config: ParallelConfig) -> bool:
