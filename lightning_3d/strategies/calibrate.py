@@ -12,6 +12,10 @@ of the block, and what recomputing its forward in backward (activation checkpoin
 step on the block's parameters: seconds per parameter, and what the step costs more on the same parameters
 as DTensors (per block); and one on a tensor of the embedding's shape, per parameter.
 
+Every timing runs in the run's precision (:class:`RunPrecision`: autocast under "bf16-mixed", bf16 weights and
+inputs under "bf16-true"): it measures the kernels the run runs. The head is timed on at most
+:data:`HEAD_PROBE_LOGITS` logits, whatever the batch: its logits are the largest tensors a timing makes.
+
 The communication -- link speeds per parallel dimension and the pipeline schedule's own cost -- is timed in
 ``strategies/calibrate_links.py``; how both time a call, in ``strategies/calibrate_timing.py``.
 
@@ -183,8 +187,8 @@ def _call_run(timed: nn.Module, call: tuple, batch_size: int, micro_batch_size: 
               precision: RunPrecision = FP32, *, split_backward: bool = False) -> tuple[Callable[[], None], int]:
     """One forward + backward of ``timed`` on the captured call resized to ``micro_batch_size``, as a call to
     time, and the tokens of that call: its floating inputs in ``precision.param_dtype``, the forward under its
-    autocast. ``split_backward``: the backward as zero bubble runs it, the input's
-    gradient and then the weights' (``torch.distributed.pipelining``'s own two functions)."""
+    autocast. ``split_backward``: the backward as zero bubble runs it, the input's gradient and then the
+    weights' (``torch.distributed.pipelining``'s own two functions)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     args, kwargs = _inputs(call, batch_size, micro_batch_size, device, precision.param_dtype)
