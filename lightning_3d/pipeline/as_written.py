@@ -10,19 +10,21 @@ block(x)`` -- every stage calls the pipeline root's own ``forward`` with the mod
 * the modules before the blocks (embeddings) on later stages, and after them (final norm, head) on earlier
   stages, are :class:`~lightning_3d.pipeline.placeholders.Shell` s: they hold no parameters, work out the
   shape of their output on a meta-device copy and return zeros of that shape;
-* a pre-hook on the stage's first block replaces that block's input with the activation received from the
-  previous stage, and on every stage but the last a hook on its last block ends the forward there: the stage
-  sends that block's output on, followed by the model's inputs (token ids, masks), which every stage needs to
-  run the forward as written (positions, masks and rotary tables are made by the model, on each stage).
+* on every stage but the last a hook on its last block ends the forward there: the stage sends the tensors
+  that block returned (its activation, and what else it passes the next block), followed by the model's
+  inputs (token ids, masks), which every stage needs to run the forward as written (positions, masks and
+  rotary tables are made by the model, on each stage); on the next stage the placeholder of that block
+  returns what was sent, so the forward hands it to the stage's first block as one process does.
 
 Whatever the forward computes around the blocks on a stage that does not hold them (an embedding sum, a
-mask) is thrown away at the swap, so it costs a little and changes nothing. :class:`InputSpec` carries the
-structure of the model call (``args``/``kwargs``) from the engine, which captures it on every rank, to the
-stages that rebuild it from the tensors they receive. What would make that swap wrong -- control flow on the
-placeholders' values, an output made of them, code that changes the activation where two stages meet -- is
-refused at each stage's first call (``pipeline.placeholder_watch``). The last stage returns the tensors of what
-the forward returned (PyTorch's ``PipelineStage`` takes tensors only); an object holding them (a Hugging Face
-``ModelOutput`` with its logits and cache) is rebuilt for the user's step by :meth:`StageForward.model_output`.
+mask) is dropped where the placeholder returns what was sent, so it costs a little and changes nothing.
+:class:`InputSpec` carries the structure of the model call (``args``/``kwargs``) from the engine, which
+captures it on every rank, to the stages that rebuild it from the tensors they receive. What would make this
+wrong -- control flow on the placeholders' values, an output made of them, code that changes the activation
+where two stages meet -- is refused at each stage's first call (``pipeline.placeholder_watch``). The last
+stage returns the tensors of what the forward returned (PyTorch's ``PipelineStage`` takes tensors only); an
+object holding them (a Hugging Face ``ModelOutput`` with its logits and cache) is rebuilt for the user's step
+by :meth:`StageForward.model_output`.
 """
 
 from __future__ import annotations
@@ -61,29 +63,29 @@ class StageForward:
         self._output: tuple[TreeSpec, dict[int, Any]] | None = None  # the last call's output, less its tensors
 
     def __call__(self, *received: Tensor, **kwargs: Any) -> Any:
+        handed: tuple[Tensor, ...] = ()
         if self.is_first:
-            args, activation = received, None
-        else:  # the previous stage's output, then the model's inputs (see the module doc)
-            activation, *leaves = received
-            args, kwargs = tree_unflatten(leaves, self.inputs.spec)
-        # The modules in the blocks' slots now (activation checkpointing may have wrapped them since the split).
-        first, last = self.stage.get_submodule(self.first_block), self.stage.get_submodule(self.last_block)
+            args = received
+        else:  # what the previous stage's last block returned, then the model's inputs (see the module doc)
+            split = len(received) - self.inputs.spec.num_leaves
+            handed, args, kwargs = received[:split], *tree_unflatten(list(received[split:]), self.inputs.spec)
+            # The placeholder of that block returns it, so the forward hands it to this stage's first block.
+            self.stage.get_submodule(self.previous_block).hand_over(handed)
         handover, watch = self._first_call_checks()
-        handles = []
-        if activation is not None:  # first, before any other pre-hook (FSDP's casts the input it gets)
-            handles.append(first.register_forward_pre_hook(_ReplaceInput(activation, handover, watch),
-                                                           with_kwargs=True, prepend=True))
-        if not self.is_last:  # last, after FSDP's post-forward hook has run
-            handles.append(last.register_forward_hook(_end_stage))
+        if watch is not None:
+            watch.received(handed)
+        # The module in the last block's slot now (activation checkpointing may have wrapped it since the split).
+        last = self.stage.get_submodule(self.last_block)
+        handle = None if self.is_last else last.register_forward_hook(_end_stage)  # after FSDP's post-forward
         try:
             with watch or nullcontext():
                 output = type(self.stage).forward(self.stage, *args, **kwargs)
             sent, result = output, self._tensors_of(output)
         except _StageEnd as end:
-            sent, result = end.output, (end.output, *[x for x in tree_flatten((args, kwargs))[0]
-                                                      if isinstance(x, Tensor)])
+            inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
+            sent, result = end.tensors, (*end.tensors, *inputs)
         finally:
-            for handle in handles:
+            if handle is not None:
                 handle.remove()
             if handover is not None:
                 handover.remove()
@@ -115,38 +117,24 @@ class StageForward:
         if self.checked:
             return None, None
         self.checked = True
-        placeholders = {name: m for name, m in self.stage.named_modules()
-                        if isinstance(m, (PassThroughBlock, Shell))}
+        placeholders = {name: m for name, m in self.stage.named_modules() if isinstance(m, (PassThroughBlock, Shell))}
         handover = None if self.is_first else Handover(self.stage.get_submodule(self.previous_block),
-                                                       self.previous_block, self.first_block, self.stage_id)
+                                                       self.previous_block, self.stage.get_submodule(self.first_block),
+                                                       self.first_block, self.stage_id)
         units = {name: self.stage.get_submodule(name) for name in self.units}
-        return handover, PlaceholderWatch(self.stage, placeholders, self.holders, units, self.blocks, self.stage_id)
-
-
-class _ReplaceInput:
-    def __init__(self, activation: Tensor, handover: Handover | None, watch: PlaceholderWatch | None) -> None:
-        self.activation, self.handover, self.watch = activation, handover, watch
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        name = None if args else next(k for k, v in kwargs.items() if isinstance(v, Tensor))
-        if self.handover is not None:
-            self.handover.check(args[0] if args else kwargs[name])
-        if self.watch is not None:
-            self.watch.received(self.activation)
-        if args:
-            return (self.activation, *args[1:]), kwargs
-        return args, {**kwargs, name: self.activation}
+        return handover, PlaceholderWatch(self.stage, placeholders, self.holders, units, self.blocks, self.stage_id,
+                                          handed_by=self.previous_block)
 
 
 class _StageEnd(Exception):
-    def __init__(self, output: Tensor) -> None:
+    def __init__(self, tensors: tuple[Tensor, ...]) -> None:
         super().__init__("the stage's last block has run")
-        self.output = output
+        self.tensors = tensors
 
 
 def _end_stage(module: nn.Module, args: Any, output: Any) -> None:
-    tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor)]
+    tensors = tuple(x for x in tree_flatten(output)[0] if isinstance(x, Tensor))
     if not tensors:
         raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; under pipeline parallelism a"
                         " block must return its output activation as a tensor (or a tuple starting with it).")
-    raise _StageEnd(tensors[0])
+    raise _StageEnd(tensors)

@@ -2,10 +2,10 @@
 
 A stage runs the model's forward (``pipeline.as_written``) with placeholders for what other stages hold:
 :class:`~lightning_3d.pipeline.placeholders.Shell` s return zeros for the embeddings or the head (and zeros
-for their parameters, where the forward reads one), :class:`~lightning_3d.pipeline.placeholders.PassThroughBlock`
-s hand their input on, and the first block's input is swapped for the activation the previous stage sent.
-What the forward computes from the placeholders is meaningless, which does no harm as long as only that
-swapped input is made of it. Three kinds of pattern would turn it into a silently wrong result; each raises
+for their parameters, where the forward reads one), the
+:class:`~lightning_3d.pipeline.placeholders.PassThroughBlock` s hand their input on, and the placeholder of the block where the previous stage ends returns what that
+stage sent. What the forward computes from the placeholders is meaningless, which does no harm as long as
+nothing the stage sends or returns is made of it. Three kinds of pattern would turn it into a silently wrong result; each raises
 :class:`StepPatternError` instead, on the stage's first call (step 1), on the rank that finds it (the fault
 watch takes the job down with its name):
 
@@ -23,8 +23,8 @@ watch takes the job down with its name):
   activation it received.
 * **Code that changes the activation where the pipeline cuts** -- ``x = x * scale`` between the last block
   of one stage and the first of the next: the previous stage sends its last block's output before that line
-  runs, and the swap drops what the line computed on this one. :class:`Handover` checks that the first
-  block's input is what the block before it returned.
+  runs, and neither stage would run it. :class:`Handover` checks that the first block's input is what the
+  block before it returned.
 
 What derives from what is followed through every torch function, and through the calls of the modules the
 stage holds of the plan's (blocks, embeddings, head: their outputs derive from their inputs), so the tensor
@@ -69,11 +69,13 @@ class PlaceholderWatch(TorchFunctionMode):
 
     ``placeholders``: name in the stage -> the placeholder; ``holders``: name -> which stage holds the module
     it stands for, in words ("stage 0"); ``units``: name -> the modules of the plan the stage holds (blocks,
-    embeddings, head); ``blocks``: the names of its blocks, in order."""
+    embeddings, head); ``blocks``: the names of its blocks, in order; ``handed_by``: the placeholder whose
+    first call returns what the previous stage sent (None on the first stage)."""
 
     def __init__(self, stage: nn.Module, placeholders: dict[str, nn.Module], holders: dict[str, str],
-                 units: dict[str, nn.Module], blocks: list[str], stage_id: int) -> None:
+                 units: dict[str, nn.Module], blocks: list[str], stage_id: int, handed_by: str | None) -> None:
         super().__init__()
+        self.handed_by = handed_by
         self.stage_name, self.first_block, self.stage_id = type(stage).__name__, blocks[0], stage_id
         self.holders, self.blocks = holders, set(blocks)
         self.labels: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
@@ -93,9 +95,9 @@ class PlaceholderWatch(TorchFunctionMode):
             handle.remove()
         return super().__exit__(*exc)
 
-    def received(self, activation: Tensor) -> None:
-        """``activation`` is what the previous stage sent."""
-        self._label(activation, frozenset({RECEIVED}))
+    def received(self, tensors: tuple[Tensor, ...]) -> None:
+        """``tensors`` are what the previous stage sent."""
+        self._label(tensors, frozenset({RECEIVED}))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -140,6 +142,9 @@ class PlaceholderWatch(TorchFunctionMode):
 
     def _placeholder_output(self, name: str):
         def label(*hook_args: Any) -> None:
+            if name == self.handed_by:  # its first call returns what the previous stage sent: real values
+                self.handed_by = None
+                return
             self.where[name] = _user_line()
             self._label(hook_args[-1], frozenset({name}))
         return label
@@ -208,19 +213,22 @@ class PlaceholderWatch(TorchFunctionMode):
 
 
 class Handover:
-    """Checks that the activation the previous stage sends replaces exactly the value the forward hands this
-    stage's first block: the output of the block before it (a placeholder here). Anything else means code
-    between those two blocks changed or skipped it, which no stage would run."""
+    """Checks that this stage's first block gets, as its input activation, what the block before it returned
+    -- on this stage a placeholder returning what the previous stage sent. Anything else means code between
+    those two blocks changed or skipped it, which no stage would run."""
 
-    def __init__(self, previous: nn.Module, previous_name: str, first_block: str, stage_id: int) -> None:
-        self.previous_name, self.first_block, self.stage_id = previous_name, first_block, stage_id
+    def __init__(self, previous: nn.Module, previous_name: str, first: nn.Module, first_name: str,
+                 stage_id: int) -> None:
+        self.previous_name, self.first_block, self.stage_id = previous_name, first_name, stage_id
         self.returned: Any = None
-        self.handle = previous.register_forward_hook(self._record)
+        self.handles = [previous.register_forward_hook(self._record),
+                        first.register_forward_pre_hook(self._check, with_kwargs=True, prepend=True)]
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.returned = output
 
-    def check(self, given: Any) -> None:
+    def _check(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        given = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
         # A block returning a tuple is indexed by the forward (``x = block(x)[0]``): the first block gets the
         # first tensor of what its placeholder returned.
         returned = next((x for x in tree_flatten(self.returned)[0] if isinstance(x, Tensor)), None)
@@ -237,7 +245,8 @@ class Handover:
         )
 
     def remove(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
 
 
 def _user_line() -> str:

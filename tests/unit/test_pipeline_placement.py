@@ -3,7 +3,9 @@ output, or fails at a stage's first call naming the module -- never a silently w
 
 * the modules outside the blocks go to the stage on whose side of the blocks the forward uses them, not the
   side they are registered on (OPT registers its final norm before its layers);
-* blocks that return a tuple the forward indexes (``hidden = block(hidden)[0]``: BLOOM, GPT-Neo, MPT, Falcon);
+* blocks that return a tuple the forward indexes (``hidden = block(hidden)[0]``: BLOOM, GPT-Neo, MPT, Falcon),
+  or pass each other more than the activation (GLM-MoE-DSA's top-k indices), and forwards that read a
+  block's attributes;
 * a forward that reads an attribute of a module another stage holds (``embed.weight.device``: Llama 4);
 * a stage whose output would be made of a placeholder's zeros (a module placed on the wrong side, an
   embedding's weight read again as the head's), of values collected from inside its blocks (an auxiliary
@@ -56,22 +58,51 @@ class NormFirstLM(nn.Module):
 
 
 class TupleBlock(Residual):
+    def __init__(self, width: int, wrap) -> None:
+        super().__init__(width)
+        self.wrap = wrap
+
     def forward(self, x):
-        return super().forward(x), None  # (hidden, attention weights), as transformers' older blocks return
+        return self.wrap(super().forward(x))
 
 
 class TupleBlocksLM(NormFirstLM):
-    """Blocks that return a tuple, indexed by the forward."""
+    """Blocks that return their activation in a tuple or list, indexed by the forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrap) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(TupleBlock(32) for _ in range(4))
+        self.blocks = nn.ModuleList(TupleBlock(32, wrap) for _ in range(4))
 
     def forward(self, idx):
         x = self.embed(idx.to(self.embed.weight.device))  # reads an attribute of another stage's module
         for block in self.blocks:
             outputs = block(x)
             x = outputs[0]
+        return self.head(self.final_norm(x))
+
+
+class IndexBlock(Residual):
+    def __init__(self, width: int, takes_previous: bool) -> None:
+        super().__init__(width)
+        self.takes_previous = takes_previous
+
+    def forward(self, x, previous=None):
+        h = self.fc(x) if previous is None else self.fc(x) + 0.1 * previous
+        return x + torch.tanh(h), h.argmax(-1, keepdim=True)  # (activation, an index the next block takes)
+
+
+class IndexPassingLM(NormFirstLM):
+    """Each block takes an index the one before it returned, where the block says it does (an attribute the
+    forward reads), as GLM-MoE-DSA's layers pass their top-k indices on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(IndexBlock(32, takes_previous=i % 2 == 0) for i in range(4))
+
+    def forward(self, idx):
+        x, index = self.embed(idx), None
+        for block in self.blocks:
+            x, index = block(x, index if block.takes_previous else None)
         return self.head(self.final_norm(x))
 
 
@@ -116,11 +147,11 @@ def planned(model: nn.Module) -> tuple[nn.Module, Plan]:
     return root, with_pipeline(root, AutoPolicy().plan(root, PlanOptions()))
 
 
-def chained(root: nn.Module, plan: Plan, args: tuple = (), kwargs: dict | None = None):
-    """The output of two stages (half the blocks each) chained as the pipeline chains them."""
-    kwargs = kwargs or {}
-    half = len(plan.blocks) // 2
-    first, second = split_stages(root, plan, [plan.blocks[:half], plan.blocks[half:]], [0, 1])
+def chained(root: nn.Module, plan: Plan, args: tuple = (), kwargs: dict | None = None, split: int | None = None):
+    """The output of two stages chained as the pipeline chains them: ``split`` blocks (half) on the first."""
+    kwargs, root = kwargs or {}, copy.deepcopy(root)
+    split = len(plan.blocks) // 2 if split is None else split
+    first, second = split_stages(root, plan, [plan.blocks[:split], plan.blocks[split:]], [0, 1])
     first.forward.inputs.spec = tree_flatten((args, kwargs))[1]
     return second(*first(*args, **kwargs))
 
@@ -133,11 +164,23 @@ def test_a_module_goes_to_the_side_of_the_blocks_the_forward_uses_it_on_not_wher
     assert torch.equal(chained(root, plan, (tokens,)), model(tokens))
 
 
-def test_blocks_that_return_tuples_and_reads_of_another_stages_attributes_run_as_in_one_process():
+@pytest.mark.parametrize("wrap", [lambda x: (x, None), lambda x: [x]], ids=["tuple_with_attention_weights",
+                                                                       "list_of_one"])
+def test_blocks_that_return_tuples_and_reads_of_another_stages_attributes_run_as_in_one_process(wrap):
+    # (transformers' older blocks return (hidden, attn_weights); OpenAI GPT's a list [hidden])
     torch.manual_seed(0)
-    model, tokens = TupleBlocksLM(), torch.randint(0, 64, (2, 8))
+    model, tokens = TupleBlocksLM(wrap), torch.randint(0, 64, (2, 8))
     root, plan = planned(copy.deepcopy(model))
     assert torch.equal(chained(root, plan, (tokens,)), model(tokens))
+
+
+def test_what_blocks_pass_each_other_besides_the_activation_crosses_the_stages():
+    torch.manual_seed(0)
+    model, tokens = IndexPassingLM(), torch.randint(0, 64, (2, 8))
+    root, plan = planned(copy.deepcopy(model))
+    # 1 + 3: the index block 0 returns reaches block 1 on the same stage; block 1's, sent, reaches block 2
+    assert torch.equal(chained(root, plan, (tokens,), split=1), model(tokens))
+    assert torch.equal(chained(root, plan, (tokens,), split=2), model(tokens))
 
 
 @pytest.mark.parametrize("build, plan_change, found", [
