@@ -19,7 +19,5 @@ if __name__ == "__main__":
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="census-"))
     census = run_census(out_dir, sys.argv[2:] or None)
-    report = census.report(width=None)
-    (out_dir / "census.md").write_text(report + "\n")
     print(census.report())
-    print(f"\n(full reasons in {out_dir / 'census.md'})")
+    print(f"\n(every reason in full: {census.file})")

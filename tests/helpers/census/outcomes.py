@@ -50,7 +50,8 @@ class Outcome:
 def judge(run, reference: Result, layout: str) -> Outcome:
     """``run`` (a Result, or a ``running.CaseError``) against the one-process ``reference``."""
     if not isinstance(run, Result):
-        first = next((line.strip() for line in run.message.splitlines() if line.strip()), "")
+        lines = [line.strip() for line in run.message.splitlines() if line.strip()] or [""]
+        first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "not split:" and what is not
         if run.refused:
             return Outcome("refused", first)
         return Outcome("failed", f"{run.type.rsplit('.', 1)[-1]}: {first}" + (f" (rank {run.rank})" if run.rank else ""))

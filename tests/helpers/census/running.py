@@ -18,14 +18,17 @@ from helpers.harness import Case, Result
 from helpers.launchers import run_forked
 
 LAYOUTS = {"tp2": dict(data_parallel_size=1, pipeline_parallel_size=1, tensor_parallel_size=2),
-           "pp2": dict(data_parallel_size=1, pipeline_parallel_size=2, tensor_parallel_size=1)}
-"""The census' layouts, each against one process."""
+           "pp2": dict(data_parallel_size=1, pipeline_parallel_size=2, tensor_parallel_size=1, num_microbatches=2)}
+"""The census' layouts, each against one process. The pipeline's 2 micro-batches are the halves of the batch
+that ``hf_microbatched`` (the harness' one-process run on micro-batches) computes."""
 STEPS = 3
 """Optimizer steps per run: a warm-up step at half the learning rate, then two with Adam's moments (as the
 harness' ``SWEEP_STEPS``): a gradient or a reduction a layout gets wrong shows in the losses or parameters."""
-WATCH = dict(setup_timeout=240.0, hang_timeout=120.0)
+WATCH = dict(setup_timeout=240.0, hang_timeout=120.0, exit_timeout=3.0)
 """The fault watch's limits (seconds): a model that hangs its ranks is stopped and reported as failed, and the
-rest of the census goes on. Set-up and a step of these tiny models take seconds on a loaded machine."""
+rest of the census goes on; set-up and a step of these tiny models take seconds on a loaded machine. A rank
+that raises where the other does not (a pipeline stage's own error) ends the launch once the other has had
+``exit_timeout`` / 2 to raise too (10 s by default, a wait each such model would add to the census)."""
 LAUNCH_TIMEOUT_PER_CASE = 90.0
 """The last resort against a hang the watch does not see, per case of a launch (a case takes ~1-5 s)."""
 
@@ -59,6 +62,7 @@ def run_layout(model_types: list[str], layout: str, out_dir: Path) -> dict[str, 
         if not remaining:
             break
         proc = _launch(remaining, out_dir / f"launch{attempt}")
+        (out_dir / f"launch{attempt}" / "output.txt").write_text(proc.stdout + proc.stderr)
         outcomes.update(_collected(remaining, out_dir / f"launch{attempt}"))
         first = remaining[0]
         if first.name not in outcomes:  # the launch ended inside this case, before any rank recorded it

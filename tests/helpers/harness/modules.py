@@ -66,6 +66,15 @@ class LabelsHFModule(HFCausalLMModule):
         return self.model(input_ids=tokens, labels=tokens).loss
 
 
+class MicrobatchedHFModule(HFCausalLMModule):
+    """Computes its logits on the batch in 2 halves, as a pipeline of 2 micro-batches does: one process with a
+    pipeline's arithmetic, for models whose output depends on the batch it is computed in (a router's
+    near-tie between two experts, decided by rounding that the batch's size changes)."""
+
+    def logits(self, tokens):
+        return torch.cat([self.model(input_ids=half).logits for half in tokens.chunk(2)])
+
+
 MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
            "toy": ToyLightningModule, "user_nanogpt": NanoGPTModule, "user_llama": UserLlamaModule,
            "user_llama_style": LlamaStyleModule, "user_published_gpt": PublishedGPTModule,
@@ -78,7 +87,8 @@ def module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModul
     if case.module.startswith("hf"):  # case.model: {"model_type": ..., "seq_len": ..., the HF config's sizes}
         sizes = dict(case.model)
         model_type, seq_len = sizes.pop("model_type"), sizes.pop("seq_len")
-        cls = {"hf": HFCausalLMModule, "hf_padded": PaddedHFModule, "hf_labels": LabelsHFModule}[case.module]
+        cls = {"hf": HFCausalLMModule, "hf_padded": PaddedHFModule, "hf_labels": LabelsHFModule,
+               "hf_microbatched": MicrobatchedHFModule}[case.module]
         pretrained = sizes.pop("pretrained", None)  # a config.json directory: built in configure_model
         module = cls(model_type, sizes, pretrained=pretrained, learning_rate=case.learning_rate, warmup_steps=2,
                      adam_eps=ADAM_EPS)

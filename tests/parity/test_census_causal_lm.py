@@ -1,0 +1,51 @@
+"""The census of transformers' causal LMs (issue 52, ``helpers/census``): every decoder-only ``*ForCausalLM``
+that builds from a tiny config, configured as for training (``use_cache=False``, no dropout, eager attention,
+grouped kv heads), trained with ``policy="auto"`` at tp=2 and at pp=2 and judged against one process.
+
+No model trains to numbers other than one process's, at any layout, listed or not; every model in
+``helpers/census/known.py`` still passes; every refusal gives its reason. The table is printed and written to
+``census.md`` in the test's temporary folder; ``python -m helpers.census`` (from tests/) prints it alone.
+"""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+# A limit for hangs, not for slowness: the census takes ~5 minutes on 2 idle cores (one launch per layout);
+# a hang inside a launch is stopped by the fault watch (helpers/census/running.py WATCH) well before this.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2400)]
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    from helpers.census import run_census
+
+    return run_census(tmp_path_factory.mktemp("census"))
+
+
+def test_the_census_table_is_printed_and_written(census, capsys):
+    assert census.file.read_text().startswith("| model |")
+    assert len(census.rows) >= 100, f"only {len(census.rows)} models in the census: {census.not_building}"
+    with capsys.disabled():
+        print(f"\n{census.report()}\n(written to {census.file})")
+
+
+def test_no_model_trains_to_other_numbers_than_one_process(census):
+    wrong = {f"{model} at {layout}": outcome.detail for model, outcomes in census.rows.items()
+             for layout, outcome in outcomes.items() if outcome.status == "wrong"}
+    assert not wrong, f"silently wrong results (see {census.file}): {wrong}"
+
+
+def test_every_model_known_to_pass_still_passes(census):
+    from helpers.census.known import KNOWN_TO_PASS
+
+    regressed = {f"{model} at {layout}": census.rows[model][layout].cell()
+                 for layout, models in KNOWN_TO_PASS.items() for model in sorted(models)
+                 if model not in census.rows or census.rows[model][layout].status != "PASS"}
+    assert not regressed, f"models that passed no longer do (see {census.file}): {regressed}"
+
+
+def test_every_refusal_gives_its_reason(census):
+    silent = [f"{model} at {layout}" for model, outcomes in census.rows.items()
+              for layout, outcome in outcomes.items() if outcome.status == "refused" and len(outcome.detail) < 20]
+    assert not silent, f"refusals without a reason: {silent}"
