@@ -133,7 +133,8 @@ AUTO_TP_MODELS = {
 
 # Forwards that pipeline as written only when the stages follow the forward: OPT calls its final norm, registered
 # before its layers, after them; BLOOM, GPT-Neo, MPT and Falcon blocks return tuples their forward indexes;
-# Llama 4 reads embed_tokens.weight.device on every stage (tests/unit/test_pipeline_placement.py).
+# Llama 4 reads embed_tokens.weight.device on every stage; GLM-MoE-DSA's layers pass top-k indices to the next
+# (tests/unit/test_pipeline_placement.py).
 PIPELINE_HF_MODELS = {
     "opt": dict(_HF_SIZES, model_type="opt", ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
                 max_position_embeddings=64, pad_token_id=1),
@@ -146,6 +147,13 @@ PIPELINE_HF_MODELS = {
     "falcon": AUTO_TP_MODELS["falcon"],
     "llama4_text": dict(_HF_SIZES, model_type="llama4_text", num_key_value_heads=2, head_dim=8, intermediate_size=64,
                         intermediate_size_mlp=64, num_local_experts=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    # Layers 2 and 3 reuse the top-k tokens layer 1 selected (of 16, 4): the indices cross the stages.
+    "glm_moe_dsa": dict(_HF_SIZES, model_type="glm_moe_dsa", num_key_value_heads=4, head_dim=4, v_head_dim=8,
+                        qk_head_dim=8, qk_rope_head_dim=4, qk_nope_head_dim=4, kv_lora_rank=16, q_lora_rank=16,
+                        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, mlp_layer_types=["dense", "dense", "dense", "sparse"],
+                        indexer_types=["full", "full", "shared", "shared"], index_n_heads=2, index_head_dim=8,
+                        index_topk=4, max_position_embeddings=64, attention_dropout=0.0),
 }
 PIPELINE_HF_CASES = {c.name: c for c in [
     Case(name=f"hf_{model}_pp2", module="hf", strategy_kwargs=dict(data_parallel_size=1, pipeline_parallel_size=2,

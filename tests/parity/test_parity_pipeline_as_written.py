@@ -1,7 +1,7 @@
 """A user's model (helpers/user_models.py) pipelines as written under every schedule and trains as in one
 process; no rank holds another stage's parameters. So do transformers models whose forwards a pipeline must
 follow closely (helpers/hf_cases.py PIPELINE_HF_MODELS: a final norm registered before the layers, blocks that
-return tuples, attribute reads of another stage's embedding)."""
+return tuples or pass each other indices, attribute reads of another stage's embedding)."""
 
 import pytest
 
@@ -28,7 +28,8 @@ def test_a_users_model_trains_as_in_one_process_under_every_schedule(shared_runs
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["hf_opt_pp2", "hf_bloom_pp2", "hf_gpt_neo_pp2", "hf_mpt_pp2", "hf_llama4_text_pp2"])
+@pytest.mark.parametrize("name", ["hf_opt_pp2", "hf_bloom_pp2", "hf_gpt_neo_pp2", "hf_mpt_pp2", "hf_llama4_text_pp2",
+                                  "hf_glm_moe_dsa_pp2"])
 def test_transformers_forwards_pipeline_as_written_and_train_as_in_one_process(shared_runs, name):
     from helpers.harness import assert_parity, reference_for
     from helpers.hf_cases import PIPELINE_HF_CASES
