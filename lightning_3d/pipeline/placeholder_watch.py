@@ -3,11 +3,12 @@
 A stage runs the model's forward (``pipeline.as_written``) with placeholders for what other stages hold:
 :class:`~lightning_3d.pipeline.placeholders.Shell` s return zeros for the embeddings or the head (and zeros
 for their parameters, where the forward reads one), the
-:class:`~lightning_3d.pipeline.placeholders.PassThroughBlock` s hand their input on, and the placeholder of the block where the previous stage ends returns what that
-stage sent. What the forward computes from the placeholders is meaningless, which does no harm as long as
-nothing the stage sends or returns is made of it. Three kinds of pattern would turn it into a silently wrong result; each raises
-:class:`StepPatternError` instead, on the stage's first call (step 1), on the rank that finds it (the fault
-watch takes the job down with its name):
+:class:`~lightning_3d.pipeline.placeholders.PassThroughBlock` s hand their input on, and the placeholder of
+the block where the previous stage ends returns what that stage sent. What the forward computes from the
+placeholders is meaningless, which does no harm as long as nothing the stage sends or returns is made of it.
+Three kinds of pattern would turn it into a silently wrong result; each raises :class:`StepPatternError`
+instead, on the stage's first call (step 1), on the rank that finds it (the fault watch takes the job down
+with its name):
 
 * **Control flow on values the stage does not have** -- an early exit (``if x.abs().max() > limit: break``),
   a branch on ``x.isnan().any()``, ``.item()`` of an activation: the stage would decide on zeros what one
@@ -114,8 +115,9 @@ class PlaceholderWatch(TorchFunctionMode):
         return output
 
     def check_output(self, output: Any) -> None:
-        """Raise if ``output`` (what the stage sends or returns) derives from a placeholder, or, after the
-        first stage, not from the activation the stage received."""
+        """Raise if ``output`` (what the stage sends or returns) derives from a placeholder, from a value
+        computed inside one of its blocks other than what the block returned, or, after the first stage, not
+        from what the stage received."""
         labels = self.labels_of(output)
         inside = sorted(label for label in labels if label.startswith(_INSIDE))
         used = sorted(self._of_placeholders(labels))
