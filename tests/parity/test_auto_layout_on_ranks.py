@@ -92,7 +92,8 @@ def test_the_calibration_measured_the_optimizer_the_pipeline_schedules_own_cost_
     for rank in ranks:
         calibration = rank["free"]["calibration"]
         assert 0 < calibration["optimizer_seconds_per_parameter"] < 1e-5
-        assert 0 <= calibration["pipeline_microbatch_s"] < 1.0
+        # A sanity bound (milliseconds when idle), wide enough for 2 cores at load 10: 1.015 s was seen there.
+        assert 0 <= calibration["pipeline_microbatch_s"] < 5.0
         assert 0.05 < calibration["recompute_share"] < 3.0
 
 
