@@ -24,6 +24,8 @@ from helpers.census.running import LAYOUTS, case_for, run_layout
 
 @dataclass
 class Census:
+    """Every model's outcome at every layout, and the models left out with the reason."""
+
     rows: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     """Model type -> layout -> outcome, for every model in the census."""
     not_building: dict[str, str] = field(default_factory=dict)
@@ -35,7 +37,8 @@ class Census:
     """Where the report is written, with every reason in full."""
 
     def report(self, width: int | None = 110) -> str:
-        """The table, then the models left out and why, then the time taken."""
+        """The table (cells cut to ``width`` characters; None: whole), the models that pass and are not yet in
+        known.py, the models left out and why, and the time taken."""
         from helpers.census.known import KNOWN_TO_PASS
 
         lines = [table(self.rows, list(LAYOUTS), width), ""]
