@@ -81,3 +81,39 @@ def test_a_refusal_and_a_failure_are_told_apart():
     failed = judge(CaseError("builtins.AttributeError", False, "'Shell' object has no attribute 'weight'", rank=1),
                    _result(), "pp2")
     assert failed.status == "failed" and failed.detail.startswith("AttributeError: 'Shell'")
+
+
+def test_a_launch_that_ends_inside_a_model_is_started_again_for_the_models_after_it(monkeypatch, tmp_path):
+    import subprocess
+
+    from helpers.census import running
+
+    # B brings its launch down before any rank records it (a hang, a crash), twice; A and C train.
+    launched = []
+
+    def fake_launch(cases, folder):
+        folder.mkdir(parents=True)
+        launched.append([case.name.split("@")[0] for case in cases])
+        for case in cases:
+            if case.name.startswith("B@"):
+                return subprocess.CompletedProcess([], 17, "", "lightning_3d: rank 1 hangs in ...")
+            torch.save(_result(), folder / f"{case.name}.pt")
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(running, "_launch", fake_launch)
+    monkeypatch.setattr(running, "case_for", lambda model, layout: running.Case(name=f"{model}@{layout}"))
+    outcomes = running.run_layout(["A", "B", "C"], "pp2", tmp_path)
+    assert launched == [["A", "B", "C"], ["B", "C"], ["C"]]  # B once more, then the rest
+    assert isinstance(outcomes["B"], running.CaseError) and "hangs" in outcomes["B"].message
+    assert outcomes["A"].losses == outcomes["C"].losses == [4.0, 3.9, 3.8]
+
+
+def test_a_refusal_is_one_of_lightning_3ds_own_errors():
+    from helpers.workers.census_worker import describe
+    from lightning_3d.errors import LayoutError, PolicyError, StepPatternError
+
+    for err in (PolicyError("no blocks"), LayoutError("heads"), StepPatternError("tuple")):
+        assert describe(err)["refused"], err
+    for err in (TypeError("'Shell' object is not subscriptable"), RuntimeError("input tensor has to be contiguous")):
+        assert not describe(err)["refused"], err
+    assert describe(PolicyError("no blocks"))["type"] == "lightning_3d.errors.PolicyError"

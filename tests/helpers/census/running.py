@@ -57,16 +57,21 @@ def run_layout(model_types: list[str], layout: str, out_dir: Path) -> dict[str, 
     cases = [case_for(model_type, layout) for model_type in model_types]
     out_dir.mkdir(parents=True, exist_ok=True)
     outcomes: dict[str, Result | CaseError] = {}
-    for attempt in range(len(cases)):  # each launch settles at least one case
+    ended_in: set[str] = set()
+    for attempt in range(2 * len(cases)):  # each launch settles a case, or ends in one for the first time
         remaining = [case for case in cases if case.name not in outcomes]
         if not remaining:
             break
         proc = _launch(remaining, out_dir / f"launch{attempt}")
         (out_dir / f"launch{attempt}" / "output.txt").write_text(proc.stdout + proc.stderr)
         outcomes.update(_collected(remaining, out_dir / f"launch{attempt}"))
-        first = remaining[0]
-        if first.name not in outcomes:  # the launch ended inside this case, before any rank recorded it
-            outcomes[first.name] = CaseError("launch ended", False, _tail(proc))
+        stuck = next((case.name for case in remaining if case.name not in outcomes), None)
+        if stuck in ended_in:
+            outcomes[stuck] = CaseError("launch ended", False, _tail(proc))
+        elif stuck is not None:
+            # The launch ended inside this case before any rank could record it (a hang, a crash): it gets one
+            # more launch, as the harness' launch gives a glibc heap abort or a failed gloo rendezvous.
+            ended_in.add(stuck)
     return {name.split("@")[0]: outcomes[name] for name in (case.name for case in cases)}
 
 
