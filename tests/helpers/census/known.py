@@ -29,6 +29,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
         "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "recurrent_gemma", "rwkv", "sarvam_mla",
         "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "trocr", "vaultgemma",
-        "xglm", "youtu"
+        "xglm", "youtu",
+        "xlstm",  # passed before 49bb6ca: its stage output, now every tensor its block returns, is not contiguous
     },
 }
