@@ -83,7 +83,8 @@ class StageForward:
             sent, result = output, self._tensors_of(output)
         except _StageEnd as end:
             inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)]
-            sent, result = end.tensors, (*end.tensors, *inputs)
+            # gloo sends contiguous tensors only (what else a block returns may be a view: xLSTM's states)
+            sent, result = end.tensors, tuple(t.contiguous() for t in (*end.tensors, *inputs))
         finally:
             if handle is not None:
                 handle.remove()
