@@ -20,10 +20,12 @@ TESTS_DIR = str(Path(__file__).parent)
 sys.path.insert(0, TESTS_DIR)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
 
+# Tiny models: one thread per process keeps 8 ranks on 2 cores from thrashing. Set before the import below,
+# which imports torch: its OpenMP pool reads the variable once, at load (set after, this process kept 2).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from helpers import warning_filters  # noqa: E402
 
-# Tiny models: one thread per process keeps 8 ranks on 2 cores from thrashing.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Processes the tests start (ranks, launchers, the CLI) read their warning rules from here.
 os.environ["PYTHONWARNINGS"] = warning_filters.pythonwarnings()
 
