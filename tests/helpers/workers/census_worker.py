@@ -39,7 +39,8 @@ def main(cases_file: str, out_dir: str) -> None:
         except Exception as err:  # recorded per case: the census goes on with the next one
             rank = dist.get_rank()
             Path(out_dir, f"{case.name}.rank{rank}.error.json").write_text(json.dumps(describe(err)))
-            print(f"[census] {case.name}: rank {rank} raised {type(err).__name__}", flush=True)
+            print(f"[census] {case.name}: rank {rank} raised {type(err).__name__} after"
+                  f" {time.perf_counter() - started:.2f} s", flush=True)
             try:
                 dist.monitored_barrier(timeout=timedelta(seconds=BARRIER_S), wait_all_ranks=True)
             except RuntimeError as gone:
