@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.auto_tp import structural_tp_plan
-from lightning_3d.policies.base import Plan, PlanOptions, Policy, find_submodule
+from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.registry import register_policy, registered_policies
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,13 @@ class AutoPolicy(Policy):
             )
         if options.tp == 1:
             return Plan(blocks=blocks)
+        if not blocks:  # tensor parallelism would split nothing: never a silent no-op
+            raise PolicyError(
+                f"policy='auto' found no repeated blocks in {type(root).__name__} (a list of two or more layers of"
+                f" one class), so at tensor_parallel_size={options.tp} it would split nothing and every rank would"
+                " hold and compute the whole model. Register a policy that names the blocks and their tp plan"
+                " (lightning_3d.policies.register_policy), or train with tensor_parallel_size=1."
+            )
         return structural_tp_plan(root, blocks, options)
 
     @staticmethod

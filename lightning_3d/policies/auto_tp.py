@@ -213,12 +213,24 @@ def expert_banks(block: nn.Module) -> list[str]:
     """The mixture-of-experts weights in ``block``, as "FQN (shape)": parameters with an expert dimension
     (transformers' ``experts.gate_up_proj`` of shape (experts, 2 x intermediate, hidden)), and lists of
     same-class modules holding projections (experts written as an ``nn.ModuleList`` of MLPs)."""
-    found = [f"{name} {tuple(p.shape)}" for name, p in block.named_parameters() if p.dim() >= 3]
+    found = []
+    for prefix, module in block.named_modules():
+        found += [f"{join_fqn(prefix, name)} {tuple(p.shape)}" for name, p in _expert_matrices(module)]
     for name, module in block.named_modules():
         if (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
                 and any(is_projection(m) for m in module[0].modules())):
             found.append(f"{name} ({len(module)} x {type(module[0]).__name__})")
     return found
+
+
+def _expert_matrices(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s own 3-D parameters that are a stack of expert matrices: two or more of them with the same
+    number of experts first, one reading what another writes (``gate_up_proj`` (E, 2I, H) and ``down_proj``
+    (E, H, I)). A convolution's (C, 1, K) or a projection stored (hidden, heads, head_dim) is not."""
+    stacks = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and min(p.shape) > 1]
+    return [(n, p) for n, p in stacks
+            if any(q is not p and q.shape[0] == p.shape[0] and (q.shape[2] == p.shape[1] or p.shape[2] == q.shape[1])
+                   for _, q in stacks)]
 
 
 def _model_prefix(blocks: list[str]) -> str:

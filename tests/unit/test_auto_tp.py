@@ -143,3 +143,27 @@ def test_mixture_of_experts_blocks_are_refused_at_tp_naming_the_experts(model_ty
                  num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
     with pytest.raises(PolicyError, match=r"mixture-of-experts(.|\n)*experts\.gate_up_proj \(4, (.|\n)*tensor_parallel_size=1"):
         plan(hf(model_type, **sizes))
+
+
+def test_a_model_without_repeated_blocks_is_refused_at_tp_not_left_whole():
+    # Layers of different classes (a hybrid model) form no block list: tp would split nothing.
+    root = nn.ModuleDict({"model": nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))})
+    with pytest.raises(PolicyError, match="found no repeated blocks(.|\n)*tensor_parallel_size=1"):
+        plan(root)
+
+
+def test_three_dimensional_weights_that_are_not_experts_are_not_taken_for_experts():
+    from lightning_3d.policies.auto_tp import expert_banks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(8, 8, 4, groups=8)  # weight (8, 1, 4): a depthwise convolution (Mamba)
+            self.q, self.k = (nn.Parameter(torch.zeros(32, 4, 8)) for _ in range(2))  # (hidden, heads, head_dim)
+            self.gate_up = nn.Parameter(torch.zeros(4, 128, 32))  # experts: (E, 2I, H) and (E, H, I)
+            self.down = nn.Parameter(torch.zeros(4, 32, 64))
+
+    assert expert_banks(Block()) == ["gate_up (4, 128, 32)", "down (4, 32, 64)"]
+    block = Block()
+    del block.gate_up, block.down
+    assert expert_banks(block) == []
