@@ -39,13 +39,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.auto_pipeline import tied_parameters
 from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
-from lightning_3d.policies.block_trace import (
-    block_inputs,
-    is_projection,
-    meta_copy,
-    projection_sizes,
-    required_positionals,
-)
+from lightning_3d.policies.block_inputs import block_inputs, required_positionals
+from lightning_3d.policies.block_trace import is_projection, meta_copy, projection_sizes
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block

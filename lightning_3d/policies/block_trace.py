@@ -24,9 +24,7 @@ tracing again as one tp rank holds the block.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +33,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_3d.policies.meta_values import MetaValues
 
 STREAM = "<stream>"
 """The provenance tag of the block's input hidden states (and of what is added to them)."""
@@ -110,71 +107,6 @@ class BlockTrace:
     features_in_place: set[str] = field(default_factory=set)
     """Of those, the modules whose output holds the features of their input at the same places (a norm)."""
     problem: str | None = None
-
-
-class _Stop(Exception):
-    pass
-
-
-def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4) -> tuple[tuple, dict] | str:
-    """The positional and keyword arguments ``model`` (on the meta device) passes ``block`` when called on
-    one sequence of ``tokens`` token ids, or of hidden states ``width`` wide (for a forward that requires
-    more: masks of ones); when no such call reaches the block, why the first call failed."""
-    seen: dict[str, Any] = {}
-    failures: list[str] = []
-
-    def stop(_module, args, kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
-        raise _Stop
-
-    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
-    extra = required_positionals(model) - 1
-
-    def ids():
-        return torch.zeros(1, tokens, dtype=torch.long)
-
-    def hidden():
-        return torch.zeros(1, tokens, width)
-
-    def masks():
-        return [torch.ones(1, tokens, dtype=torch.long)] * extra
-
-    calls = [lambda: model(ids(), use_cache=False), lambda: model(ids()), lambda: model(ids(), *masks()),
-             lambda: model(hidden()), lambda: model(hidden(), *masks())]
-    try:
-        for call in calls:
-            try:
-                # On meta, the inputs made here and what the forward derives from them carry host values
-                # (MetaValues): mask code that reads them (packed sequences, an all-ones padding mask) runs.
-                with torch.no_grad(), torch.device("meta"), MetaValues():
-                    call()
-            except _Stop:
-                first = next((a for a in [*seen["args"], *seen["kwargs"].values()] if isinstance(a, Tensor)), None)
-                if first is None or not first.is_floating_point() or first.shape[-1] != width:
-                    continue  # not hidden states: this call is not how the model is meant to be called
-                # A key/value cache would grow with every trace of the block: each trace starts without one.
-                args = tuple(_no_cache(a) for a in seen["args"])
-                return args, {k: _no_cache(v) for k, v in seen["kwargs"].items()}
-            except Exception as err:  # noqa: BLE001 -- a forward meta cannot run, or one that takes other inputs
-                failures.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-                continue
-    finally:
-        handle.remove()
-    return failures[0] if failures else "no call of the model with token ids or hidden states reached the block"
-
-
-def required_positionals(module: nn.Module) -> int:
-    """How many positional arguments ``module``'s forward requires."""
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return 1
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty)
-
-
-def _no_cache(value: Any) -> Any:
-    return None if type(value).__name__.endswith("Cache") else value
 
 
 def meta_copy(module: nn.Module) -> nn.Module:

@@ -24,7 +24,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_3d.policies.block_trace import meta_copy, required_positionals
+from lightning_3d.policies.block_inputs import required_positionals
+from lightning_3d.policies.block_trace import meta_copy
 from lightning_3d.policies.meta_values import MetaValues
 
 

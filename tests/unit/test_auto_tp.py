@@ -57,7 +57,7 @@ def test_auto_shards_at_least_90_percent_of_the_block_parameters(model_type, tp)
 def test_the_blocks_inputs_are_found_without_a_cache_where_the_mask_code_reads_values():
     # Without a cache, transformers checks the position ids for packed sequences with .item(): on meta that
     # fails, unless the values of what derives from the inputs are kept beside them (policies/meta_values.py).
-    from lightning_3d.policies.block_trace import block_inputs
+    from lightning_3d.policies.block_inputs import block_inputs
 
     model = hf("qwen3")["model"]
     found = block_inputs(model, model.model.layers[0], width=32)
