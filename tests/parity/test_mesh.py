@@ -42,7 +42,7 @@ def test_tensor_parallel_groups_are_consecutive_ranks(mesh_views):
 
 @pytest.mark.multiprocess
 def test_a_full_tensor_is_cut_where_it_lies_as_dtensor_cuts_it(mesh_views):
-    # weight_init's _host_slice: a host draw is sliced on the host, so only the shard moves to the GPU.
+    # weight_init's _copy_slice: a host draw is sliced on the host, so only the shard moves to the GPU.
     checked = [view["slices"] for view in mesh_views if "slices" in view]
     assert len(checked) == 8 and all(c["compared"] >= 10 for c in checked)
     assert not [c["wrong"] for c in checked if c["wrong"]]

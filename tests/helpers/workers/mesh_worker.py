@@ -37,23 +37,25 @@ def main(out_dir: str, layouts: list[str]) -> None:
 
 
 def _slices(mesh) -> dict:
-    """``weight_init._host_slice`` against DTensor's own cut (``distribute_tensor``), for even and uneven
+    """``weight_init._copy_slice`` against DTensor's own cut (``distribute_tensor``), for even and uneven
     shapes over the (dp, tp) mesh: the mismatches, and how many slices were compared."""
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from lightning_3d.parallel.weight_init import _host_slice
+    from lightning_3d.parallel.weight_init import _copy_slice
 
     compared, wrong = 0, []
     for shape in [(8, 6), (7, 5), (3, 9)]:
         full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
         for placements in [(Shard(0), Shard(1)), (Replicate(), Shard(0)), (Shard(1), Replicate()), (Shard(0), Shard(0))]:
             expected = distribute_tensor(full, mesh["dp", "tp"], placements, src_data_rank=None).to_local()
-            got = _host_slice(full, distribute_tensor(full, mesh["dp", "tp"], placements, src_data_rank=None))
-            if expected.numel() == 0:  # an empty shard: _host_slice leaves it to distribute_tensor
+            target = distribute_tensor(torch.full(shape, -1.0), mesh["dp", "tp"], placements, src_data_rank=None)
+            _copy_slice(full, target)
+            got = target.to_local()
+            if expected.numel() == 0:  # an empty shard: nothing to compare
                 continue
             compared += 1
-            if got is None or got.shape != expected.shape or not torch.equal(got, expected):
+            if got.shape != expected.shape or not torch.equal(got, expected):
                 wrong.append(f"{shape} {placements}")
     return {"compared": compared, "wrong": wrong}
     end_process_group()
