@@ -20,6 +20,9 @@ from helpers.cli_probe import read_ranks
 from helpers.launchers import GLOO_EXIT_ABORT, forkrun
 from lightning_3d.parallel.dims import ParallelDims
 
+# Installs Debian's Slurm and munge as root and starts daemons: `python -m pytest tests -m "not slurm"` skips it.
+pytestmark = pytest.mark.slurm
+
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "slurm" / "local_cluster.sh"
 TOOLS = ("slurmctld", "slurmd", "srun", "munged", "mungekey")
