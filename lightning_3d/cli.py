@@ -36,6 +36,15 @@ from lightning_3d.output import quiet_ranks
 from lightning_3d.parallel.config import ParallelConfigError
 
 
+# `plan` and `convert` are dispatched in main() before LightningCLI parses anything, so its subcommand list
+# cannot show them: the top-level help names them here.
+DESCRIPTION = (
+    "Train with lightning-3d. Commands: fit, validate, test, predict (LightningCLI, below); "
+    "plan: rank the layouts of a model on a cluster and write the best as a config (lightning-3d plan --help); "
+    "convert: export a checkpoint to one file or to transformers (lightning-3d convert --help)."
+)
+
+
 class _CLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser) -> None:
@@ -83,7 +92,7 @@ def build_cli(args: list[str] | None = None, *, run: bool = True) -> LightningCL
     return _CLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf", "prog": "lightning-3d"},
+        parser_kwargs={"parser_mode": "omegaconf", "prog": "lightning-3d", "description": DESCRIPTION},
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,
