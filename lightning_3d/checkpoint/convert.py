@@ -9,12 +9,11 @@ safetensors output is streamed -- the header is written from the checkpoint's me
 a time is read whole and written, so peak memory is about the largest tensor. ``torch.save`` needs the whole
 dict at once, so the ``.pt`` output holds the model in memory once.
 
-Why not torch's Hugging Face writers (measured on a 260 MiB GPT and a 212 MiB Llama; every output had the
-same tensors and a byte-identical data section, and ``from_pretrained`` loads each): ``HuggingFaceStorageWriter``
-saves a state dict held in memory, so an export through it first loads the whole model (peak RSS +803 and
-+648 MiB against +74..118 and +66 MiB here, streamed) and adds DCP's sharding offsets to the file's metadata.
-``_consolidate_hf_safetensors`` streams one tensor at a time in less CPU time (0.5-0.8 s against 0.8-1.3 s
-here, most of ours being one DCP load per tensor), but only from shards that writer wrote with
+Why not torch's Hugging Face writers (their outputs hold the same tensors and a byte-identical data section, and
+``from_pretrained`` loads each): ``HuggingFaceStorageWriter`` saves a state dict held in memory, so an export
+through it first loads the whole model (here: streamed, about the largest tensor) and adds DCP's sharding
+offsets to the file's metadata. ``_consolidate_hf_safetensors`` streams one tensor at a time in less CPU time
+(ours makes one DCP load per tensor), but only from shards that writer wrote with
 ``save_distributed=True``, not from our checkpoints (DCP's own format, optimizer state included); it is
 private, writes no ``format`` metadata nor an aligned header, and fails on integer tensors (``torch.finfo``).
 """

@@ -22,10 +22,8 @@ error naming the tensor, raised before anything is copied; so are a truncated fi
 checkpoint directory.
 
 Why not DCP's ``HuggingFaceStorageReader`` for a Hugging Face directory: it reads the same slices the same way
-(``get_slice``) and gave the same weights in about the same CPU time (tp rank 0 of 2, best of 7 loads: 0.19 s
-against 0.25 s here for a 260 MiB GPT, 0.27 s against 0.25 s for a 212 MiB Llama), but it keeps each file's map
-open for the whole load, so its peak RSS grew 176-192 and 144-151 MiB against 64-124 and 79-85 MiB here; it
-reads directories only (not one file, a torch file or our checkpoints), takes no renames, and a tied weight
+(``get_slice``) and gives the same weights in about the same CPU time, but it keeps each file's map open for the
+whole load, so its peak memory grows by about twice as much; it reads directories only (not one file, a torch file or our checkpoints), takes no renames, and a tied weight
 stored once (Hugging Face's way) needs a second load under the other name: more code around it, not less.
 """
 

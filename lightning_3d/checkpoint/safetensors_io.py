@@ -2,14 +2,12 @@
 
 Reading (``SafetensorsReader``) is the package's: ``safe_open(path, framework="pt").get_slice(name)[region]``
 is a view of the memory-mapped file, so copying it into a rank's shard reads only the pages of that region,
-for every dtype the package knows (FP8, unsigned, complex; a table of our own once lacked FP8 and failed
-with a bare ``KeyError``). Kept here: a message for a file that is not one or was cut short, and a new
-handle for every read. A handle's map keeps every page it touched resident until it closes, and a slice
-across columns touches all of a tensor: one handle for a whole load left 200 MiB of a 256 MiB file resident
-after reading half of each tensor, a handle per read none (so a rank's memory grows by about one tensor
-during ``init_from``: 21-25 MiB for a 350 MiB GPT at tp=4 in benchmarks/pretrained_memory.py, as with the
-hand-written reader). Opening costs ~0.2 ms: 0.18 s of CPU against 0.14 s for one handle, for 65 reads of
-a 260 MiB file; the same load time in that benchmark (0.10-0.21 s, before 0.08-0.23 s).
+for every dtype the package knows (FP8, unsigned, complex). Kept here: a message for a file that is not one
+or was cut short, and a new handle for every read. A handle's map keeps every page it touched resident until
+it closes, and a slice across columns touches all of a tensor: one handle for a whole load would leave most
+of the file resident, a handle per read leaves none, so a rank's memory grows by about one tensor during
+``init_from`` (benchmarks/pretrained_memory.py). Opening a handle costs a fraction of a millisecond, which
+the load time does not show.
 
 Writing (``SafetensorsWriter``) stays home-made: the package's ``save_file`` / ``serialize_file`` take every
 tensor at once, while consolidating a sharded checkpoint (``convert.py``) should hold one tensor at a time.
@@ -76,8 +74,8 @@ class SafetensorsWriter:
         begin, end = self._offsets[name]
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self._file.seek(self._data_start + begin)
-        self._file.write(data)  # the array's own buffer: a bytes copy doubled the CPU time (0.21 s against
-        # 0.11 s for 260 MiB, same file) and held the tensor twice
+        self._file.write(data)  # the array's own buffer: a bytes copy would double the CPU time and hold the
+        # tensor twice
         self._written.add(name)
 
     def close(self) -> None:

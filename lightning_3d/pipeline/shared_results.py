@@ -57,7 +57,7 @@ class ResultsChannel:
         """On a receiving rank, before the work whose results the next :meth:`share` brings: post that receive
         now, so that the bytes land while this rank computes and :meth:`share` finds them there. Left to
         :meth:`share`, the receive waits then for the sender to answer its handshake: a wake-up of the sending
-        process, ~0.6 ms on 2 CPU ranks and 20-40 ms per step on 8 ranks sharing 2 cores. Where host and device
+        process, which is slow where ranks share cores. Where host and device
         are one (CPU), once the structure is known; on a GPU a receive posted ahead would be an NCCL kernel
         waiting on the device through the whole step, and an answer takes microseconds there."""
         if self.device.type == "cpu" and self._layout is not None and self._posted is None \

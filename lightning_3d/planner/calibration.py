@@ -1,4 +1,4 @@
-"""Speeds measured on the devices a run will use, for the step-time model (issue 31).
+"""Speeds measured on the devices a run will use, for the step-time model.
 
 Without a :class:`Calibration` the planner derives every time from datasheet figures (``Cluster``: peak
 TFLOP/s times an assumed GEMM efficiency, NVLink and network bandwidth). With one, compute comes from the
@@ -116,9 +116,8 @@ class Calibration:
     collective_links: Mapping[str, LinkSpeed] = field(default_factory=dict)
     """All-gather's and reduce-scatter's own speeds on a dimension's group, where they were timed apart from its
     all-reduce: ``{"dp.all_gather": LinkSpeed, "dp.reduce_scatter": ..., "tp.all_gather": ...}``
-    (:data:`SEPARATELY_TIMED`). A backend's may differ from what its all-reduce predicts: on 8 gloo ranks
-    sharing 2 cores, a 4 MiB reduce-scatter took 26.6 ms, an all-gather of the same tensor 14.4 ms and an
-    all-reduce 24.0 ms, where the ring model's all-reduce fit gave both of the first ~10 ms. A collective not
+    (:data:`SEPARATELY_TIMED`). A backend's may differ from what its all-reduce predicts by the ring model:
+    on gloo a reduce-scatter runs at a fraction of the all-reduce's bandwidth. A collective not
     timed apart takes its dimension's link (:meth:`link`)."""
     ddp_sync_seconds_per_byte: float | None = None
     """What ``DistributedDataParallel``'s gradient synchronization costs per gradient byte over the world, as it

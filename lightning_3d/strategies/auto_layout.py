@@ -1,4 +1,4 @@
-"""``layout="auto"``: the strategy picks tp, pp, schedule, micro-batches, ZeRO and recompute at launch (issue 31).
+"""``layout="auto"``: the strategy picks tp, pp, schedule, micro-batches, ZeRO and recompute at launch.
 
 At set-up, after ``configure_model()`` built the model on the meta device and before any collective of the
 model, every rank:

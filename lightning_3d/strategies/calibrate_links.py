@@ -1,4 +1,4 @@
-"""How fast these devices' links are, measured in seconds at launch, for ``layout="auto"`` (issue 31).
+"""How fast these devices' links are, measured in seconds at launch, for ``layout="auto"``.
 
 All-reduce, all-gather and reduce-scatter on groups of consecutive ranks (as tp and dp groups lie) and
 point-to-point sends between the two halves of the world (as pipeline neighbours lie), each at two message
@@ -129,10 +129,8 @@ def ddp_sync_seconds_per_byte(shapes: list[torch.Size], device: torch.device) ->
     :func:`probe_shapes`), whose forward touches each of them at almost no compute, wrapped by DDP as a run
     without tp, pp or ZeRO wraps the model; its forward + backward with the synchronization on against the same
     under ``no_sync``, in pairs. The difference is what DDP adds per step: its hook per parameter (copying the
-    gradient into its bucket), the all-reduce per bucket as the reducer issues it, the copy back. On 8 gloo ranks
-    sharing 2 cores, for the wide and deep GPTs of issue 31's sweep (6.9 and 0.9 MB), it came to 50 and 34 ms,
-    where the same all-reduce timed alone took 34 and 22 ms, and DDP added 60 and 40 ms to the real model's
-    forward + backward. 0 for a model without parameters. Collective: every rank calls it."""
+    gradient into its bucket), the all-reduce per bucket as the reducer issues it, the copy back -- more than
+    the all-reduce timed alone, which is why the stand-in is timed rather than the link. 0 for a model without parameters. Collective: every rank calls it."""
     timed = probe_shapes(shapes)
     total = 4 * sum(shape.numel() for shape in timed)
     if total == 0:
@@ -162,9 +160,8 @@ def zero_sync_seconds_per_byte(unit_shapes: list[list[torch.Size]], device: torc
     FSDP units as the strategy wraps them (``unit_shapes``: each block's parameter shapes, then the rest of the
     model's, the root's own; float32, up to :data:`DDP_PROBE_BYTES` in all, :func:`probe_shapes`), each
     ``fully_shard`` over the world, its forward touching each parameter at almost no compute; its forward +
-    backward against the same stand-in unwrapped, in pairs. On 8 gloo ranks sharing 2 cores, for issue 31's
-    vocab GPT (4.8 MB in 5 units): 200-208 ms at ZeRO-2, where the dp link's reduce-scatter and all-gather
-    predicted 100 and the run's own collectives took 286 (their waits included). 0 for a model without
+    backward against the same stand-in unwrapped, in pairs: the link's reduce-scatter and all-gather alone
+    predict about half of what FSDP2's step pays. 0 for a model without
     parameters. Collective: every rank calls it."""
     from torch.distributed.fsdp import fully_shard
 

@@ -1,4 +1,4 @@
-"""How fast the optimizer steps on these devices, measured at launch for ``layout="auto"`` (issue 31): an AdamW
+"""How fast the optimizer steps on these devices, measured at launch for ``layout="auto"``: an AdamW
 step on one block's parameters, materialized from the meta build as ``strategies/calibrate.py`` times the block
 (seconds per parameter), and on one tensor of the embedding's shape (per parameter: the few large tensors
 outside the blocks cost per number, not per tensor); and what the step costs more on the same parameters as
@@ -62,10 +62,8 @@ def dtensor_optimizer_seconds_per_block(block: nn.Module, device: torch.device,
     and FSDP2 make them) than as plain tensors of the same local size: replicated over a mesh of the world, or
     with ``sharded`` each split along its first dimension over it (FSDP2's local shards: 1 / world of the
     numbers), so that only DTensor's dispatch differs -- a sharding propagation and a local call per tensor of
-    each of the optimizer's ops, which on a block of many small tensors costs several times its arithmetic
-    (measured on CPU: 240 tensors of a 16 x 32 GPT's blocks, 6.6 ms plain, 32 ms as DTensors), and more on more
-    numbers (the vocab GPT's 65 tensors on 8 CPU ranks: 30 ms more replicated, 15 ms more as 1/8 shards).
-    In ``precision.param_dtype``. Seconds, >= 0. Collective."""
+    each of the optimizer's ops, which on a block of many small tensors costs several times its arithmetic,
+    and grows with the numbers a rank holds. In ``precision.param_dtype``. Seconds, >= 0. Collective."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = world_mesh(device)

@@ -1,4 +1,4 @@
-"""How the calibration times a call on the ranks (issue 31): every rank at once, each repetition at its slowest
+"""How the calibration times a call on the ranks : every rank at once, each repetition at its slowest
 rank, a difference between two runs in pairs. Used by ``strategies/calibrate.py`` (compute),
 ``strategies/calibrate_optimizer.py`` (the optimizer's step) and ``strategies/calibrate_links.py``
 (communication)."""
@@ -62,10 +62,9 @@ measures the clock and the scheduler's time slices (milliseconds where ranks sha
 SHARED_CORES_REPEAT_SECONDS = 0.1
 """The shortest timed repetition where the ranks outnumber the host's cores. There one call of a block takes
 tens of milliseconds of wall time, so a 0.02 s repetition is a single call, and how much the ranks' calls
-overlap -- they leave the barrier several milliseconds apart -- changes from one repetition to the next: on 8
-ranks over 2 cores a block timed at 2 sequences came out 0.63-0.99 of its time per token at 8 over six
-calibrations, though alone it is 1.09 (issue 31's sweep, "wide"). Several calls per repetition keep all the
-ranks busy together, as in a step."""
+overlap -- they leave the barrier several milliseconds apart -- changes from one repetition to the next, and a
+small micro-batch can then time cheaper per token than a large one, which it is not. Several calls per
+repetition keep all the ranks busy together, as in a step."""
 
 
 def repeat_seconds(cores_per_rank: float | None) -> float:
@@ -91,9 +90,8 @@ def median_extra_seconds(base: Callable[[], Any], extra: Callable[[], Any], devi
     """Seconds one ``extra()`` takes more than one ``base()``, >= 0: the median over ``PAIRS`` pairs of timed
     repetitions, one of each back to back, each of the two first in turn (the ranks start each repetition
     together, and it counts at its slowest rank's time, as in :func:`median_seconds`). Two medians taken one
-    after the other also measure how the host's load moved in between, which on 8 ranks over 2 cores was as
-    large as the difference sought: FSDP2's cost per block call came out 0.3-9.2 ms over nine calibrations
-    (2-4 ms in seven) taken so. A pair's two repetitions run under the same load. Collective."""
+    after the other also measure how the host's load moved in between, which where ranks share cores can be
+    as large as the difference sought. A pair's two repetitions run under the same load. Collective."""
     runs = (base, extra)
     calls = _agreed_calls(runs, device, True, min_seconds)
     times: tuple[list[float], list[float]] = ([], [])  # base's, extra's

@@ -5,10 +5,8 @@ glibc's malloc serves a large allocation (above its mmap threshold: 128 KiB, ris
 blocks are freed) with fresh pages from the kernel and unmaps them on free, and it returns the heap's free top
 to the kernel once that exceeds its trim threshold. A training step frees and allocates the same large tensors
 every step (logits and their gradient, activations), so on CPU each step can fault all of them in again, page by
-page: the vocab-heavy GPT of issue 31's sweep (8192-token vocabulary, 16 MiB of logits per replica) took 8,160
-page faults per step per rank, and on 8 gloo ranks sharing 2 cores its dp8 step measured 389-480 ms against
-306-359 ms with freed memory kept (0 faults per step). ``layout="auto"``'s calibration times the same calls in
-loops that reuse their memory, so such steps also ran longer than it predicted.
+page, which for a large vocabulary's logits is a sizeable share of the step. ``layout="auto"``'s calibration
+times the same calls in loops that reuse their memory, so it would also predict such steps short.
 
 A user's own ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is left alone, as is any allocator other
 than glibc's (on another C library, or jemalloc/tcmalloc preloaded, the call changes nothing that is used).

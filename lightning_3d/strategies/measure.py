@@ -1,4 +1,4 @@
-"""What ``layout="auto"`` measures on the ranks before it decides (issue 31), for the config at hand: which
+"""What ``layout="auto"`` measures on the ranks before it decides, for the config at hand: which
 timings of ``strategies/calibrate.py`` (compute), ``strategies/calibrate_optimizer.py`` (the optimizer's step)
 and ``strategies/calibrate_links.py`` (communication) run, at which micro-batch sizes and tensor-parallel sizes, gathered into the planner's :class:`Calibration`.
 ``strategies/auto_layout.py`` decides with it."""

@@ -60,8 +60,7 @@ def end_process_groups_at_exit() -> None:
     made once per process (``parallel/group_cache.py``) and collect what held them. Left to the interpreter's
     finalization, gloo's worker threads outlive the objects they use and a rank can abort after all its work
     is done ("terminate called without an active exception", SIGABRT, which torchrun reports as the job's
-    failure): measured on 8 gloo ranks that made a few meshes and subgroups, as a process that fits several
-    layouts does, 5 of 12 runs aborted; with this, 0 of 12. Registered once, after Lightning's own exit
+    failure), most often in a process that made several meshes and subgroups. Registered once, after Lightning's own exit
     handler (NCCL only), so that it runs first; a no-op where the groups are gone already."""
     if not _ENDS_AT_EXIT:
         _ENDS_AT_EXIT.append(True)

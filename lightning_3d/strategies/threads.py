@@ -1,7 +1,7 @@
 """Intra-op threads per rank: ranks that share one host's CPUs split them, unless the user chose a count.
 
 Each process's torch starts with one intra-op thread per CPU it may run on. Eight ranks on a 2-core machine
-then run 16 busy threads on 2 cores and a step takes ~2.5x as long as with one thread each (issue 18).
+then run 16 busy threads on 2 cores, and each step takes several times as long as with one thread each.
 torchrun (PyTorch 2.13) sets ``OMP_NUM_THREADS=1`` for its workers when it is unset and it starts more than
 one per node; Lightning's own launcher sets ``cpus // processes`` in the process that launches, but only
 there when the strategy starts no launcher in the others (ours starts none in processes that already exist,
