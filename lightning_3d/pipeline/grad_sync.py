@@ -56,8 +56,8 @@ class GradSyncStage(PipelineStage):
             # accumulation window: val_check_interval=3, accumulate_grad_batches=2). Of its work only the
             # reshard is wanted: FSDP2 leaves parameters gathered after a forward (for the backward that would
             # follow), and the gathered Parameter objects would stay registered: the next training step's
-            # gradients would land on those, not on the sharded parameters the optimizer steps (measured at
-            # dp2 x pp2: the first step after Lightning's sanity check updated nothing).
+            # gradients would land on those, not on the sharded parameters the optimizer steps, and the first
+            # step after an evaluation would update nothing.
             for module in self.submod.modules():  # each FSDP2 unit (blocks, the stage) reshards only its own
                 if isinstance(module, FSDPModule):
                     module.reshard()
