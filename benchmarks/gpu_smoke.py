@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -96,12 +96,13 @@ def mfu(flops_per_step: float, step_seconds: float, peak: Optional[float]) -> Op
 
 @dataclass
 class Run:
-    """One timed run: seconds per step after the warm-up, and device memory (None on CPU)."""
+    """One timed run: seconds per step after the warm-up, device memory (None on CPU), and every step's loss."""
 
     name: str
     step_times: list[float]
     peak_bytes: Optional[int] = None
     baseline_bytes: Optional[int] = None
+    losses: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -111,10 +112,10 @@ class Run:
 class Bench:
     """The settings of this invocation and the helpers every part shares."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, sizes: Optional[Sizes] = None) -> None:
         self.args = args
         self.device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", 0)
-        self.sizes = CPU_SIZES if args.cpu_smoke else GPU_SIZES
+        self.sizes = sizes or (CPU_SIZES if args.cpu_smoke else GPU_SIZES)
         if args.batch_size:
             self.sizes = replace(self.sizes, batch_size=args.batch_size)
         self.device_name = "CPU" if args.cpu_smoke else torch.cuda.get_device_name(self.device)
@@ -170,10 +171,12 @@ class Bench:
         class StepEnds(L.Callback):
             def __init__(self) -> None:
                 self.ends: list[float] = []
+                self.losses: list[float] = []
 
-            def on_train_batch_end(self, *_args) -> None:
+            def on_train_batch_end(self, trainer, pl_module, outputs, *_args) -> None:
                 bench.synchronize()
                 self.ends.append(time.perf_counter())
+                self.losses.append(float(outputs["loss"]))  # synchronized already: no extra wait
 
         L.seed_everything(0, verbose=False)
         baseline = self.reset_memory()
@@ -182,7 +185,7 @@ class Bench:
                   max_steps=self.args.warmup + self.args.steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                   num_sanity_val_steps=0, callbacks=[clock, *callbacks]).fit(self.module(), self.loader())
-        return Run(name, self.step_deltas(clock.ends, self.args.warmup), self.peak_memory(), baseline)
+        return Run(name, self.step_deltas(clock.ends, self.args.warmup), self.peak_memory(), baseline, clock.losses)
 
     def loop(self, name: str, shard: Callable[[torch.nn.Module], None] = lambda model: None,
              warmup: Optional[int] = None, steps: Optional[int] = None) -> Run:
@@ -200,7 +203,7 @@ class Bench:
         optimizers = module.configure_optimizers()
         optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
         warmup = warmup or self.args.warmup
-        ends = []
+        ends, losses = [], []
         for tokens, targets in itertools.islice(self.loader(), warmup + (steps or self.args.steps)):
             tokens, targets = tokens.to(self.device), targets.to(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
@@ -211,7 +214,8 @@ class Bench:
             scheduler.step()
             self.synchronize()
             ends.append(time.perf_counter())
-        return Run(name, self.step_deltas(ends, warmup), self.peak_memory(), baseline)
+            losses.append(float(loss))
+        return Run(name, self.step_deltas(ends, warmup), self.peak_memory(), baseline, losses)
 
 
 def throughput(bench: Bench) -> list[Run]:
@@ -305,24 +309,47 @@ def offload(bench: Bench) -> list[Run]:
     return [run]
 
 
-def setup_routes(bench: Bench) -> list[Run]:
-    import lightning as L
-    from pathlib import Path
-
-    from lightning_3d import ThreeDStrategy
+def as_written(bench: Bench):
+    """The GPT module re-initialized from the root after the build (nanoGPT's way): not replayable module by
+    module, so the strategy takes the exact route (or, under ``model_init="fast"``, the recorded build)."""
     from lightning_3d.models import GPTLightningModule
 
     class AsWritten(GPTLightningModule):
-        """Re-initialized from the root after the build (nanoGPT's way): not replayable module by module."""
-
         def configure_model(self) -> None:
             super().configure_model()
             self.model.apply(lambda m: torch.nn.init.normal_(m.weight, std=0.02)
                              if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) else None)
 
-    def status_kib(field: str) -> int:
-        line = next(li for li in Path("/proc/self/status").read_text().splitlines() if li.startswith(field + ":"))
-        return int(line.split()[1])
+    return AsWritten(config=bench.config(), learning_rate=3e-4)
+
+
+SETUP_ROUTES = (  # name, builds its LightningModule, model_init
+    ("meta route", Bench.module, "auto"),
+    ("exact route (replayed)", as_written, "auto"),
+    ("fast route (on the device)", as_written, "fast"),
+)
+
+
+def status_kib(field_name: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
+    from pathlib import Path
+
+    line = next(li for li in Path("/proc/self/status").read_text().splitlines() if li.startswith(field_name + ":"))
+    return int(line.split()[1])
+
+
+def setup_route(bench: Bench, make_module: Callable[[Bench], object], model_init: str) -> dict:
+    """``ThreeDStrategy``'s set-up of one init route, from before ``fit`` to the first batch: seconds, peak
+    host memory growth (VmHWM over VmRSS before) and peak device memory, and the device bytes still allocated
+    before it began (what an earlier run left: 0 when nothing leaked).
+
+    The module is built here and dropped before returning, with the Trainer that holds it: a route's peaks
+    are its own, not also the models of the routes measured before it (the device peak counts every tensor
+    alive, and the allocator would hand a later route an earlier one's freed pages)."""
+    import lightning as L
+    from pathlib import Path
+
+    from lightning_3d import ThreeDStrategy
 
     class SetUp(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
@@ -331,22 +358,30 @@ def setup_routes(bench: Bench) -> list[Run]:
             self.device = bench.peak_memory()
             trainer.should_stop = True  # set-up measured: no step
 
-    for name, module, model_init in (
-            ("meta route", bench.module(), "auto"),
-            ("exact route (replayed)", AsWritten(config=bench.config(), learning_rate=3e-4), "auto"),
-            ("fast route (on the device)", AsWritten(config=bench.config(), learning_rate=3e-4), "fast")):
-        L.seed_everything(0, verbose=False)
-        bench.reset_memory()
-        Path("/proc/self/clear_refs").write_text("5")
-        probe = SetUp()
-        probe.host_before, probe.start = status_kib("VmRSS"), time.perf_counter()
-        L.Trainer(accelerator=bench.device.type, devices=1, strategy=ThreeDStrategy(model_init=model_init),
-                  precision="bf16-mixed",
-                  max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-                  callbacks=[probe]).fit(module, bench.loader())
-        print(f"set-up, {name}: {probe.seconds:.1f} s, host peak +{gib(probe.host)} GiB, device peak"
-              f" {gib(probe.device)} GiB (the model: {gib(bench.config().num_parameters() * 4)} GiB in fp32)")
+    L.seed_everything(0, verbose=False)
+    before = bench.reset_memory()
+    module = make_module(bench)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    probe = SetUp()
+    probe.host_before, probe.start = status_kib("VmRSS"), time.perf_counter()
+    trainer = L.Trainer(accelerator=bench.device.type, devices=1, strategy=ThreeDStrategy(model_init=model_init),
+                        precision="bf16-mixed", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0, callbacks=[probe])
+    trainer.fit(module, bench.loader())
+    del trainer, module
+    bench.reset_memory()
+    return {"seconds": probe.seconds, "host_peak_bytes": probe.host, "device_peak_bytes": probe.device,
+            "device_before_bytes": before}
+
+
+def setup_routes(bench: Bench) -> list[Run]:
+    for name, make_module, model_init in SETUP_ROUTES:
+        route = setup_route(bench, make_module, model_init)
+        print(f"set-up, {name}: {route['seconds']:.1f} s, host peak +{gib(route['host_peak_bytes'])} GiB, device"
+              f" peak {gib(route['device_peak_bytes'])} GiB (allocated before it:"
+              f" {gib(route['device_before_bytes'])} GiB; the model: {gib(bench.config().num_parameters() * 4)}"
+              " GiB in fp32)")
     return []
 
 
