@@ -56,8 +56,12 @@ def apply_compile(module: nn.Module, plan: Plan, rank: int) -> CompileReport:
             f" the block ({converted}: policy='auto' splitting a model by its structure), which PyTorch 2.13's"
             " compiled backward does not take (seen with Phi-3: \"'Tensor' object has no attribute"
             " '_local_tensor'\" in the first backward)")
+    # Random operators as eager ATen calls, drawing from whichever stream is current (parallel/rng.py): the
+    # tp-rank stream of a sharded region is switched in inside the graph, which inductor's own random numbers,
+    # seeded once per graph, would not see. The random operators then run unfused, as they do in eager mode.
+    options = {"fallback_random": True} if plan.sharded_rng_regions else None
     for block in blocks:
-        block.forward = CompiledForward(block, report)
+        block.forward = CompiledForward(block, report, options)
     report.log_after_first_step()
     return report
 
@@ -127,10 +131,10 @@ class CompiledForward:
     It compiles the class's ``forward`` and passes the block in, rather than the bound method: a deep copy of
     the block (an EMA of the weights) then gets a forward over its own parameters, not over the original's."""
 
-    def __init__(self, block: nn.Module, report: CompileReport) -> None:
+    def __init__(self, block: nn.Module, report: CompileReport, options: dict[str, Any] | None = None) -> None:
         self.block = block
         self.eager = type(block).forward
-        self.compiled = torch.compile(self.eager, fullgraph=True)
+        self.compiled = torch.compile(self.eager, fullgraph=True, options=options)
         self.report = report
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

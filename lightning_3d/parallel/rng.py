@@ -11,16 +11,27 @@ share a mask. Megatron-LM keeps a second, tp-rank-specific generator for those r
 
 Draws inside a region never advance the default stream, so regions whose shards differ in size across ranks
 cannot desynchronize it either.
+
+Inside a ``torch.compile``'d block the switch is an operator of the graph, ``lightning_3d::switch_rng_stream``
+(dynamo cannot trace ``torch.get_rng_state``: that would be a graph break), which returns a copy of the
+tensor it is given, so the region's input depends on the switch into the stream and the next region's on the
+switch out. Inductor draws a region's random numbers on that stream only where it calls random operators
+as eager ATen operators (``fallback_random``, which ``parallel/compile.py`` sets for blocks with such regions):
+its own random numbers are seeded once per graph, from whichever stream is current when the graph starts.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_3d.parallel.tensor_parallel import match_modules
 
@@ -76,12 +87,69 @@ class ShardedRNG:
 
 
 def apply_sharded_rng(root: nn.Module, patterns: list[str], rng: ShardedRNG) -> None:
-    """Run the forward of every module matching ``patterns`` on ``rng``'s stream."""
+    """Run the forward of every module matching ``patterns`` on ``rng``'s stream (in eager mode by forward hooks
+    that switch the generators; traced by ``torch.compile``, through :func:`switch_rng_stream` in the graph)."""
+    key = id(rng)
+    _STREAMS[key] = rng
     for pattern in patterns:
         for fqn in match_modules(root, pattern):
             module = root.get_submodule(fqn)
-            module.register_forward_pre_hook(lambda *_: rng.enter())
-            module.register_forward_hook(lambda *_: rng.exit())
+            module.register_forward_pre_hook(partial(_enter_region, rng, key), with_kwargs=True)
+            module.register_forward_hook(partial(_exit_region, rng, key))
+
+
+_STREAMS: weakref.WeakValueDictionary[int, ShardedRNG] = weakref.WeakValueDictionary()
+"""The streams :func:`switch_rng_stream` switches, by ``id``: a graph's operators take numbers, not objects."""
+
+
+def _enter_region(rng: ShardedRNG, key: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    if not torch.compiler.is_compiling():
+        rng.enter()
+        return None
+    flat, spec = tree_flatten((args, kwargs))
+    flat = _switch_first_tensor(flat, key, True, f"{type(module).__name__} has no tensor among its inputs")
+    return tree_unflatten(flat, spec)
+
+
+def _exit_region(rng: ShardedRNG, key: int, module: nn.Module, args: tuple, output: Any) -> Any:
+    if not torch.compiler.is_compiling():
+        rng.exit()
+        return None
+    flat, spec = tree_flatten(output)
+    return tree_unflatten(_switch_first_tensor(flat, key, False, f"{type(module).__name__} returns no tensor"), spec)
+
+
+def _switch_first_tensor(flat: list, key: int, enter: bool, missing: str) -> list:
+    """``flat`` with its first tensor passed through :func:`switch_rng_stream`."""
+    first = next((i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)), None)
+    if first is None:
+        raise TypeError(f"{missing}: a module on the tp-rank random stream inside a compiled block needs one, to"
+                        " order the stream's switch in the graph. Set its dropout to 0, or compile=False.")
+    x = flat[first]
+    if isinstance(x, DTensor):  # the operator has no sharding rule: it switches on the local shard
+        x = DTensor.from_local(switch_rng_stream(x.to_local(), key, enter), x.device_mesh, x.placements,
+                               run_check=False, shape=x.shape, stride=x.stride())
+    else:
+        x = switch_rng_stream(x, key, enter)
+    return [*flat[:first], x, *flat[first + 1:]]
+
+
+@torch.library.custom_op("lightning_3d::switch_rng_stream", mutates_args=())
+def switch_rng_stream(x: torch.Tensor, stream: int, enter: bool) -> torch.Tensor:
+    """Switch into (``enter``) or out of the tp-rank stream registered as ``stream``; a copy of ``x``, which
+    orders the switch in a compiled graph (the operator cannot return ``x`` itself: its output may not alias an
+    input). Costs one copy of a region's input and one of its output, only in compiled blocks."""
+    rng = _STREAMS[stream]
+    rng.enter() if enter else rng.exit()
+    return x.clone()
+
+
+@switch_rng_stream.register_fake
+def _(x: torch.Tensor, stream: int, enter: bool) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+switch_rng_stream.register_autograd(lambda ctx, grad: (grad, None, None))
 
 
 @contextmanager
