@@ -214,7 +214,7 @@ class Bench:
             scheduler.step()
             self.synchronize()
             ends.append(time.perf_counter())
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         return Run(name, self.step_deltas(ends, warmup), self.peak_memory(), baseline, losses)
 
 
