@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -20,19 +21,25 @@ ACTIONS = ("raise", "skip", "rollback")
 class NaNGuard(L.Callback):
     """Checks every gradient as backward produces it -- before any data-parallel reduction spreads it, so the
     rank where a NaN/Inf first appears is known -- and, before the optimizer step, agrees across all ranks
-    (one all-reduce; the reports are gathered only when a rank found one) on what was found. Then:
+    on the device (one all-reduce of a flag; the reports are gathered only when a rank found one) on what was
+    found. Then:
 
-    * ``action="raise"``: every rank raises the same error naming each offending rank, its (dp, pp, tp)
-      coordinates and the first parameter whose gradient was not finite there;
+    * ``action="raise"`` (the default): every rank raises the same error naming the step, each offending rank,
+      its (dp, pp, tp) coordinates and the first parameter whose gradient was not finite there -- one step
+      late: the flag is read on the host before the *next* optimizer step (or before a checkpoint is saved,
+      or when training ends), by then long computed, so no step waits for the device. What that costs: the
+      step with the NaN/Inf has updated the weights (and a logger may have recorded its metrics); no
+      checkpoint holds that update, since a pending flag is read before any is written.
     * ``action="skip"``: every rank drops this step's gradients, so the optimizer step changes nothing, and
-      training goes on (``skipped_steps`` lists them).
+      training goes on (``skipped_steps`` lists them). The optimizer step must wait for the answer: one host
+      sync per checked step.
     * ``action="rollback"``: every rank reloads the newest checkpoint a ``ModelCheckpoint`` wrote -- weights,
       optimizer and LR-scheduler states -- multiplies the learning rates by ``rollback_lr_factor``, drops this
       step's gradients and goes on. The data loader moves on rather than back: the batches since that
       checkpoint, which led to the NaN, are not replayed (as PaLM did after loss spikes), and ``global_step``
       keeps counting so logs stay monotonic. ``rollbacks`` lists (step, checkpoint). Without any
       ``ModelCheckpoint`` the guard refuses to start; if none has been written yet when a NaN appears, it
-      skips the step instead and says so.
+      skips the step instead and says so. As with ``"skip"``, one host sync per checked step.
 
     It checks each gradient on the tensor the module computed with, in every layout: the registered
     parameters under DDP, the unsharded tensors FSDP2 swaps in (ZeRO stages 1-3, and replicated data parallel
@@ -47,8 +54,10 @@ class NaNGuard(L.Callback):
     holds parameters, a few percent of a forward and backward; under a pipeline, one sum per gradient per
     step, of what the micro-batches accumulated, right before the stage reduces them (no hook per
     micro-batch, whose Python overhead would grow with the micro-batches).
-    ``every_n_steps`` checks less often. A checked step reads the device on the host once: the all-reduced
-    flag, before the optimizer step (the rest is read only in a step where a rank saw a NaN/Inf).
+    ``every_n_steps`` checks less often. A checked step reads one value on the host, the all-reduced flag: with
+    ``"raise"`` at the next step, from a copy the device made asynchronously (on CUDA, into pinned memory,
+    behind an event); with ``"skip"`` and ``"rollback"`` before its own optimizer step (the rest is read only
+    in a step where a rank saw a NaN/Inf).
 
     Example::
 
@@ -75,6 +84,7 @@ class NaNGuard(L.Callback):
         self._activations: list[tuple[str, torch.Tensor]] = []  # (module, its output was finite), forward order
         self._grads: GradientChecks | None = None  # while training
         self._handles: list = []  # the activation checks' hooks
+        self._pending: _Findings | None = None  # action="raise": the last checked step's, read at the next step
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.action == "rollback" and not _checkpoint_callbacks(trainer):
@@ -89,6 +99,17 @@ class NaNGuard(L.Callback):
                     self._handles.append(module.register_forward_hook(hook))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._act_on_pending(trainer, pl_module)  # the last checked step's (raises if it found one)
+        self._remove_hooks()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._pending = None
+        self._remove_hooks()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._act_on_pending(trainer, pl_module)  # no checkpoint holds the update of a step not yet judged
+
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -110,8 +131,17 @@ class NaNGuard(L.Callback):
                 self._activations.append((name, torch.isfinite(local(tensor).detach()).all()))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        self._act_on_pending(trainer, pl_module)  # the previous checked step's, computed by now
         if trainer.global_step % self.every_n_steps:
             return
+        findings = self._check(trainer, pl_module)
+        if self.action == "raise":  # acted on at the next step: this one does not wait for the device
+            self._pending = findings
+        else:  # the optimizer step must not take gradients that are not finite: wait for the answer now
+            self._act(trainer, pl_module, findings)
+
+    def _check(self, trainer: L.Trainer, pl_module: L.LightningModule) -> _Findings:
+        """This step's checks, agreed across ranks on the device; nothing read on the host."""
         names, finite = self._grads.collect(pl_module, trainer.global_step) if self._grads is not None else ([], None)
         late_names, late_finite = self._grads.collect_reduced(pl_module) if self._grads is not None else ([], None)
         activations, self._activations = self._activations, []
@@ -124,16 +154,24 @@ class NaNGuard(L.Callback):
             flag.add_(late_finite.all().logical_not())
         if dist.is_initialized():  # every rank learns whether any rank saw one: they all act alike
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        found_at = flag.item()  # the one host sync of a checked step: the optimizer step must wait for the answer
+        return _Findings(trainer.global_step, _HostCopy(flag), names, finite, late_names, late_finite, activations)
+
+    def _act_on_pending(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        findings, self._pending = self._pending, None
+        if findings is not None:
+            self._act(trainer, pl_module, findings)
+
+    def _act(self, trainer: L.Trainer, pl_module: L.LightningModule, findings: _Findings) -> None:
+        found_at = findings.flag.read()
         if not found_at:
             return
         if found_at >= 2:  # the ranks where it appeared are named, not those it reached through the reduction
-            first_bad = first_not_finite(names, finite) if finite is not None else None
+            first_bad = first_not_finite(findings.names, findings.finite) if findings.finite is not None else None
         else:
-            first_bad = first_not_finite(late_names, late_finite)
+            first_bad = first_not_finite(findings.late_names, findings.late_finite)
             first_bad = first_bad and (f"{first_bad} (seen after the data-parallel reduction, which spreads it to"
                                        " every replica: the rank of origin is not known)")
-        mine = (first_bad, _first_bad_activation(activations)) if first_bad else None
+        mine = (first_bad, _first_bad_activation(findings.activations)) if first_bad else None
         found = [mine]
         if dist.is_initialized():  # only now, in a step where some rank saw one, the reports are gathered
             found = [None] * dist.get_world_size()
@@ -148,7 +186,7 @@ class NaNGuard(L.Callback):
             for rank, (grad, activation) in sorted(bad.items())
         )
         if self.action == "raise":
-            raise FloatingPointError(f"NaN/Inf gradient at step {trainer.global_step} on {report}")
+            raise FloatingPointError(f"NaN/Inf gradient at step {findings.step} on {report}")
         for param in pl_module.parameters():
             param.grad = None
         checkpoint = _newest_checkpoint(trainer) if self.action == "rollback" else None
@@ -161,6 +199,39 @@ class NaNGuard(L.Callback):
         self.rollbacks.append((trainer.global_step, checkpoint))
         pl_module.print(f"NaNGuard rolled back to {checkpoint} at step {trainer.global_step} (learning rates x"
                         f" {self.rollback_lr_factor}): NaN/Inf gradient on {report}")
+
+
+class _HostCopy:
+    """A device value on its way to the host: on CUDA an asynchronous copy into pinned memory and an event behind
+    it, so that reading it later waits for nothing queued after it (``.item()`` would wait for all of it)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._event = None
+        if value.device.type == "cuda":
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            value = host.copy_(value, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._value = value
+
+    def read(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._value.tolist()[0])  # (on another device than CUDA's or the host's: a sync)
+
+
+@dataclass
+class _Findings:
+    """One checked step's checks, on the device until :meth:`NaNGuard._act` reads ``flag``."""
+
+    step: int
+    flag: _HostCopy
+    """The all-reduced flag: 0 all finite, 1 a gradient not finite only after the reduction, 2 before it."""
+    names: list[str]
+    finite: torch.Tensor | None
+    late_names: list[str]
+    late_finite: torch.Tensor | None
+    activations: list[tuple[str, torch.Tensor]]
 
 
 def _checks_at_reduction(trainer: L.Trainer) -> bool:

@@ -19,7 +19,8 @@ def _nan_run(tmp_path, action):
 @pytest.mark.multiprocess
 def test_nan_guard_names_the_rank_of_origin_and_every_rank_raises(tmp_path):
     for result in _nan_run(tmp_path, "raise"):
-        assert result["error"] is not None and result["steps"] == 2
+        # Raised at the next step (3), which reads step 2's flag: no step waits for its own check.
+        assert result["error"] is not None and result["steps"] == 3
         assert "NaN/Inf gradient at step 2 on rank 1 (dp=1, pp=0, tp=0): first at model." in result["error"]
         assert "first non-finite activation in model.blocks.1" in result["error"]  # where it was born
         assert "rank 0" not in result["error"]  # its gradients only became NaN in the all-reduce

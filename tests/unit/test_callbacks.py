@@ -122,24 +122,63 @@ def test_nan_guard_agrees_across_ranks_on_the_ranks_own_device(monkeypatch):
     assert seen == [torch.device("meta")]
 
 
-def test_a_checked_step_reads_the_device_once_and_a_nan_is_still_named():
-    """NaNGuard must know before the optimizer step whether a gradient was not finite: one host read (on a GPU,
-    a wait for the device) per checked step, however many gradients and activations it checked; the names are
-    read only in a step that holds a NaN."""
+class _HostReads:
+    """Counts the host's reads of tensor values during a step (``.item()``, ``bool()``, ``float()``: the
+    dispatcher's ``_local_scalar_dense``; ``.tolist()``, ``.cpu()``: patched), split into reads of values the
+    step itself computed -- a host sync on a GPU -- and of values computed before it."""
+
+    def __init__(self, monkeypatch):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.of_this_step = self.of_earlier_steps = 0
+        self._made: dict[int, object] = {}  # id -> a tensor made in this step (kept, so no id is reused)
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    counter._count(args[0])
+                out = func(*args, **(kwargs or {}))
+                for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+                    if isinstance(tensor, torch.Tensor):
+                        counter._made[id(tensor)] = tensor
+                return out
+
+        self._mode = Mode()
+        for name in ("tolist", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                counter._count(tensor)
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def _count(self, tensor) -> None:
+        if id(tensor) in self._made:
+            self.of_this_step += 1
+        else:
+            self.of_earlier_steps += 1
+
+    def __enter__(self):
+        self.of_this_step = self.of_earlier_steps = 0
+        self._made = {}
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _guarded_steps(guard):
+    """A tiny model with ``guard`` started on it, and a step function: two micro-batches, then the guard's check
+    before the optimizer step; the step count advances as the Trainer's does."""
     from types import SimpleNamespace
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountReads(TorchDispatchMode):
-        reads = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.reads += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-    guard = NaNGuard(check_activations=True)
     trainer = SimpleNamespace(global_step=0, training=True, world_size=1,
                               strategy=SimpleNamespace(root_device=torch.device("cpu")))
     guard.on_train_start(trainer, model)
@@ -149,14 +188,51 @@ def test_a_checked_step_reads_the_device_once_and_a_nan_is_still_named():
         for _ in range(2):  # micro-batches
             model(torch.randn(3, 4)).sum().backward()
         guard.on_before_optimizer_step(trainer, model, optimizer=None)
+        trainer.global_step += 1
 
-    with CountReads() as counter:
-        step()
-    assert counter.reads == 1
+    return model, step
+
+
+def test_by_default_no_step_waits_for_its_own_check_and_a_nan_is_named_at_the_next_step(monkeypatch):
+    """Issue 53: NaNGuard's default ("raise") computes its verdict on the device and reads it on the host only
+    at the next step (then long computed: on a GPU no wait), instead of syncing before every optimizer step.
+    Every step reads at most the previous step's flag, never a value of its own; a NaN/Inf is raised one step
+    later, still naming the step, the parameter and the module where it was born."""
+    import torch
+
+    model, step = _guarded_steps(NaNGuard(check_activations=True))
+    reads = _HostReads(monkeypatch)
+    for _ in range(2):
+        with reads:
+            step()
+        assert reads.of_this_step == 0 and reads.of_earlier_steps <= 1
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")  # born in layer 0's output; layer 2's weight gradient is made of it
-    with pytest.raises(FloatingPointError, match=r"first at 2\.weight, first non-finite activation in 0$"):
+    step()  # step 2: its flag is not read yet
+    with pytest.raises(FloatingPointError, match=r"at step 2 on .*first at 2\.weight, first non-finite activation in 0$"):
         step()
+
+
+def test_skip_reads_its_own_check_once_before_the_optimizer_step_and_names_the_nan(monkeypatch):
+    """``action="skip"`` must know before the optimizer step whether to drop the gradients: one host read (on a
+    GPU, a wait for the device) per checked step, however many gradients and activations it checked; the names
+    are read only in a step that holds a NaN."""
+    import torch
+
+    guard = NaNGuard(action="skip", check_activations=True)
+    model, step = _guarded_steps(guard)
+    reads = _HostReads(monkeypatch)
+    with reads:
+        step()
+    assert reads.of_this_step == 1
+    printed = []
+    model.print = printed.append  # (a LightningModule's print)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    step()
+    assert guard.skipped_steps == [1] and all(p.grad is None for p in model.parameters())
+    assert printed[0].startswith("NaNGuard skipped step 1") and printed[0].endswith(
+        "first at 2.weight, first non-finite activation in 0")
 
 
 def test_a_parameter_unfrozen_during_training_is_checked_as_backward_produces_it():
