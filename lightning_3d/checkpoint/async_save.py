@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_3d.checkpoint import atomic, sharded
 from lightning_3d.checkpoint.boxes import BoxesSavePlanner
 from lightning_3d.errors import CheckpointError
+from lightning_3d.fused_parts import FusedParts
 
 
 class AsyncSaves:
@@ -70,9 +71,11 @@ class AsyncSaves:
         self._pending_source: Optional[Path] = None  # where that state's shards are written (the first save's)
         self._stager: Optional[DefaultStager] = None  # the host copy of the state, kept between saves
 
-    def save(self, path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
-        """Start writing ``state`` (DCP), ``meta`` (rank 0) and ``rank_state`` (every rank) to ``path``; the
-        directory appears, whole, once every rank has written. Collective over the default process group."""
+    def save(self, path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any],
+             layouts: dict[str, FusedParts] | None = None) -> None:
+        """Start writing ``state`` (DCP), ``meta`` (rank 0) and ``rank_state`` (every rank) to ``path``
+        (``layouts`` as for ``sharded.save``); the directory appears, whole, once every rank has written.
+        Collective over the default process group."""
         step = meta.get("global_step")
         if self._pending is not None and step is not None and step == self._pending_step:
             self._save_again(path, meta, rank_state)
@@ -81,7 +84,7 @@ class AsyncSaves:
         group = self._process_group()
         partial = sharded.begin(path)
         sharded.write_small_files(partial, meta, rank_state)
-        written = dcp.async_save(state, storage_writer=sharded.writer(partial), planner=BoxesSavePlanner(),
+        written = dcp.async_save(state, storage_writer=sharded.writer(partial), planner=BoxesSavePlanner(layouts),
                                  process_group=group, async_stager=self._host_copy())
         self._pending = self._executor().submit(_complete, written, path, dist.get_rank() == 0)
         self._pending_path, self._pending_step, self._pending_source = path, step, path

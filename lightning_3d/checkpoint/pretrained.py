@@ -42,6 +42,7 @@ from lightning_3d.checkpoint import sharded
 from lightning_3d.checkpoint.boxes import local_boxes
 from lightning_3d.checkpoint.safe_load import torch_load
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
+from lightning_3d.fused_parts import fused_layouts
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"  # a Hugging Face directory of a model small enough for one file
@@ -77,10 +78,11 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
     ``tied``: pairs of tied parameters (``Plan.tied_parameters``); a file may hold only the first of a pair,
     as Hugging Face saves tied weights once."""
     state = get_model_state_dict(module)  # this rank's tensors under single-device names; they alias the module's
+    layouts = fused_layouts(module)
     p = Path(path)
     if sharded.is_sharded_checkpoint(p):
         sharded.check_matches(p, {"model": state}, None, strict=False, written_by="init_from")
-        sharded.load(p, {"model": state})
+        sharded.load(p, {"model": state}, layouts)
         return
     source = _open(p)
     names = _names(list(state), source.shapes, path, renames or {}, {second: first for first, second in tied})
@@ -97,7 +99,8 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
         for key, tensor in state.items():
             if isinstance(tensor, DTensor):
                 local = tensor.to_local()
-                for offsets, sizes, local_region in local_boxes(tensor):  # several for a strided shard
+                # several for a strided shard or a fused projection stored in rank order
+                for offsets, sizes, local_region in local_boxes(tensor, layouts.get(key)):
                     region = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
                     source.copy_into(names[key], region, local[local_region])
             else:

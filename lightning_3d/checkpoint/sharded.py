@@ -33,6 +33,7 @@ from lightning_3d.checkpoint import atomic
 from lightning_3d.checkpoint.boxes import BoxesLoadPlanner, BoxesSavePlanner
 from lightning_3d.checkpoint.safe_load import CheckedReader, torch_load
 from lightning_3d.errors import CheckpointError
+from lightning_3d.fused_parts import FusedParts
 
 FORMAT = "lightning_3d.dcp/1"
 META_FILE = "lightning_3d.meta.pt"
@@ -40,12 +41,15 @@ RNG_DIR = "rng"
 TRUSTED_HINT = " (or, to run its code, pass weights_only=False to trainer.fit)"
 
 
-def save(path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any]) -> None:
+def save(path: Path, state: dict[str, Any], meta: dict[str, Any], rank_state: dict[str, Any],
+         layouts: dict[str, FusedParts] | None = None) -> None:
     """Write ``state`` (tensors, sharded or not) with DCP, ``meta`` from rank 0 and ``rank_state`` from every
-    rank, atomically, to ``path``. Collective: every rank of the default process group calls it.
-    (``checkpoint/async_save.py`` writes the same directory while training goes on.)"""
+    rank, atomically, to ``path``; ``layouts``: the parameters stored in rank order
+    (``lightning_3d.fused_parts.fused_layouts``), written in single-device order. Collective: every rank of the
+    default process group calls it. (``checkpoint/async_save.py`` writes the same directory while training
+    goes on.)"""
     partial = begin(path)
-    dcp.save(state, storage_writer=writer(partial), planner=BoxesSavePlanner())
+    dcp.save(state, storage_writer=writer(partial), planner=BoxesSavePlanner(layouts))
     write_small_files(partial, meta, rank_state)
     dist.barrier()  # every rank's files are on disk
     if dist.get_rank() == 0:
@@ -141,9 +145,10 @@ def check_matches(path: Path, state: dict[str, Any], model_keys_everywhere: set[
                                   " model it was written from, or set strict_loading=False on the module.")
 
 
-def load(path: Path, state: dict[str, Any]) -> None:
-    """Fill ``state`` (this rank's tensors, in their current layout) in place from the checkpoint. Collective."""
-    dcp.load(state, storage_reader=CheckedReader(path), planner=BoxesLoadPlanner())
+def load(path: Path, state: dict[str, Any], layouts: dict[str, FusedParts] | None = None) -> None:
+    """Fill ``state`` (this rank's tensors, in their current layout; ``layouts`` as for :func:`save`) in place
+    from the checkpoint. Collective."""
+    dcp.load(state, storage_reader=CheckedReader(path), planner=BoxesLoadPlanner(layouts))
 
 
 def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.checkpoint.boxes import local_boxes
 from lightning_3d.common import named_tensors
 from lightning_3d.errors import InitError
+from lightning_3d.fused_parts import FusedParts, fused_layouts
 
 if TYPE_CHECKING:
     from lightning_3d.parallel.init_tape import InitTape
@@ -131,6 +132,7 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
     or all without it, follow in ``named_modules()`` order.
     """
     targets = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    layouts = fused_layouts(model)
     # A tied tensor goes to each of its names this rank holds (the embedding on the first pipeline stage, the
     # head on the last): the last module to reset it wins, as in an eager build, on every stage alike.
     names: dict[int, list[str]] = {}
@@ -149,7 +151,7 @@ def replay_init(skeleton: nn.Module, model: nn.Module, rng_state: Tensor, init_m
                 for fqn in names.get(id(meta), [f"{prefix}.{name}" if prefix else name]):
                     target = targets.get(fqn)
                     if target is not None:  # None: it lives on another pipeline stage
-                        _copy_slice(getattr(module, name), target)
+                        _copy_slice(getattr(module, name), target, layouts.get(fqn))
                 _set_tensor(module, name, meta)
 
 
@@ -197,7 +199,7 @@ def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: WeightSourc
     tensor in flight, and rank 0 also what ``source`` holds: the whole model for a :class:`HostBuild` (as
     ``set_model_state_dict(..., broadcast_from_rank0=True)``), the tensors being initialized for a replay.
     """
-    targets, metas = named_tensors(model), named_tensors(skeleton)
+    targets, metas, layouts = named_tensors(model), named_tensors(skeleton), fused_layouts(model)
     order = _order_from_rank0(source)
     streamed = {name for names in order for name in names}
     if streamed != set(metas):  # the same on every rank: raised before any tensor is sent
@@ -218,7 +220,7 @@ def stream_from_rank0(skeleton: nn.Module, model: nn.Module, source: WeightSourc
             for name in names:
                 target = targets.get(name)
                 if target is not None:  # None: it lives on another pipeline stage
-                    _copy_slice(full, target)
+                    _copy_slice(full, target, layouts.get(name))
             del full
         for _ in tensors or ():  # a replay runs to its end, leaving the random state the build leaves
             pass
@@ -228,11 +230,11 @@ def fill_seeded(model: nn.Module, tape: InitTape, device: torch.device, seed: in
     """Fill the materialized (split, sharded) ``model`` from the recorded build ``tape``, replayed on ``device``
     for this rank's tensors only, every draw seeded apart from ``seed`` (``InitTape.seeded_tensors``; no
     collective). A rank holds its shards plus one full tensor of its own stages at a time."""
-    targets = named_tensors(model)
+    targets, layouts = named_tensors(model), fused_layouts(model)
     for names, full in tape.seeded_tensors(set(targets), device, seed):
         for name in names:
             if name in targets:
-                _copy_slice(full, targets[name])
+                _copy_slice(full, targets[name], layouts.get(name))
 
 
 def seed_of(rng_state: bytes) -> int:
@@ -286,15 +288,16 @@ def _set_tensor(module: nn.Module, name: str, value: Tensor) -> None:
     setattr(module, name, value)
 
 
-def _copy_slice(full: Tensor, target: Tensor) -> None:
+def _copy_slice(full: Tensor, target: Tensor, parts: FusedParts | None = None) -> None:
     """Copy the part of the full tensor that ``target`` (a plain tensor or a DTensor shard) holds. The full
     tensor is sliced where it lies and only the slices move: the host's draw of a whole weight never goes to
     the GPU (which ``distribute_tensor`` would do first). The slices are the boxes the checkpoints use
     (``checkpoint.boxes.local_boxes``), which follow FSDP2's layout of a dp cut over a tp split too (a fused
-    q|k|v bias under ZeRO, sharded on the meta device before it is initialized)."""
+    q|k|v bias under ZeRO, sharded on the meta device before it is initialized) and map a fused projection
+    stored in rank order (``parts``) to its single-device order."""
     if not isinstance(target, DTensor):
         target.copy_(full)
         return
     local = target.to_local()
-    for offsets, sizes, region in local_boxes(target):
+    for offsets, sizes, region in local_boxes(target, parts):
         local[region].copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])

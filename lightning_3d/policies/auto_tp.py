@@ -198,7 +198,8 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
         raise PolicyError(_refusal(root, blocks, first, whole, options.tp))
     model = _model_name(root, blocks)
     regions = "; ".join(f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
-                        + "".join(f", {c} fused x{k}" for c, k in r.parts.items() if k > 1) for r in first.regions)
+                        + "".join(f", {c} fused {'|'.join(map(str, k))}" for c, k in r.parts.items() if len(k) > 1)
+                        for r in first.regions)
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
     rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
                    f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")

@@ -12,6 +12,8 @@ the outputs per rank. Two things real models add, each only a placement:
   weight's placement), and the local output is ``[q_r | k_r | v_r]``, which the model's own ``split`` then
   cuts once its sizes are per rank. The parameter keeps its single-device name, shape and order, so
   checkpoints keep the single-device layout (``lightning_3d.checkpoint.boxes`` writes a rank's k boxes).
+  Parts of unequal sizes (``[q | k | v]`` with fewer kv heads than query heads) have no such placement: the
+  weight is stored with its features in rank order and split with ``Shard`` (``lightning_3d.fused_parts``).
 
 The column output is always returned as this rank's local columns, as they come: a fused output must not be
 redistributed (that would reorder it into a plain ``Shard``).
@@ -21,11 +23,14 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from lightning_3d.fused_parts import FusedParts, record
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -34,24 +39,32 @@ def is_linear(module: nn.Module) -> bool:
 
 class ColumnSplit(ColwiseParallel):
     """Column-wise for an ``nn.Linear`` or ``Conv1D``; ``parts=k``: its outputs are k equal fused parts and
-    each rank keeps its slice of every one. ``copy_output``: for a model that changes the output in place.
+    each rank keeps its slice of every one; ``parts=(n_1, ..., n_k)``: the fused parts' sizes, equal or not.
+    ``copy_output``: for a model that changes the output in place.
 
-    Example (nanoGPT's fused attention input)::
+    Example (nanoGPT's fused attention input; Phi-3's with 4 query heads and 2 kv heads of 8 features)::
 
         {"model.transformer.h.*.attn.c_attn": ColumnSplit(parts=3)}
+        {"model.model.layers.*.self_attn.qkv_proj": ColumnSplit(parts=(32, 16, 16))}
     """
 
-    def __init__(self, *, parts: int = 1, copy_output: bool = False, **kwargs) -> None:
+    def __init__(self, *, parts: int | tuple[int, ...] = 1, copy_output: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         self.parts, self.copy_output = parts, copy_output
 
     def _placement(self, dim: int) -> Placement:
-        return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
+        k = len(self.parts) if isinstance(self.parts, tuple) else self.parts
+        return Shard(dim) if k == 1 or self._unequal() else _StridedShard(dim, split_factor=k)
+
+    def _unequal(self) -> bool:
+        return isinstance(self.parts, tuple) and len(set(self.parts)) > 1
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         weight_dim = 0 if is_linear(module) else 1  # the output features
-        _distribute(module, "weight", mesh, self._placement(weight_dim), self.src_data_rank)
-        _distribute(module, "bias", mesh, self._placement(0), self.src_data_rank)
+        for param, dim in (("weight", weight_dim), ("bias", 0)):
+            order = FusedParts(dim, self.parts, mesh.size()) if self._unequal() else None
+            if _distribute(module, param, mesh, self._placement(dim), self.src_data_rank, order) and order:
+                record(module, param, order)
 
     def _local_columns(self, mod, outputs, device_mesh):
         return _local(outputs, self.copy_output)
@@ -102,12 +115,16 @@ def _local(output, copy: bool):
 
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
-                src_data_rank: int | None) -> None:
+                src_data_rank: int | None, order: FusedParts | None = None) -> bool:
+    """Split ``module.name`` (stored in ``order`` first, if given); False if the module has no such tensor."""
     param = getattr(module, name, None)
     if param is None:
-        return
-    sharded = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        return False
+    with torch.no_grad():
+        stored = order.stored(param) if order is not None else param
+    sharded = distribute_tensor(stored, mesh, [placement], src_data_rank=src_data_rank)
     module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    return True
 
 
 class OnSplitFeatures(SequenceParallel):

@@ -12,7 +12,9 @@ an MLP (up, gate -> down), fused or not, in one module or spread over siblings. 
 
 A column projection's kept features must be one placement of its weight: a contiguous slice per rank
 (``Shard``: separate projections, GPT-NeoX's head-major fused ``query_key_value``) or the same slice of each
-of k equal parts (``_StridedShard``: nanoGPT's ``[q | k | v]``, Phi-3's ``[gate | up]``).
+of k equal parts (``_StridedShard``: nanoGPT's ``[q | k | v]``, Phi-3's ``[gate | up]``), or its chunk of
+each of unequal parts (Phi-3's ``[q | k | v]`` with fewer kv heads: stored in rank order,
+``lightning_3d.fused_parts``).
 
 Then the integer attributes the block's modules (and their configs) reshape by must become per-rank values.
 No names are assumed: candidates are the integers that equal a size the split divides, and the smallest set
@@ -55,8 +57,8 @@ class Region:
     row: str
     heads: int | None = None
     """Query heads (attention regions), else None."""
-    parts: dict[str, int] = field(default_factory=dict)
-    """Column -> 1 (one slice per rank) or k (the same slice of each of k equal parts)."""
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Column -> the sizes of its fused parts, of which each rank keeps one chunk each (one part: a slice)."""
     owned: dict[str, list[Tensor]] = field(default_factory=dict)
     """Column -> per tp rank, the output features it keeps (global indices, in order)."""
     input_module: str | None = None
@@ -163,8 +165,8 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
             return None, f"the ranks' shares of {name}'s {out} outputs overlap or leave some out{kv}"
         parts = _parts([sorted(s) for s in sets], out, tp)
         if parts is None:
-            return None, (f"each rank's share of {name}'s outputs is neither one slice nor the same slice of equal"
-                          " parts (a fused projection of unequal parts, such as q|k|v with fewer kv heads)")
+            return None, (f"each rank's share of {name}'s outputs is not its chunk of each of consecutive parts (one"
+                          " slice, or one chunk of each of a fused projection's parts)")
         region.parts[name] = parts
         region.owned[name] = [torch.tensor(sorted(s)) for s in sets]
     return region, ""
@@ -179,15 +181,22 @@ def _channels(event) -> set[str]:
     return {name for side in (event.q, event.k, event.v) for head in side for name in head}
 
 
-def _parts(owned: list[list[int]], out: int, tp: int) -> int | None:
-    """1 if rank r keeps slice r; k if it keeps slice r of each of k equal parts; else None. k is read off
-    rank 0's share (its number of runs of consecutive features), then every rank is checked against it."""
-    k = 1 + sum(1 for a, b in zip(owned[0], owned[0][1:]) if b != a + 1)
-    if out % (k * tp):
+def _parts(owned: list[list[int]], out: int, tp: int) -> tuple[int, ...] | None:
+    """The sizes of the consecutive parts of which rank r keeps chunk r each (one part: one slice per rank;
+    a fused ``q|k|v``: three, unequal with fewer kv heads); None if the shares are not such a cut. The parts
+    are read off rank 0's share (each run of consecutive features is its chunk of one part), then every rank
+    is checked against them."""
+    runs, start = [], 0
+    for i in range(1, len(owned[0]) + 1):
+        if i == len(owned[0]) or owned[0][i] != owned[0][i - 1] + 1:
+            runs.append((owned[0][start], i - start))
+            start = i
+    sizes = tuple(length * tp for _, length in runs)
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    if sum(sizes) != out or [s for s, _ in runs] != starts:
         return None
-    piece, part = out // (k * tp), out // k
-    if all(owned[r] == [j * part + r * piece + i for j in range(k) for i in range(piece)] for r in range(tp)):
-        return k
+    if all(owned[r] == [s + r * n + i for s, (_, n) in zip(starts, runs) for i in range(n)] for r in range(tp)):
+        return sizes
     return None
 
 
@@ -241,9 +250,9 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
     """(module, attribute, value) for the integer attributes, on the modules holding the region's
     projections (and their ``config``), whose value is a size the split divides."""
     sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
-    sizes |= {whole.sizes[c][1] // k for c, k in region.parts.items()}
+    sizes |= {size for parts in region.parts.values() for size in parts}
     if region.heads:
-        sizes |= {region.heads} | {len(o[0]) * tp // max(1, region.parts[c]) for c, o in region.owned.items()}
+        sizes |= {region.heads}
         sizes |= _kv_head_counts(region, whole)
     sizes = {s for s in sizes if s and s % tp == 0}
     holders = sorted({prefix for name in [region.row, *region.columns] for prefix in _prefixes(name)})

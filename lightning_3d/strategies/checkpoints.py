@@ -25,6 +25,7 @@ from lightning_3d.checkpoint import atomic, sharded
 from lightning_3d.checkpoint.async_save import AsyncSaves
 from lightning_3d.checkpoint.resumable import ResumableLoader
 from lightning_3d.checkpoint.safe_load import torch_load
+from lightning_3d.fused_parts import FusedParts, fused_layouts
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.dims import ParallelDims
 from lightning_3d.strategies.faults import RunPhases
@@ -61,8 +62,9 @@ class ShardedCheckpoints:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
         return get_optimizer_state_dict(module, optimizer, options=_OPTIM)
 
-    def save(self, path: Path, checkpoint: dict[str, Any], sharding: dict[str, int], rank_state: dict[str, Any]) -> None:
-        """Write Lightning's ``checkpoint`` dict to directory ``path``. Collective."""
+    def save(self, path: Path, checkpoint: dict[str, Any], sharding: dict[str, int], rank_state: dict[str, Any],
+             module: nn.Module) -> None:
+        """Write Lightning's ``checkpoint`` dict of ``module`` to directory ``path``. Collective."""
         state = {"model": checkpoint.pop("state_dict")}
         optimizers = checkpoint.pop("optimizer_states", None)
         if optimizers is not None:
@@ -71,9 +73,9 @@ class ShardedCheckpoints:
         checkpoint["lightning_3d"] = {"layout": sharding, "world_size": dist.get_world_size()}
         with self.phases.phase("checkpoint save", "checkpoint_timeout"):
             if self._async is not None:
-                self._async.save(path, state, checkpoint, rank_state)  # written while training goes on
+                self._async.save(path, state, checkpoint, rank_state, fused_layouts(module))  # while training goes on
             else:
-                sharded.save(path, state, checkpoint, rank_state)
+                sharded.save(path, state, checkpoint, rank_state, fused_layouts(module))
 
     def remove(self, path: Path) -> None:
         """Rank 0. With asynchronous saves, once the pending one is committed: until then ``path`` may be the
@@ -127,7 +129,7 @@ class ShardedCheckpoints:
         dist.all_gather_object(model_keys, [f"model.{k}" for k in state["model"]])
         sharded.check_matches(path, state, {k for keys in model_keys for k in keys}, module.strict_loading,
                               written_by=_describe(written["layout"]))
-        sharded.load(path, state)
+        sharded.load(path, state, fused_layouts(module))
         set_model_state_dict(module, state["model"])
         for i, optimizer in enumerate(optimizers if len(state) > 1 else []):
             set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"], options=_OPTIM)
@@ -153,7 +155,7 @@ class ShardedCheckpoints:
                                    f" holds {unexpected or 'nothing'} of it, and it lacks {missing or 'nothing'}"
                                    " of what this rank holds. Pass strict loading off"
                                    " (LightningModule.strict_loading = False) to load what matches.")
-            mine = {name: value for name, value in state_dict.items() if name in held}
+            mine = _stored({name: value for name, value in state_dict.items() if name in held}, fused_layouts(module))
             set_model_state_dict(module, mine, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def load_full_optimizers(self, module: nn.Module, optimizers: list[Optimizer], states: list[Any],
@@ -165,6 +167,10 @@ class ShardedCheckpoints:
                 optimizer = getattr(optimizer, "_optimizer", optimizer)
                 with self.phases.phase("checkpoint load", "checkpoint_timeout"):
                     by_name = _keyed_by_name(state, module, optimizer, saved_names)
+                    layouts = fused_layouts(module)
+                    by_name = {**by_name, "state": {name: _stored(values, {k: layouts[name] for k in values})
+                                                    if name in layouts else values
+                                                    for name, values in by_name["state"].items()}}
                     set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
     def take_rank_state(self) -> Optional[dict[str, Any]]:
@@ -231,6 +237,13 @@ def _keyed_by_name(state: dict[str, Any], module: torch.nn.Module, optimizer: Op
                       if name_of[position] in mine},
             "param_groups": [{**group, "params": [name_of[p] for p in group["params"] if name_of[p] in mine]}
                              for group in state["param_groups"]]}
+
+
+def _stored(state: dict[str, Any], layouts: dict[str, FusedParts]) -> dict[str, Any]:
+    """Full single-device tensors in the order this run stores them (``lightning_3d.fused_parts``): torch's
+    state-dict functions cut a full tensor as its placements say."""
+    return {name: layouts[name].stored(value) if name in layouts and torch.is_tensor(value) and value.ndim else value
+            for name, value in state.items()}
 
 
 def _describe(layout: dict[str, int]) -> str:

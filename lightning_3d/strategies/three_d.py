@@ -510,7 +510,7 @@ class ThreeDStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))  # rank 0 names the directory every rank writes into
         with self._prediction.paused() if self._prediction is not None else nullcontext():
             self._checkpoints.save(path, checkpoint, sharding_of(self.parallel_dims, self.parallel_config),
-                                   rank_random_state(self._parallel.sharded_rng))
+                                   rank_random_state(self._parallel.sharded_rng), self.lightning_module)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

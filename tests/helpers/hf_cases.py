@@ -111,6 +111,9 @@ AUTO_SP_CASES = {c.name: c for c in [
 _HF_SIZES = dict(seq_len=16, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, use_cache=False)
 AUTO_TP_MODELS = {
     "phi3": dict(_HF_SIZES, model_type="phi3", intermediate_size=64, num_key_value_heads=4, pad_token_id=0),
+    # Grouped-query attention in the fused qkv_proj (Phi-3-small and -medium): parts of 32, 16 and 16 features,
+    # stored in rank order over tp (lightning_3d/fused_parts.py).
+    "phi3_gqa": dict(_HF_SIZES, model_type="phi3", intermediate_size=64, num_key_value_heads=2, pad_token_id=0),
     "bert": dict(_HF_SIZES, model_type="bert", intermediate_size=64, is_decoder=True, hidden_dropout_prob=0.0,
                  attention_probs_dropout_prob=0.0),
     "gpt_neox": dict(_HF_SIZES, model_type="gpt_neox", intermediate_size=64, bos_token_id=0, eos_token_id=0),
@@ -182,7 +185,7 @@ AUTO_TP_CASES = {c.name: c for c in [
     for layout, extra in [((1, 1, 2), {}), ((1, 1, 2), dict(sequence_parallel=True)), ((1, 2, 2), {})]
 ] + [
     # ZeRO-3 over dp on fused projections (phi3's weights, nanoGPT's q|k|v bias too): dp cuts the tp-local piece.
-    auto_tp_case(model, 2, 1, 2, zero_stage=3) for model in ("phi3", "nanogpt")
+    auto_tp_case(model, 2, 1, 2, zero_stage=3) for model in ("phi3", "phi3_gqa", "nanogpt")
 ]}
 
 AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith(("_1_1_2", "_zero3"))]

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from helpers import WORKERS
 from helpers.harness import Case, reference_for
+from helpers.hf_cases import AUTO_TP_MODELS
 from helpers.workers.ckpt_worker import launch_jobs
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
@@ -22,6 +23,8 @@ from lightning_3d.models import GPT, GPTConfig
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
 L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2)
 HSDP = dict(data_parallel_size=4, data_parallel_shard_size=2, tensor_parallel_size=2, zero_stage=3)
+TP2 = dict(tensor_parallel_size=2, policy="auto")
+PHI3_GQA = dict(module="hf", model=AUTO_TP_MODELS["phi3_gqa"], steps=6)
 
 
 def _step3(directory: Path) -> str:
@@ -35,6 +38,7 @@ def runs(tmp_path_factory):
     (4 = 2 replicas x 2 shards, 1, 2) with ZeRO-3; and (2, 2, 2) reads one that HSDP wrote."""
     root = tmp_path_factory.mktemp("ckpt")
     dropout, plain, hsdp = root / "dropout", root / "plain", root / "hsdp"
+    phi3_single, phi3_tp2 = root / "phi3_single", root / "phi3_tp2"
     big = dict(MODEL, dropout=0.1)
     results = launch_jobs(8, [
         dict(name="dropout_through", layout=L222, model=big, steps=6, save_every=3, ckpt_dir=str(dropout)),
@@ -50,17 +54,23 @@ def runs(tmp_path_factory):
         dict(name="hsdp_through", layout=HSDP, model=MODEL, steps=6, save_every=3, ckpt_dir=str(hsdp)),
         dict(name="hsdp_to_2_2_2", layout=L222, model=MODEL, steps=6, resume=_step3(hsdp)),
     ], root / "eight")
+    results.update(launch_jobs(1, [
+        dict(name="to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(plain)),
+        dict(PHI3_GQA, name="phi3_gqa_single", layout={}, save_every=3, ckpt_dir=str(phi3_single)),
+    ], root / "one"))
     results.update(launch_jobs(2, [
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
              resume=_step3(plain)),
+        # A fused q|k|v of unequal parts is stored in rank order at tp=2; its checkpoint (the optimizer's
+        # moments too) is in single-device order both ways.
+        dict(PHI3_GQA, name="phi3_gqa_tp2", layout=TP2, save_every=3, ckpt_dir=str(phi3_tp2)),
+        dict(PHI3_GQA, name="phi3_gqa_tp2_to_dp2", layout=dict(data_parallel_size=2), resume=_step3(phi3_tp2)),
+        dict(PHI3_GQA, name="phi3_gqa_single_to_tp2", layout=TP2, resume=_step3(phi3_single)),
         dict(name="other_model", layout=dict(data_parallel_size=2), model=dict(MODEL, n_embd=48), steps=6,
              resume=_step3(plain), expect_error=True),
         dict(name="missing", layout=dict(data_parallel_size=2), model=MODEL, steps=6,
              resume=str(root / "nowhere.ckpt"), expect_error=True),
     ], root / "two"))
-    results.update(launch_jobs(1, [
-        dict(name="to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(plain)),
-    ], root / "one"))
     return root, results
 
 
@@ -85,6 +95,19 @@ def test_the_same_seed_and_layout_give_bit_identical_losses(runs):
 def test_a_checkpoint_of_2_2_2_reshards_to_another_layout_and_trains_on_as_one_process(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference", model=MODEL, steps=6))
+    resumed = results[target]["losses"]
+    assert results[target]["global_step"] == 6 and len(resumed) == 3
+    assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)
+    for name, tensor in reference.params.items():
+        assert torch.allclose(results[target]["params"][name], tensor, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["phi3_gqa_tp2_to_dp2", "phi3_gqa_single_to_tp2"])
+def test_a_fused_projection_of_unequal_parts_reshards_both_ways(runs, target):
+    _, results = runs
+    reference = reference_for(Case(name="reference_phi3_gqa", **PHI3_GQA))
+    assert max(abs(a - b) for a, b in zip(reference.losses, results["phi3_gqa_tp2"]["losses"])) <= 1e-5
     resumed = results[target]["losses"]
     assert results[target]["global_step"] == 6 and len(resumed) == 3
     assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)

@@ -1,5 +1,5 @@
 """Tensor parallelism that policy="auto" finds by tracing a block (issue 29), for models this repository did not
-write: Phi-3 (fused qkv_proj and gate_up_proj), BERT (attention and MLP over sibling modules), GPT-NeoX and
+write: Phi-3 (fused qkv_proj and gate_up_proj; with fewer kv heads, parts of unequal sizes), BERT (attention and MLP over sibling modules), GPT-NeoX and
 Falcon (fused head-major query_key_value), OLMo, Gemma 2, Qwen2, GPT-2 (Conv1D) from transformers configs,
 and nanoGPT as published (fused c_attn, sizes read from its input). Each matches one process step by step at
 (dp, pp, tp) = (1, 1, 2), with sequence parallelism, and at (1, 2, 2); at least 90% of each rank's block
@@ -77,9 +77,14 @@ def test_a_checkpoint_of_fused_projections_under_zero_holds_what_one_process_tra
         assert (tensor - reference[key]).abs().max() <= 1e-5, key
 
 
+RELOADED = [("auto_nanogpt_1_1_2", 1), ("auto_nanogpt_1_1_2", 4), ("auto_phi3_1_1_2", 1), ("auto_phi3_1_1_2", 4),
+            ("auto_phi3_gqa_1_1_2", 1)]  # (Phi-3 with 2 kv heads does not split over 4 ranks.)
+
+
 @pytest.fixture(scope="module")
 def reloaded(shared_runs, tmp_path_factory):
-    """nanoGPT and Phi-3 started from their tp=2 checkpoints at tp=4 and in one process (no step taken)."""
+    """nanoGPT and Phi-3 started from their tp=2 checkpoints at tp=4 and in one process (no step taken); Phi-3
+    with grouped-query attention (its fused q|k|v stored in rank order at tp=2) in one process."""
     import dataclasses
 
     from helpers.harness import launch
@@ -87,12 +92,11 @@ def reloaded(shared_runs, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("auto_tp_reload")
     cases = {tp: [] for tp in (1, 4)}
-    for name in ("auto_nanogpt_1_1_2", "auto_phi3_1_1_2"):
+    for name, tp in RELOADED:
         source = AUTO_TP_CASES[name]
-        for tp in cases:
-            kwargs = dict(source.strategy_kwargs, tensor_parallel_size=tp, init_from=AUTO_TP_CHECKPOINTS[name])
-            cases[tp].append(dataclasses.replace(source, name=f"{name}_at_tp{tp}", strategy_kwargs=kwargs, steps=0,
-                                                 save_checkpoint=None))
+        kwargs = dict(source.strategy_kwargs, tensor_parallel_size=tp, init_from=AUTO_TP_CHECKPOINTS[name])
+        cases[tp].append(dataclasses.replace(source, name=f"{name}_at_tp{tp}", strategy_kwargs=kwargs, steps=0,
+                                             save_checkpoint=None))
     results = {}
     for tp, batch in cases.items():
         results.update(launch(batch, tp, root / f"tp{tp}", timeout=600))
@@ -100,8 +104,7 @@ def reloaded(shared_runs, tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["auto_nanogpt_1_1_2", "auto_phi3_1_1_2"])
-@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize(("name", "tp"), RELOADED)
 def test_a_tp2_checkpoint_starts_runs_at_tp1_and_tp4(shared_runs, reloaded, name, tp):
     trained, loaded = shared_runs[name].params, reloaded[f"{name}_at_tp{tp}"].params
     assert set(loaded) == set(trained)

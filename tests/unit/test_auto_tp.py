@@ -81,12 +81,29 @@ def test_weights_inside_a_split_attention_get_their_gradient_summed_over_tp():
 def test_fused_projections_keep_each_ranks_parts_together():
     root = hf("phi3")
     p = plan(root)
-    assert p.tp_plan["model.model.layers.0.self_attn.qkv_proj"].parts == 3
-    assert p.tp_plan["model.model.layers.1.mlp.gate_up_proj"].parts == 2
+    assert p.tp_plan["model.model.layers.0.self_attn.qkv_proj"].parts == (32, 32, 32)
+    assert p.tp_plan["model.model.layers.1.mlp.gate_up_proj"].parts == (64, 64)
     assert isinstance(p.tp_plan["model.model.layers.1.mlp.down_proj"], RowSplit)
     fix = p.attribute_fixes["model.model.layers.0.self_attn"]
     assert fix["num_key_value_heads"] == 2 and fix["config"].num_attention_heads == 2
     assert fix["config"] is not root["model"].config and root["model"].config.num_attention_heads == 4
+
+
+def test_a_fused_projection_of_unequal_parts_is_stored_in_rank_order():
+    # Phi-3 with 2 kv heads: q|k|v of 32, 16 and 16 features; rank r keeps its chunk of each.
+    root = hf("phi3", num_key_value_heads=2)
+    p = plan(root)
+    assert p.tp_plan["model.model.layers.0.self_attn.qkv_proj"].parts == (32, 16, 16)
+    fix = p.attribute_fixes["model.model.layers.0.self_attn"]
+    assert fix["num_key_value_heads"] == 1 and fix["config"].num_attention_heads == 2
+
+
+def test_rank_order_maps_back_to_the_single_device_order():
+    from lightning_3d.fused_parts import FusedParts
+
+    parts = FusedParts(0, (4, 2, 2), 2)
+    assert parts.single_device_index().tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert parts.stored(torch.arange(8.0)).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
 
 
 def test_nanogpt_as_published_gets_its_hidden_features_sliced_and_gathered():
@@ -94,7 +111,7 @@ def test_nanogpt_as_published_gets_its_hidden_features_sliced_and_gathered():
     p = plan(root)
     attn = p.tp_plan["model.transformer.h.0.attn"]
     assert attn.input[1].is_shard(-1)  # the module sees C / tp features: its x.size() then fits its view()
-    assert p.tp_plan["model.transformer.h.0.attn.c_attn"].parts == 3
+    assert p.tp_plan["model.transformer.h.0.attn.c_attn"].parts == (32, 32, 32)
     assert p.attribute_fixes["model.transformer.h.0.attn"] == {"n_embd": 16, "n_head": 2}
 
 
@@ -124,17 +141,19 @@ def test_fewer_kv_heads_than_tp_ranks_is_refused_naming_it():
 
 
 def test_a_block_auto_cannot_split_is_refused_with_what_and_how_unless_allowed():
-    root = hf("phi3", num_key_value_heads=2)  # fused q|k|v of unequal parts
+    # Falcon-7B's multi-query attention: one kv head in the fused query_key_value, which 2 ranks both need.
+    root = hf("falcon", new_decoder_architecture=False, multi_query=True)
     with pytest.raises(PolicyError) as caught:
         plan(root)
     message = str(caught.value)
-    for fragment in ["would leave 34% of the block parameters of Phi3ForCausalLM whole on every tp rank",
-                     "self_attn.qkv_proj, self_attn.o_proj: each rank's share of self_attn.qkv_proj's outputs",
-                     "model.model.layers.*.", "ColumnSplit(parts=", "allow_replicated=True"]:
+    for fragment in ["would leave 24% of the block parameters of FalconForCausalLM whole on every tp rank",
+                     "self_attention.query_key_value, self_attention.dense: the ranks' shares of"
+                     " self_attention.query_key_value's 48 outputs overlap", "model.transformer.h.*.",
+                     "ColumnSplit(parts=", "allow_replicated=True"]:
         assert fragment in message, (fragment, message)
     allowed = plan(root, allow_replicated=True)
-    assert "model.model.layers.0.self_attn.qkv_proj" not in allowed.tp_plan
-    assert isinstance(allowed.tp_plan["model.model.layers.0.mlp.gate_up_proj"], ColumnSplit)
+    assert "model.transformer.h.0.self_attention.query_key_value" not in allowed.tp_plan
+    assert isinstance(allowed.tp_plan["model.transformer.h.0.mlp.dense_h_to_4h"], ColumnSplit)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])

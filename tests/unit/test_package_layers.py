@@ -73,7 +73,7 @@ def test_every_error_class_is_still_importable_from_the_module_that_raises_it():
 
 
 LAYERS = [
-    {"common", "errors"},
+    {"common", "errors", "fused_parts"},  # fused_parts: the stored order of fused projections of unequal parts
     {"models"},
     {"checkpoint"},  # files: sharded directories, pretrained weights (init_from), safe loading
     {"policies"},  # plans, and the tensor-parallel styles they name

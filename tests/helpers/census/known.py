@@ -9,7 +9,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "gpt_neox_japanese", "gptj", "granite", "helium", "hunyuan_v1_dense", "hyperclovax", "internlm3",
         "iquestcoder", "jais2", "lfm2", "llama", "ministral", "ministral3", "mistral", "modernbert-decoder",
         "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "openai-gpt", "opt", "persimmon", "phi",
-        "qwen2", "qwen3", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma", "xglm"
+        "phi3", "qwen2", "qwen3", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma", "xglm"
     },
     "pp2": {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba",

@@ -84,17 +84,20 @@ def gather_full_state(module: torch.nn.Module, spread: dict[str, float] | None =
     from torch.distributed.tensor import DTensor
 
     from lightning_3d.checkpoint.boxes import is_strided, local_boxes
+    from lightning_3d.fused_parts import fused_layouts
 
     local = {}
     persistent = module.state_dict().keys()  # not, e.g., a rotary embedding's frequencies (as the reference)
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    layouts = fused_layouts(module)
     for name, tensor in tensors:  # tied parameters under each of their names, as in a state dict
         if name not in persistent:
             continue
-        if is_strided(tensor):  # its boxes, placed on rank 0 (full_tensor misreads a dp cut over a strided tp split)
+        parts = layouts.get(name)
+        if is_strided(tensor, parts):  # its boxes, placed on rank 0 (full_tensor misreads a dp cut over a strided tp split)
             piece = tensor.to_local().detach().cpu()
             local[name] = (tuple(tensor.shape), tensor.dtype,
-                           [(offsets, sizes, piece[region].clone()) for offsets, sizes, region in local_boxes(tensor)])
+                           [(offsets, sizes, piece[region].clone()) for offsets, sizes, region in local_boxes(tensor, parts)])
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         local[name] = full.detach().cpu().clone()

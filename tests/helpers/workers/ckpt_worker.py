@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N ckpt_worker.py JOBS.json OUT_DIR
 
-A job trains the harness's GPT case at a layout, optionally writing checkpoints (``save_every`` steps, to
+A job trains the harness's GPT case (or another ``module`` of the harness) at a layout, optionally writing checkpoints (``save_every`` steps, to
 ``ckpt_dir``) and optionally resuming (``resume``: a path or "last"); a job with ``expect_error`` must fail
 while loading, and its error is the result. ``kill_rank_during_save`` (with ``kill_at_save``) kills that rank
 in the middle of its n-th save, after its shards are written and before the commit: the launch dies there.
@@ -28,7 +28,8 @@ from lightning_3d.checkpoint import sharded
 
 
 def run(job: dict) -> dict:
-    case = Case(name=job["name"], steps=job["steps"], model=job["model"], learning_rate=job.get("lr", 1e-2))
+    case = Case(name=job["name"], steps=job["steps"], model=job["model"], learning_rate=job.get("lr", 1e-2),
+                module=job.get("module", "gpt"))
     dp = job["layout"].get("data_parallel_size", 1)
     module, data = module_and_data(case, case.global_batch_size // dp)
     recorder = LossRecorder()

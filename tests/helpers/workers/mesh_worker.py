@@ -38,10 +38,14 @@ def main(out_dir: str, layouts: list[str]) -> None:
 
 def _slices(mesh) -> dict:
     """``weight_init._copy_slice`` against DTensor's own cut (``distribute_tensor``), for even and uneven
-    shapes over the (dp, tp) mesh: the mismatches, and how many slices were compared."""
+    shapes over the (dp, tp) mesh, and for a fused projection stored in rank order: the mismatches, and how
+    many slices were compared."""
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_3d.fused_parts import FusedParts
     from lightning_3d.parallel.weight_init import _copy_slice
 
     compared, wrong = 0, []
@@ -57,6 +61,17 @@ def _slices(mesh) -> dict:
             compared += 1
             if got.shape != expected.shape or not torch.equal(got, expected):
                 wrong.append(f"{shape} {placements}")
+    # A fused projection of unequal parts stored in rank order over tp (parts of 8, 4 and 4 rows), with and
+    # without FSDP2's dp cut of the tp-local piece: the single-device tensor lands where the stored one is cut.
+    parts = FusedParts(0, (8, 4, 4), 2)
+    full = torch.arange(16 * 3, dtype=torch.float32).reshape(16, 3)
+    for placements in [(Replicate(), Shard(0)), (_StridedShard(0, split_factor=2), Shard(0))]:
+        expected = distribute_tensor(parts.stored(full), mesh["dp", "tp"], placements, src_data_rank=None).to_local()
+        target = distribute_tensor(torch.full((16, 3), -1.0), mesh["dp", "tp"], placements, src_data_rank=None)
+        _copy_slice(full, target, parts)
+        compared += 1
+        if not torch.equal(target.to_local(), expected):
+            wrong.append(f"stored in rank order {placements}")
     return {"compared": compared, "wrong": wrong}
     end_process_group()
 

@@ -1,0 +1,73 @@
+"""A fused projection of unequal parts split over tp: stored rank by rank, read and written in single-device order.
+
+A fused ``[q | k | v]`` with fewer key/value heads than query heads (Phi-3 with grouped-query attention) has
+parts of H·d, KV·d and KV·d output features, and tp rank r needs its chunk of each, ``[q_r | k_r | v_r]``:
+neither one slice of the weight (``Shard``) nor the same slice of equal parts (``_StridedShard``). DTensor
+has no placement for that cut, and a placement of one's own does not survive its operators, which rebuild
+placements from the standard types.
+
+So such a weight is stored with its features in rank order, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, and split
+with a plain ``Shard``: every DTensor operator is exact on it, and each rank computes with its
+``[q_r | k_r | v_r]``. The order is recorded on the module that holds the weight (:class:`FusedParts`, found
+with :func:`fused_layouts`). What exchanges the weight with the world outside the run maps through it
+(``checkpoint.boxes.local_boxes``): its initialization, ``init_from``, checkpoints (the optimizer's state of it
+too) and the state gathered for export. They all see the single-device layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+ATTRIBUTE = "_lightning_3d_fused_parts"
+"""On a module: parameter name -> :class:`FusedParts` of the parameters stored in rank order."""
+
+
+@dataclass(frozen=True)
+class FusedParts:
+    """Along ``dim``, the consecutive parts ``sizes`` of the single-device tensor, stored as each of ``ranks``
+    ranks' chunk of every part, rank after rank.
+
+    Example (4 query heads and 2 kv heads of 8 features, tp=2)::
+
+        FusedParts(0, (32, 16, 16), 2).single_device_index()  # rows 0:16, 32:40, 48:56, then 16:32, 40:48, 56:64
+    """
+
+    dim: int
+    sizes: tuple[int, ...]
+    ranks: int
+
+    def single_device_index(self) -> Tensor:
+        """For each stored position along ``dim``, its position in the single-device tensor."""
+        starts = [sum(self.sizes[:j]) for j in range(len(self.sizes))]
+        return torch.cat([torch.arange(start + r * (size // self.ranks), start + (r + 1) * (size // self.ranks))
+                          for r in range(self.ranks) for start, size in zip(starts, self.sizes)])
+
+    def stored(self, tensor: Tensor) -> Tensor:
+        """``tensor`` (single-device order) in the stored order."""
+        return tensor.index_select(self.dim, self.single_device_index().to(tensor.device))
+
+
+def record(module: nn.Module, name: str, parts: FusedParts) -> None:
+    """Record that ``module``'s parameter ``name`` is stored in ``parts``' order."""
+    layouts = module.__dict__.setdefault(ATTRIBUTE, {})
+    layouts[name] = parts
+
+
+def fused_layouts(root: nn.Module) -> dict[str, FusedParts]:
+    """Every parameter of ``root`` stored in rank order, by FQN (relative to ``root``)."""
+    return {f"{prefix}.{name}" if prefix else name: parts
+            for prefix, module in root.named_modules() for name, parts in module.__dict__.get(ATTRIBUTE, {}).items()}
+
+
+def layout_of(key: str, layouts: dict[str, FusedParts]) -> FusedParts | None:
+    """The layout of the parameter that a state-dict key names: the key is its FQN, or holds it between dots
+    (a checkpoint's ``model.<fqn>``, the optimizer's ``optimizer_0.state.<fqn>.exp_avg``)."""
+    if not layouts:
+        return None
+    if key in layouts:
+        return layouts[key]
+    dotted = f".{key}."
+    return next((parts for fqn, parts in layouts.items() if f".{fqn}." in dotted), None)
