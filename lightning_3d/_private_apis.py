@@ -35,9 +35,15 @@ PRIVATE_NAMES: dict[str, Private] = {
         "flatten and rebuild nested batches, step outputs and model call arguments (pipeline engine, callbacks)",
         "torch 2.13 ships no public pytree module; the optree package would be one more dependency"),
     "torch.utils._python_dispatch.is_in_torch_dispatch_mode": Private(
-        "compile=True runs a block eagerly under a dispatch mode (fake tensors of the shape check, CommTimer's"
-        " recorder): compiled kernels would run on tensors without data",
+        "compile=True runs a block eagerly under a dispatch mode (fake tensors of the shape check, a FLOP"
+        " counter): compiled kernels would run on tensors without data",
         "none in torch 2.13"),
+    "torch.utils._python_dispatch._get_current_dispatch_mode_stack": Private(
+        "compile=True: whether every dispatch mode on the stack only observes (CommTimer's recorder), so a block"
+        " can run compiled with them set aside", "none in torch 2.13"),
+    "torch.utils._python_dispatch._disable_current_modes": Private(
+        "compile=True: set CommTimer's recorder aside while a block runs forward compiled (dynamo would run it"
+        " eagerly under the mode)", "none in torch 2.13"),
     "torch._dynamo.utils": Private(
         "compile=True's one log line per rank: graphs, graph breaks and compile time (counters,"
         " cumulative_time_spent_ns)", "none in torch 2.13: TORCH_LOGS prints them, no API returns them"),

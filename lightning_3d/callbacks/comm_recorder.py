@@ -56,7 +56,13 @@ class CommRecorder(TorchDispatchMode):
     Completion is when its ``Work`` finishes (a callback on the work's future) for ``torch.ops.c10d``
     operations, and when its ``wait_tensor`` returns for functional collectives. Times come from ``clock``:
     host seconds on CPU; CUDA events on GPU (read after the step has been synchronized).
+
+    It stands aside while a ``torch.compile``'d block runs forward (``parallel/compile.py``), so the block runs
+    compiled rather than eagerly under it (dynamo runs a frame eagerly under a dispatch mode): the collectives
+    of that forward are not recorded. The compiled backward runs under it, and its collectives are.
     """
+
+    stands_aside_for_compiled_blocks = True  # (compile.STANDS_ASIDE)
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()
