@@ -69,8 +69,9 @@ def run_part(name: str, ctx: Context, conn) -> None:
                     "You defined a `validation_step` but have no `val_dataloader`"):
         warnings.filterwarnings("ignore", f".*{message}.*")
     try:
-        if not ctx.cpu_smoke:
+        if not ctx.cpu_smoke:  # the CUDA context first, so that no part's host peak counts its creation
             torch.cuda.set_device(0)
+            torch.empty(1, device="cuda")
         outcome = asdict(PARTS[name][0](ctx))
         outcome["numbers"]["device_name"] = "CPU" if ctx.cpu_smoke else torch.cuda.get_device_name(0)
         conn.send(("ok", outcome))
@@ -125,8 +126,9 @@ def parse_args() -> argparse.Namespace:
                         help="how part processes start (spawn: a fresh interpreter each, slower)")
     args = parser.parse_args()
     unknown = set(args.parts.split(",")) - set(PARTS)
-    if unknown:
-        parser.error(f"--parts must be from {', '.join(PARTS)}; unknown: {', '.join(sorted(unknown))}")
+    if unknown or args.timeout_scale < 0:
+        parser.error(f"--parts must be from {', '.join(PARTS)} (unknown: {', '.join(sorted(unknown)) or 'none'});"
+                     f" --timeout-scale must be >= 0 (got {args.timeout_scale})")
     return args
 
 
@@ -139,6 +141,9 @@ def main() -> None:
 
     import lightning_3d  # noqa: F401
 
+    if args.start == "fork" and torch.cuda.is_initialized():  # a forked child could not use CUDA then
+        print("gpu_check: CUDA was initialized by the imports; parts start with spawn instead of fork")
+        args.start = "spawn"
     ctx = Context(cpu_smoke=args.cpu_smoke, peak_tflops=args.peak_tflops)
     names = args.parts.split(",")
     timeouts = {name: (CPU_SMOKE_TIMEOUT_S if args.cpu_smoke else PARTS[name][1]) * args.timeout_scale

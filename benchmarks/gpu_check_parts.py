@@ -9,6 +9,7 @@ listed in ``Outcome.gpu_only`` and reported, not judged, there.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import tempfile
 import time
@@ -103,11 +104,13 @@ def compile_and_ac(ctx: Context) -> Outcome:
         summary=f"{numbers['parameters'] / 1e6:.3g}M GPT; loss compiled+AC vs eager max rel diff {loss_diff:.1e};"
                 f" {mfu_text}; step eager / raw {numbers['eager_over_raw_step']:.3f}; {graphs} graphs,"
                 f" {breaks} graph breaks",
-        checks={"losses_agree": loss_diff <= BF16_LOSS_RTOL, "compiled_one_graph": graphs >= 1 and breaks == 0,
-                "losses_finite": all(map(lambda x: x == x and abs(x) != float("inf"), eager.losses + compiled.losses)),
+        checks={"losses_agree": loss_diff <= BF16_LOSS_RTOL,
+                "blocks_compiled_without_graph_breaks": graphs >= 1 and breaks == 0,
+                "losses_finite": all(map(math.isfinite, eager.losses + compiled.losses)),
                 # The strategy adds a step's bookkeeping to the same kernels: within 10% of the plain loop.
                 "eager_mfu_within_10pct_of_raw": eager_mfu >= 0.9 * raw_mfu > 0,
-                # Full recompute adds a forward (model FLOPs / hardware FLOPs = 3/4); compile must win some back.
+                # Full recompute runs each block's forward twice: 3/4 of eager's MFU without compile's gains.
+                # Below 0.7 the recompute or the compiled graph costs more than that.
                 "compiled_ac_mfu_at_least_0.7_eager": compiled_mfu >= 0.7 * eager_mfu > 0},
         numbers=numbers, gpu_only={"eager_mfu_within_10pct_of_raw", "compiled_ac_mfu_at_least_0.7_eager"})
 
@@ -362,7 +365,7 @@ def layout_auto(ctx: Context) -> Outcome:
                 f" measured {run.median * 1e3:.0f} ms",
         checks={"chose_a_layout_and_trained": decision.predicted_step_s > 0 and len(run.step_times) > 0,
                 "calibration_timed_the_block": all(t > 0 for t in timed.values()),
-                "budget_is_free_memory_before_calibration": 0.95 <= budget_share <= 1.0,
+                "budget_is_free_memory_before_calibration": 0.95 <= budget_share <= 1.01,
                 "calibration_released": None if left is None else left <= 2**26,
                 "calibration_peak_within_budget": None if not cuda else seen["peak"] <= decision.memory_per_rank,
                 "calibrated_block_within_2x_of_bf16": 0.5 <= numbers["calibrated_over_bf16"] <= 2.0},
