@@ -345,7 +345,7 @@ def setup_route(bench: Bench, make_module: Callable[[Bench], object], model_init
 
     The module is built here and dropped before returning, with the Trainer that holds it: a route's peaks
     are its own, not also the models of the routes measured before it (the device peak counts every tensor
-    alive, and the allocator would hand a later route an earlier one's freed pages)."""
+    alive)."""
     import lightning as L
     from pathlib import Path
 
