@@ -39,11 +39,8 @@ PRIVATE_NAMES: dict[str, Private] = {
         " counter): compiled kernels would run on tensors without data",
         "none in torch 2.13"),
     "torch.utils._python_dispatch._get_current_dispatch_mode_stack": Private(
-        "compile=True: whether every dispatch mode on the stack only observes (CommTimer's recorder), so a block"
-        " can run compiled with them set aside", "none in torch 2.13"),
-    "torch.utils._python_dispatch._disable_current_modes": Private(
-        "compile=True: set CommTimer's recorder aside while a block runs forward compiled (dynamo would run it"
-        " eagerly under the mode)", "none in torch 2.13"),
+        "compile=True: whether every dispatch mode on the stack declares ignore_compile_internals() (CommTimer's"
+        " recorder), under which a block runs compiled", "none in torch 2.13"),
     "torch._dynamo.utils": Private(
         "compile=True's one log line per rank: graphs, graph breaks and compile time (counters,"
         " cumulative_time_spent_ns)", "none in torch 2.13: TORCH_LOGS prints them, no API returns them"),

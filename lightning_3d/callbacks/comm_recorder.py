@@ -57,12 +57,15 @@ class CommRecorder(TorchDispatchMode):
     operations, and when its ``wait_tensor`` returns for functional collectives. Times come from ``clock``:
     host seconds on CPU; CUDA events on GPU (read after the step has been synchronized).
 
-    It stands aside while a ``torch.compile``'d block runs forward (``parallel/compile.py``), so the block runs
-    compiled rather than eagerly under it (dynamo runs a frame eagerly under a dispatch mode): the collectives
-    of that forward are not recorded. The compiled backward runs under it, and its collectives are.
+    ``torch.compile``'d blocks run compiled under it (:meth:`ignore_compile_internals`); it sees the collectives
+    their compiled code calls, which inductor leaves as operator calls.
     """
 
-    stands_aside_for_compiled_blocks = True  # (compile.STANDS_ASIDE)
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: dynamo traces and compiles with this mode off and runs the compiled code with it on, rather
+        than running any frame eagerly under it (``parallel/compile.py`` does the same for the blocks)."""
+        return True
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()

@@ -47,15 +47,14 @@ class CommTimer(L.Callback):
       on a stream made to wait for the work -- the collective's time on the GPU timeline, including queueing
       behind earlier NCCL work. Reading the events synchronizes the device once per logged batch.
 
-    **Compiled blocks** (``compile=True``) keep running compiled on a logged batch: the mode stands aside while a
-    block runs forward (``parallel/compile.py``), since dynamo runs a frame eagerly under a dispatch mode and the
-    times would then describe the eager block. What is left out: the collectives of the compiled blocks'
-    forward (under tp, their all-reduces, or with sequence parallelism their all-gathers and reduce-scatters),
-    so ``comm/tp_*`` then counts the blocks' backward and what runs outside the blocks. The compiled backward's
-    collectives are recorded.
+    **Compiled blocks** (``compile=True``) keep running compiled on a logged batch, so the times describe the
+    compiled step: the mode declares ``ignore_compile_internals()``, under which dynamo compiles with the mode
+    off and runs the compiled code with it on (``parallel/compile.py`` honours it too). The compiled code still
+    calls its collectives as operators, which the mode sees; its fused kernels it does not see, and needs not.
 
-    Cost: the dispatch mode runs a Python check on every operator of the logged batch outside compiled blocks
-    (on the reference GPT on CPU, eager, that batch takes up to ~1.7x as long); other batches pay nothing. Not yet run on a GPU: the CUDA path
+    Cost: the dispatch mode runs a Python check on every operator the logged batch dispatches (on the reference
+    GPT on CPU, eager, that batch takes up to ~1.7x as long; compiled blocks dispatch far fewer); other batches
+    pay nothing. Not yet run on a GPU: the CUDA path
     is written to the documented stream semantics of ``Future.then``, untested. Any strategy works: without
     ``ThreeDStrategy`` all ranks form one data-parallel group (DDP), and in a single process every value is 0.
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +29,10 @@ import torch._dynamo.utils as dynamo_utils
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._python_dispatch import (_disable_current_modes, _get_current_dispatch_mode_stack,
-                                          is_in_torch_dispatch_mode)
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, is_in_torch_dispatch_mode
 
 from lightning_3d.pipeline.split import held_modules
 from lightning_3d.policies.base import Plan
-
-STANDS_ASIDE = "stands_aside_for_compiled_blocks"
-"""A dispatch mode with this attribute set to True is taken off the stack while a compiled block runs forward,
-rather than making the block run eagerly: it only observes, and misses the operators of that forward."""
 
 # Lightning's info lines go to this logger (rank_zero_info is it, gated on rank 0); the compile report is
 # logged on every rank, as every rank compiles its own blocks.
@@ -146,15 +140,14 @@ class CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Eager under a dispatch mode too: a mode traces or counts ops (the shape check's fake tensors, a FLOP
         # counter), and dynamo, which leaves its own infrastructure's modes (fake tensors) on, would run the
-        # compiled kernels on tensors that have no data. A mode that only observes and says it may miss the
-        # block (STANDS_ASIDE, CommTimer's recorder) is set aside instead, so the block runs compiled.
+        # compiled kernels on tensors that have no data. Except under modes that declare
+        # ``ignore_compile_internals()`` (CommTimer's recorder): dynamo compiles with them off and runs the
+        # compiled code with them on, where they see the operators the compiled code still dispatches.
         modes = _get_current_dispatch_mode_stack() if is_in_torch_dispatch_mode() else []
-        aside = bool(modes) and all(getattr(mode, STANDS_ASIDE, False) for mode in modes)
-        if self.report.eager_because is not None or (modes and not aside):
+        if self.report.eager_because is not None or not all(mode.ignore_compile_internals() for mode in modes):
             return self.eager(self.block, *args, **kwargs)
         try:
-            with _disable_current_modes() if aside else nullcontext():
-                return self.compiled(self.block, *args, **kwargs)
+            return self.compiled(self.block, *args, **kwargs)
         except TorchDynamoException as error:  # raised while tracing or compiling: nothing of the block ran
             self.report.fall_back(error)
             return self.eager(self.block, *args, **kwargs)
