@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 import statistics
 import tempfile
 import time
@@ -284,13 +285,14 @@ def checkpoint_resume_async(ctx: Context) -> Outcome:
 
     asynchronous = Record(save_at=async_at)
     module = train(ThreeDStrategy(async_checkpoint=True), asynchronous)
-    written_equal, moved = [], False
+    written_equal = []
     for save in asynchronous.saves:
         consolidate(save["path"], folder / "model.pt", strip_prefix="model.")
         written = torch.load(folder / "model.pt")
         written_equal.append(all(torch.equal(written[k], v) for k, v in save["values"].items()))
     final = module.model.state_dict()
     moved = any(not torch.equal(final[k].cpu(), v) for k, v in asynchronous.saves[-1]["values"].items())
+    shutil.rmtree(folder, ignore_errors=True)  # ~6 GB of checkpoints at the GPU sizes
     first, second = asynchronous.saves
     state_bytes = 3 * config.num_parameters() * 4  # fp32 weights and AdamW's two moments
     sync_s = whole.saves[0]["stall_s"]
