@@ -3,9 +3,11 @@ host (issue 30): modes on the stack while blocks run forward and backward at ste
 object collectives at steps 5-7 -- Lightning's SIGTERM check before each batch included, which read a broadcast
 device flag with .item() until the strategy took its place (strategies/stop_signal.py) -- at pp=2 and tp=2
 (helpers/workers/steady_state_worker.py), one launch. With
-lightning_3d's callbacks logging every step (PipelineMonitor at pp=2 only), one host sync per step: NaNGuard's
-agreement on whether any rank saw a NaN, which must reach the host before the optimizer step (there were 14 at
-pp=2 and 11 at tp=2 when the callbacks read each metric with .item() and PipelineMonitor pickled its timeline)."""
+lightning_3d's callbacks logging every step (PipelineMonitor at pp=2 only), none either: NaNGuard reads its
+agreement on whether any rank saw a NaN at the next step, from a copy made on the way (it read it with .item()
+before every optimizer step; there were 14 syncs at pp=2 and 11 at tp=2 when the callbacks read each metric
+with .item() and PipelineMonitor pickled its timeline). The monitors' .tolist() reads of what they log are
+counted apart (``copies``), not asserted."""
 
 import json
 
@@ -36,10 +38,10 @@ def test_no_host_sync_and_no_object_collective_in_a_steady_state_step(results, l
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_callbacks_sync_the_host_once_in_a_step_that_logs(results, layout):
+def test_the_callbacks_do_not_sync_the_host_in_a_step_that_logs(results, layout):
     result = results[(layout, "monitors")]
     for rank, per_step in enumerate(result["syncs"]):
-        assert len(per_step) == 3 and all(count <= 1 for count in per_step.values()), (rank, per_step, result["where"])
+        assert len(per_step) == 3 and all(count == 0 for count in per_step.values()), (rank, per_step, result["where"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
