@@ -25,7 +25,6 @@ from __future__ import annotations
 import random
 import weakref
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -91,11 +90,20 @@ def apply_sharded_rng(root: nn.Module, patterns: list[str], rng: ShardedRNG) -> 
     that switch the generators; traced by ``torch.compile``, through :func:`switch_rng_stream` in the graph)."""
     key = id(rng)
     _STREAMS[key] = rng
+
+    # Closures, not partials: a deep copy of the model (an EMA) keeps functions as they are, so its regions
+    # switch this same stream, as the graph's operator (which knows the stream by ``key``) does.
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        return _enter_region(rng, key, module, args, kwargs)
+
+    def exit_(module: nn.Module, args: tuple, output: Any) -> Any:
+        return _exit_region(rng, key, module, args, output)
+
     for pattern in patterns:
         for fqn in match_modules(root, pattern):
             module = root.get_submodule(fqn)
-            module.register_forward_pre_hook(partial(_enter_region, rng, key), with_kwargs=True)
-            module.register_forward_hook(partial(_exit_region, rng, key))
+            module.register_forward_pre_hook(enter, with_kwargs=True)
+            module.register_forward_hook(exit_)
 
 
 _STREAMS: weakref.WeakValueDictionary[int, ShardedRNG] = weakref.WeakValueDictionary()
