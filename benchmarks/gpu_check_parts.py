@@ -345,7 +345,9 @@ def layout_auto(ctx: Context) -> Outcome:
     # The decision runs inside the strategy's set-up, with no hook in between: the module's function is
     # wrapped in this process only.
     auto_layout.decide = watched_decide
-    strategy = ThreeDStrategy(layout="auto", layout_check_steps=2)
+    # The prediction is set against the measured step here (both in the report); the strategy's own check, a
+    # warning past 25%, is left out of this short run: on CPU's steps of milliseconds it warns as a rule.
+    strategy = ThreeDStrategy(layout="auto", layout_check_steps=10_000)
     run = bench.fit("layout auto", strategy)
     decision = strategy.layout_decision
     timed = decision.calibration.block_seconds_per_token
@@ -370,10 +372,12 @@ def layout_auto(ctx: Context) -> Outcome:
                 "budget_is_free_memory_before_calibration": 0.95 <= budget_share <= 1.01,
                 "calibration_released": None if left is None else left <= 2**26,
                 "calibration_peak_within_budget": None if not cuda else seen["peak"] <= decision.memory_per_rank,
-                "calibrated_block_within_2x_of_bf16": 0.5 <= numbers["calibrated_over_bf16"] <= 2.0},
+                "calibrated_block_within_2x_of_bf16": 0.5 <= numbers["calibrated_over_bf16"] <= 2.0,
+                "step_within_25pct_of_prediction": rel(run.median, decision.predicted_step_s) <= auto_layout.MISMATCH},
         numbers=numbers,
         gpu_only={"budget_is_free_memory_before_calibration", "calibration_released",
-                  "calibration_peak_within_budget", "calibrated_block_within_2x_of_bf16"})
+                  "calibration_peak_within_budget", "calibrated_block_within_2x_of_bf16",
+                  "step_within_25pct_of_prediction"})
 
 
 def bf16_block_seconds_per_token(block: torch.nn.Module, micro_batch: int, seq_len: int,
