@@ -45,7 +45,8 @@ def test_tp_block_with_dropout_compiles_without_a_graph_break(fake_tp_mesh, sp):
 
 def test_compiled_block_draws_the_eager_masks_on_both_streams():
     """The attention dropout from the tp-rank stream, the residual dropouts from the default one, as in eager
-    mode: equal outputs, and both streams left where the eager block leaves them."""
+    mode: equal outputs and input gradients, and both streams left where the eager block leaves them (the
+    compiled backward does not switch them again)."""
     torch._dynamo.reset()
     x = torch.randn(2, 16, CONFIG.n_embd)
     results = []
@@ -59,7 +60,12 @@ def test_compiled_block_draws_the_eager_masks_on_both_streams():
         if compiled:
             report = apply_compile(model, plan, rank=0)
         torch.manual_seed(1)
-        outputs = [model.blocks["0"](x) for _ in range(2)]
+        outputs = []
+        for _ in range(2):
+            inputs = x.clone().requires_grad_()
+            out = model.blocks["0"](inputs)
+            out.sum().backward()
+            outputs += [out.detach(), inputs.grad]
         results.append((outputs, torch.rand(3), rng.state_dict()["state"][0]))
     assert report.eager_because is None
     (eager, eager_next, eager_stream), (compiled, compiled_next, compiled_stream) = results
