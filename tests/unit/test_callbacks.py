@@ -209,7 +209,8 @@ def test_by_default_no_step_waits_for_its_own_check_and_a_nan_is_named_at_the_ne
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")  # born in layer 0's output; layer 2's weight gradient is made of it
     step()  # step 2: its flag is not read yet
-    with pytest.raises(FloatingPointError, match=r"at step 2 on .*first at 2\.weight, first non-finite activation in 0$"):
+    named = r"at step 2 on .*first at 2\.weight, first non-finite activation in 0$"
+    with pytest.raises(FloatingPointError, match=named):
         step()
 
 
