@@ -18,6 +18,21 @@ from lightning_3d.common import parent_fqn
 from lightning_3d.policies.auto_pipeline import tied_parameters
 
 
+class VocabRows(RowwiseParallel):
+    """The token embedding's rows split over tp, its lookups summed; the result is a tensor of its own, which
+    the model may change in place (CTRL scales it: ``x *= sqrt(d_model)``). The local view of the summed
+    DTensor would refuse that (autograd forbids changing a custom function's view in place); the copy costs
+    one activation of the embedding's size per forward."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return outputs.clone() if use_local_output else outputs
+
+    def __repr__(self) -> str:
+        return "VocabRows()"
+
+
 class TiedRows(ParallelStyle):
     """The module's own parameters ``names`` split on dim 0 over tp, as the head's parameter each is tied to."""
 
@@ -54,7 +69,7 @@ def vocab_parallel_styles(root: nn.Module, blocks: list[str], tp: int,
         return {}, (f"the embedding and head stay whole: the vocabulary ({vocab}) does not divide by"
                     f" tensor_parallel_size={tp} (pad it to {-(-vocab // tp) * tp})")
     embeddings = [fqn for fqn, m in outside if isinstance(m, nn.Embedding) and m.num_embeddings == vocab]
-    styles: dict[str, ParallelStyle] = {fqn: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    styles: dict[str, ParallelStyle] = {fqn: VocabRows(input_layouts=Replicate(), output_layouts=Replicate())
                                         for fqn in embeddings}
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if sharded_logits else dict(
         output_layouts=Replicate())
