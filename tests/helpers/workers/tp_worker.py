@@ -3,8 +3,9 @@
 For tp in (2, 4) (dp fills the rest) and with/without sequence parallelism it applies the GPT policy's plan
 to GPTs of 1 and 2 blocks, runs one forward and backward under PyTorch's ``CommDebugMode`` and records the
 collectives of each phase; the difference between the 2-block and 1-block models is one block's cost. It also
-records the local parameter bytes per rank, and (tp=2) what the default and tp-rank random streams drew and
-the replicated parameters after training with dropout. Each rank writes a JSON file.
+records the local parameter bytes per rank, and (tp=2) what the default and tp-rank random streams drew,
+the replicated parameters after training with dropout, and every parameter after the same training eager and
+with compiled blocks. Each rank writes a JSON file.
 
     python -m torch.distributed.run --nproc-per-node 4 tp_worker.py OUT_DIR
 """
@@ -21,6 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from helpers.launchers import end_process_group
 from lightning_3d import ParallelConfig, ParallelDims
 from lightning_3d.models import GPT, GPTConfig
+from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.loss import vocab_parallel_cross_entropy
 from lightning_3d.parallel.rng import SHARDED_SEED_OFFSET, ShardedRNG, apply_sharded_rng
 from lightning_3d.parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
@@ -83,13 +85,16 @@ def random_streams(mesh) -> dict:
             "default_stream_untouched": torch.equal(first, unhooked_first) and torch.equal(second, unhooked_second)}
 
 
-def dropout_training(mesh, sp: bool) -> dict:
-    """Three SGD steps of a GPT with dropout 0.5; returns the replicated (non-sharded) parameters."""
+def dropout_training(mesh, sp: bool, compiled: bool | None = None) -> dict:
+    """Three SGD steps of a GPT with dropout 0.5; returns the replicated (non-sharded) parameters, or with
+    ``compiled`` set (its blocks ``torch.compile``'d if True) every parameter's local piece."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, dropout=0.5))
     plan = GPTPolicy().plan(model, PlanOptions(tp=2, sequence_parallel=sp))
     apply_tensor_parallel(model, plan, mesh["tp"])
     apply_sharded_rng(model, plan.sharded_rng_regions, ShardedRNG(SHARDED_SEED_OFFSET + mesh["tp"].get_local_rank(), torch.device("cpu")))
+    if compiled:
+        report = apply_compile(model, plan, dist.get_rank())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):
         tokens = torch.randint(0, 64, (2, 16))
@@ -99,6 +104,10 @@ def dropout_training(mesh, sp: bool) -> dict:
         reduce_partial_grads(model)
         optimizer.step()
         optimizer.zero_grad()
+    if compiled is not None:
+        assert not compiled or report.eager_because is None, report.eager_because
+        return {name: (p.to_local() if isinstance(p, DTensor) else p).flatten().tolist()
+                for name, p in model.named_parameters()}
     return {name: (p.to_local() if isinstance(p, DTensor) else p).flatten()[:8].tolist()
             for name, p in model.named_parameters()
             if not (isinstance(p, DTensor) and any(isinstance(x, Shard) for x in p.placements))}
@@ -115,6 +124,8 @@ def main(out_dir: str) -> None:
         if tp == 2:
             results["rng"] = random_streams(mesh)
             results["dropout_replicated_params"] = {sp: dropout_training(mesh, sp) for sp in ("sp0", "sp1")}
+            results["dropout_compiled_and_eager"] = {
+                kind: dropout_training(mesh, False, compiled=kind == "compiled") for kind in ("eager", "compiled")}
     (Path(out_dir) / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     end_process_group()
 
