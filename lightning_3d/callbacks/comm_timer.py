@@ -54,8 +54,8 @@ class CommTimer(L.Callback):
 
     Cost: the dispatch mode runs a Python check on every operator the logged batch dispatches (on the reference
     GPT on CPU, eager, that batch takes up to ~1.7x as long; compiled blocks dispatch far fewer); other batches
-    pay nothing. Not yet run on a GPU: the CUDA path
-    is written to the documented stream semantics of ``Future.then``, untested. Any strategy works: without
+    pay nothing. Not yet run on a GPU: the CUDA path is written to the documented stream semantics of
+    ``Future.then``, untested. Any strategy works: without
     ``ThreeDStrategy`` all ranks form one data-parallel group (DDP), and in a single process every value is 0.
 
     Example::
