@@ -9,9 +9,9 @@ the decoder's bias by another name) is split the same way (:class:`TiedRows`), s
 
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_3d.common import parent_fqn
@@ -24,13 +24,17 @@ class VocabRows(RowwiseParallel):
     DTensor would refuse that (autograd forbids changing a custom function's view in place); the copy costs
     one activation of the embedding's size per forward."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return outputs.clone() if use_local_output else outputs
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(_own_copy)  # after the style's own hook, which made the output local
+        return module
 
     def __repr__(self) -> str:
         return "VocabRows()"
+
+
+def _own_copy(module: nn.Module, args, output):
+    return output.clone() if isinstance(output, Tensor) and not isinstance(output, DTensor) else output
 
 
 class TiedRows(ParallelStyle):
