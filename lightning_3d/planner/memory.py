@@ -205,10 +205,25 @@ def _autocast(precision: Precision) -> bool:
     return precision.activation_bytes < precision.param_bytes
 
 
+def fsdp_casts_parameters(layout: Layout, precision: Precision) -> bool:
+    """Whether FSDP2 gathers the parameters in autocast's dtype: lightning-3d's ZeRO layouts (dp > 1) under
+    autocast ("bf16-mixed") give FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16)``
+    (``lightning_3d.parallel.precision``), so the gathered weights are bf16, the matmuls save them as they are
+    and autocast, finding them in its dtype, copies none."""
+    zero = zero_stage_that_runs(layout.zero_stage, layout.pp > 1)[0]
+    return _autocast(precision) and zero > 0 and layout.dp > 1
+
+
+def gathered_param_bytes(layout: Layout, precision: Precision) -> int:
+    """Bytes per parameter ZeRO all-gathers, on the wire and in memory."""
+    return precision.activation_bytes if fsdp_casts_parameters(layout, precision) else precision.param_bytes
+
+
 def autocast_weight_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
     """Autocast's bf16 copies of the rank's matmul weights, cached from their first use in forward and saved for
-    backward (everything but the embedding tables, which are looked up, not multiplied)."""
-    if not _autocast(precision):
+    backward (everything but the embedding tables, which are looked up, not multiplied). None where FSDP2
+    already gathers them in bf16 (``fsdp_casts_parameters``)."""
+    if not _autocast(precision) or fsdp_casts_parameters(layout, precision):
         return 0.0
     params = rank_parameters(model, layout, pp_rank)
     if pp_rank == 0:
@@ -352,10 +367,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
     blocks = rank_blocks(model, layout, pp_rank)
     block_params = model.block_params().per_rank(layout.tp)
     gathered = 0.0
+    gather_bytes = gathered_param_bytes(layout, precision)
     if layout.shard > 1 and zero == 2:
-        gathered = params * precision.param_bytes * (1 - 1 / layout.shard)  # every block gathered until backward
+        # Every block gathered until backward; a bf16 gather is new memory beside the rank's own fp32 shard.
+        own_shard = 0.0 if fsdp_casts_parameters(layout, precision) else 1 / layout.shard
+        gathered = params * gather_bytes * (1 - own_shard)
     elif layout.shard > 1 and zero == 3:
-        gathered = 2 * block_params * precision.param_bytes  # the block in use and the one prefetched
+        gathered = 2 * block_params * gather_bytes  # the block in use and the one prefetched
     gathered += step_gradient_bytes(model, layout, precision, pp_rank) - states["gradients"]
     if checkpointed_blocks(model, layout) & set(blocks):
         gathered += block_activation_bytes(model, layout, precision)  # one block rebuilt in backward

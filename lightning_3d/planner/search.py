@@ -130,15 +130,18 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
 
 
 def _schedules(pp: int, layers: int, allowed, fixed) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs: with pp = 1 none matters; interleaved schedules take 2 chunks per
-    rank unless ``fixed`` says how many."""
+    """(schedule, virtual stages) pairs: with pp = 1 none matters; interleaved schedules take 2, 4, 8, ...
+    chunks per rank while every stage keeps a block (unless ``fixed`` says how many). More chunks shrink the
+    bubble ((p - 1) / (v m)) and the first rank's activations (L (1 + (p - 1) / (p v)) layers' worth) for v
+    times the point-to-point traffic: the time and memory models weigh it (Llama 3 405B ran 8)."""
     if pp == 1:
         return [("1f1b", 1)]
     if "schedule" in fixed:
         allowed = (fixed["schedule"],)
     found = [(s, 1) for s in allowed if s in PIPELINE_SCHEDULES and s not in MULTI_STAGE_SCHEDULES]
-    virtual = fixed.get("virtual_stages", 2)
-    found += [(s, virtual) for s in allowed if s in MULTI_STAGE_SCHEDULES and layers >= virtual * pp]
+    chunks = [fixed["virtual_stages"]] if "virtual_stages" in fixed else [
+        2 ** k for k in range(1, layers.bit_length()) if 2 ** k * pp <= layers]
+    found += [(s, v) for s in allowed if s in MULTI_STAGE_SCHEDULES for v in chunks if layers >= v * pp]
     return [(s, v) for s, v in found if fixed.get("virtual_stages", v) == v]
 
 

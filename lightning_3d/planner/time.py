@@ -57,8 +57,8 @@ from lightning_3d.planner.calibration import Calibration
 from lightning_3d.planner.links import latency_steps, wire_bytes
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
-from lightning_3d.planner.memory import (Precision, block_activation_bytes, checkpointed_blocks, rank_blocks,
-                                         rank_parameters, stage_blocks)
+from lightning_3d.planner.memory import (Precision, block_activation_bytes, checkpointed_blocks, gathered_param_bytes,
+                                         rank_blocks, rank_parameters, stage_blocks)
 from lightning_3d.planner.model import ModelSpec, PlannerError
 
 ELEMENTWISE_PASSES = 3
@@ -218,7 +218,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     params = rank_parameters(model, layout, busiest)
     units = len(rank_blocks(model, layout, busiest)) + 1  # FSDP units: each block, and the rest of the stage
     grads = params * (dp_reduce_bytes or precision.grad_bytes)
-    weights = params * precision.param_bytes
+    weights = params * gathered_param_bytes(layout, precision)  # bf16 under bf16-mixed: FSDP2 casts them
 
     def dp_call(collective: str, nbytes: float) -> float:  # one unit's share
         if zero and layout.replicas > 1 and collective != "all_reduce":  # HSDP: ZeRO within a shard group
