@@ -11,6 +11,8 @@ from lightning_3d.models import GPT, GPTConfig
 from lightning_3d.planner import PRECISIONS, Cluster, Layout, ModelSpec, PlannerError, estimate_memory, zero_model_state_bytes
 from lightning_3d.planner.memory import (
     autocast_weight_bytes,
+    rank_parameters,
+    step_gradient_bytes,
     block_activation_bytes,
     interleaved_peak,
     microbatch_activation_bytes,
@@ -47,6 +49,60 @@ def test_zero_1_runs_as_2_and_3_under_the_pipeline_as_2_in_the_planner_as_in_the
         memory = [estimate_memory(model, layout, FP32, 0) for layout in layouts]
         time = [estimate_step_time(model, layout, cluster, FP32) for layout in layouts]
         assert memory[0] == memory[1] and time[0] == time[1], (pp, same)
+
+
+def test_under_bf16_mixed_zero_gathers_bf16_weights_that_autocast_does_not_copy():
+    # lightning-3d's ZeRO layouts under bf16-mixed give FSDP2 MixedPrecisionPolicy(param_dtype=bf16)
+    # (parallel/precision.py): the gathered weights are bf16 (half the bytes held and sent), and autocast, finding
+    # them in its own dtype, copies none. Replicated, autocast keeps a bf16 copy beside each fp32 weight.
+    bf16 = PRECISIONS["bf16-mixed"]
+    model = ModelSpec.from_gpt_config(GPTConfig(n_layer=8, n_embd=256, n_head=4, block_size=64))
+    zero2 = Layout(dp=4, pp=2, num_microbatches=4, zero_stage=2)
+    params = rank_parameters(model, zero2, 1)
+    memory = estimate_memory(model, zero2, bf16, 1)
+    whole_grads = step_gradient_bytes(model, zero2, bf16, 1) - memory.gradients
+    assert autocast_weight_bytes(model, zero2, bf16, 1) == 0
+    assert memory.gathered == pytest.approx(2 * params + whole_grads)  # was 4 (1 - 1/dp) + 2 bytes a parameter
+    replicated = Layout(dp=4, pp=2, num_microbatches=4)
+    assert autocast_weight_bytes(model, replicated, bf16, 1) == 2 * params
+    zero3, cluster = Layout(dp=8, zero_stage=3), Cluster.preset("a100-40gb")
+    gathers = [estimate_step_time(model, zero3, cluster, p, dp_overlap=False).dp_communication for p in (bf16, FP32)]
+    assert gathers[0] < gathers[1]  # bf16 all-gathers, fp32 reduce-scatters in both
+
+
+def test_fsdp2_with_bf16_params_saves_its_gathered_bf16_weights_and_autocast_adds_no_copy():
+    # What the planner's bf16-mixed ZeRO accounting rests on, on one gloo rank: under autocast a matmul on an
+    # fp32 weight saves autocast's bf16 copy of it; on FSDP2's bf16 gathered weight it saves that weight.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)  # ended by conftest
+
+    def saved_weights(model, unsharded):
+        weights = []
+
+        def pack(tensor):
+            if tensor.dim() == 2 and tensor.shape[0] != 8:  # not the (8, width) inputs
+                weights.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(8, 32, requires_grad=True))
+        kept = {w.untyped_storage().data_ptr() for w in unsharded()}
+        result = [(w.dtype, w.untyped_storage().data_ptr() in kept) for w in weights]
+        out.float().sum().backward()
+        return result
+
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    assert saved_weights(plain, plain.parameters) == [(torch.bfloat16, False)] * 2  # autocast's copies
+
+    sharded = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 32, bias=False))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)), mp_policy=policy, reshard_after_forward=False)
+    unsharded = lambda: [p.to_local() if hasattr(p, "to_local") else p for p in sharded.parameters()]  # noqa: E731
+    # While gathered (from forward to backward under ZeRO-2) the module's parameters are the bf16 unsharded ones.
+    assert saved_weights(sharded, unsharded) == [(torch.bfloat16, True)] * 2
 
 
 def test_reducing_per_microbatch_under_the_pipeline_trades_gradient_memory_for_reduce_scatters():
@@ -98,6 +154,25 @@ def test_schedules_keep_the_published_micro_batches_in_flight():
     # i.e. p (1 + (p - 1) / (p v)) micro-batches through its L / p layers.
     interleaved = Layout(pp=p, num_microbatches=m, schedule="interleaved_1f1b", virtual_stages=v)
     assert microbatches_in_flight(interleaved, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_first_rank_under_interleaved_1f1b_with_sp_holds_korthikanti_et_als_layers_plus_the_gathered_norm_outputs():
+    # Korthikanti et al. 2022, their GPT (scores kept, dropout 0.1, 2-byte activations), L = 16, t = 8 with
+    # sequence parallelism, interleaved 1F1B over p = 4 ranks with v = 2 chunks, m = 8: the first rank holds
+    # (34 sbh + 5 as^2 b) / t per layer (section 4.2.2) for L (1 + (p - 1) / (p v)) = 22 layers (4.2.3).
+    # lightning-3d keeps the two norm outputs each region all-gathers whole (DTensor's all-gather is an
+    # autograd op; Megatron-LM keeps the shard and gathers again in backward): 2 x 2 sbh (1 - 1/t) more per layer.
+    model = korthikanti_model(num_layers=16)
+    s, b, h, a, t, p, v, m = model.seq_length, 1, model.hidden_size, model.num_heads, 8, 4, 2, 8
+    layout = Layout(tp=t, pp=p, num_microbatches=m, micro_batch_size=b, schedule="interleaved_1f1b",
+                    virtual_stages=v, sequence_parallel=True)
+    layers = model.num_layers * (1 + (p - 1) / (p * v))
+    paper = layers * (34 * s * b * h + 5 * a * s * s * b) / t
+    gathered = layers * 2 * 2 * s * b * h * (1 - 1 / t)
+    # The embedding's dropout mask (sbh / t) and token ids, in the 2p - 1 micro-batches of chunk 0 in flight.
+    embedding = (2 * p - 1) * (s * b * h / t + 8 * s * b)
+    ours = peak_activation_bytes(model, layout, MEGATRON, 0)
+    assert ours == pytest.approx(paper + gathered + embedding, rel=0.001)  # the norms' statistics on top
 
 
 def test_interleaved_peak_follows_the_chunks_so_the_last_ranks_head_is_held_once():
