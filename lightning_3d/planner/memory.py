@@ -22,7 +22,8 @@ saves: tests/parity/test_planner_on_ranks.py):
     which recomputes only the attention scores);
   * every ZeRO stage runs on FSDP2, which keeps parameters, gradients and optimizer state as dp shards at
     rest; stage 1 runs as stage 2, which (like stage 3 with pp > 1) keeps each block's parameters gathered
-    from its forward to its backward, stage 3 alone regathers them per use;
+    from its forward to its backward, stage 3 alone regathers them per use; under "bf16-mixed" it gathers
+    them in bf16 (``fsdp_casts_parameters``);
   * with pp > 1 a ZeRO stage holds its whole gradients (gathered over dp) from its first backward to the end
     of the step, as ``torch.distributed.pipelining`` reduce-scatters once, after the last micro-batch;
     ``pipeline_reduce_grads="per_microbatch"`` holds the shards plus the stage's root unit (embedding or
