@@ -61,6 +61,8 @@ class CommRecorder(TorchDispatchMode):
     their compiled code calls, which inductor leaves as operator calls.
     """
 
+    lightning_3d_observes_only = True  # parallel/compile.py's OBSERVES_ONLY: compiled blocks run compiled under it
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         """True: dynamo traces and compiles with this mode off and runs the compiled code with it on, rather

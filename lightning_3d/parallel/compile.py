@@ -125,6 +125,11 @@ class CompileReport:
         handle = register_optimizer_step_post_hook(once)
 
 
+OBSERVES_ONLY = "lightning_3d_observes_only"
+"""A dispatch mode's class attribute: True where the mode only watches the operators (CommTimer's recorder),
+so a compiled block may run compiled under it."""
+
+
 class CompiledForward:
     """A block's forward, compiled as one graph on its first call; its eager self once the rank fell back.
 
@@ -140,11 +145,13 @@ class CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Eager under a dispatch mode too: a mode traces or counts ops (the shape check's fake tensors, a FLOP
         # counter), and dynamo, which leaves its own infrastructure's modes (fake tensors) on, would run the
-        # compiled kernels on tensors that have no data. Except under modes that declare
+        # compiled kernels on tensors that have no data. Except under modes that only observe and declare
         # ``ignore_compile_internals()`` (CommTimer's recorder): dynamo compiles with them off and runs the
         # compiled code with them on, where they see the operators the compiled code still dispatches.
+        # (FakeTensorMode declares it too, but computes: the compiled kernels would read no data.)
         modes = _get_current_dispatch_mode_stack() if is_in_torch_dispatch_mode() else []
-        if self.report.eager_because is not None or not all(mode.ignore_compile_internals() for mode in modes):
+        if self.report.eager_because is not None or not all(
+                getattr(mode, OBSERVES_ONLY, False) and mode.ignore_compile_internals() for mode in modes):
             return self.eager(self.block, *args, **kwargs)
         try:
             return self.compiled(self.block, *args, **kwargs)
