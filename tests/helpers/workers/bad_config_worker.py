@@ -121,11 +121,11 @@ class ForgetsTheHeadCount(Policy):
         return Plan(blocks=blocks, tp_plan=tp_plan if options.tp > 1 else {})
 
 
-class FusedGQAAttention(nn.Module):
-    """q|k|v fused in one projection with fewer kv heads than query heads (4 and 2): parts of unequal width,
-    which no placement of one weight splits per head (Phi-3 with GQA is written so)."""
+class FusedMQAAttention(nn.Module):
+    """q|k|v fused in one projection with one kv head for 4 query heads (multi-query attention, as Falcon-7B
+    writes it): at tp=2 both ranks need the kv head, which no split of one weight gives them."""
 
-    def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 2):
+    def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 1):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim)
@@ -141,11 +141,11 @@ class FusedGQAAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class FusedGQAModel(GPTLightningModule):
+class FusedMQAModel(GPTLightningModule):
     def configure_model(self):
         self.model = HeadsLM()
         for layer in self.model.layers:
-            layer.attention = FusedGQAAttention()
+            layer.attention = FusedMQAAttention()
 
 
 class EagerModel(GPTLightningModule):
@@ -200,7 +200,7 @@ CASES = {
         GPTLightningModule(config=TINY)),
     "tp_shapes_a_head_count_the_policy_did_not_divide": lambda: (
         ThreeDStrategy(tensor_parallel_size=2, policy=ForgetsTheHeadCount()), HeadsModel(config=TINY)),
-    "auto_cannot_split_most_of_a_block": lambda: (ThreeDStrategy(tensor_parallel_size=2), FusedGQAModel(config=TINY)),
+    "auto_cannot_split_most_of_a_block": lambda: (ThreeDStrategy(tensor_parallel_size=2), FusedMQAModel(config=TINY)),
     # Launched on 4 ranks (test_shape_check): the check runs inside a pipeline stage.
     "tp_shapes_inside_a_pipeline_stage": lambda: (ThreeDStrategy(tensor_parallel_size=2, pipeline_parallel_size=2,
                                                                  policy=ForgetsTheHeadCount()),
