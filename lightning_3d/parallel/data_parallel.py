@@ -23,8 +23,8 @@ def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: Dev
 
     Replicated, plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned
     as a wrapper. Its bucketed gradient all-reduce, overlapped with backward, is the fastest replicated data
-    parallel PyTorch has (FSDP2's ``replicate`` steps the optimizer on DTensors: measured ~3x slower
-    optimizer steps for the reference GPT on CPU), and it is what Lightning's ``DDPStrategy`` runs, so a
+    parallel PyTorch has (FSDP2's ``replicate`` steps the optimizer on DTensors, whose per-tensor dispatch
+    dominates for small tensors), and it is what Lightning's ``DDPStrategy`` runs, so a
     data-parallel run trains exactly like one there. The weights are already equal on every dp rank
     (``lightning_3d.parallel.weight_init``), so DDP's start-up broadcast is skipped.
 

@@ -16,7 +16,7 @@ per torch call on it:
   also takes a plain tensor, the logits gathered first. Rank 0 says so, once.
 
 Only calls that take the logits pay for this: a tensor subclass, not a mode, so no Python runs for any other
-torch call of the forward or backward (issue 30: a ``TorchFunctionMode`` held over the step cost ~3 us per
+torch call of the forward or backward (a ``TorchFunctionMode`` held over the step would run Python on every
 torch call of the whole model, forward, backward and recompute).
 
 An in-place change of marked logits that must gather (``logits.masked_fill_(plain_mask, ...)``) is refused
