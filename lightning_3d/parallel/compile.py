@@ -117,12 +117,22 @@ class CompileReport:
                 f" compile time {delta['forward_s']:.1f} s forward + {delta['backward_s']:.1f} s backward")
 
     def log_after_first_step(self) -> None:
-        """Log :meth:`line` once, after the next optimizer step of this process (a global hook, removed then)."""
+        """Log :meth:`line` once, after the next optimizer step of this process (a global hook). A hook that has
+        logged is removed when the next report registers, not from inside the step: the step is iterating the
+        global hooks then, and removing one ends that iteration with "OrderedDict mutated during iteration"."""
+        while _LOGGED:
+            _LOGGED.pop().remove()
+
         def once(*_: Any) -> None:
-            handle.remove()
-            _log.info(self.line())
+            if handle not in _LOGGED:
+                _LOGGED.append(handle)
+                _log.info(self.line())
 
         handle = register_optimizer_step_post_hook(once)
+
+
+_LOGGED: list[Any] = []
+"""The global hooks of :meth:`CompileReport.log_after_first_step` that have logged, to remove at the next one."""
 
 
 OBSERVES_ONLY = "lightning_3d_observes_only"
