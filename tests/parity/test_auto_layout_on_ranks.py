@@ -154,7 +154,7 @@ def test_the_calibrations_own_process_groups_are_destroyed_after_their_measureme
     # GPUs an NCCL communicator each and its buffers).
     assert all(rank["groups"]["after_links"] == rank["groups"]["before"] for rank in ranks), [r["groups"] for r in ranks]
     assert all(rank["groups"]["after"] == rank["groups"]["before"] for rank in ranks), [r["groups"] for r in ranks]
-    # ... and after the launch's five layout="auto" fits none of the meshes the calibration timed on is alive (their
+    # ... and after the launch's four layout="auto" fits none of the meshes the calibration timed on is alive (their
     # first dimension, named "rest" before, is in no layout's mesh).
     for rank in ranks:
         assert not [desc for desc in rank["groups"]["alive"] if "calibration" in desc or desc == "mesh_rest"], rank
@@ -171,7 +171,7 @@ def test_the_calibrations_own_process_groups_are_destroyed_after_their_measureme
 def test_a_second_fit_of_a_layout_makes_no_new_process_groups(ranks):
     # Every fit had built its layout's device mesh (a group per dimension) anew, and none was ever destroyed: a
     # notebook or a sweep fitting many times gathered hundreds of gloo groups, three threads each. After the
-    # first auto fit and the first fixed fit, fits add none.
+    # launch's auto fits and the first fixed fit, fits add none.
     for rank in ranks:
         after_auto, after_fixed, after_same_fixed = rank["groups"]["per_fit"]
         assert after_same_fixed == after_fixed >= after_auto, rank["groups"]
