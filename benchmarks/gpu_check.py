@@ -46,6 +46,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import torch  # noqa: E402
 
 from gpu_check_parts import PARTS, Context, Outcome  # noqa: E402
+from gpu_smoke import require_gpu  # noqa: E402
 
 DEFAULT_REPORT = Path(__file__).with_name("gpu_check_report.json")
 CPU_SMOKE_TIMEOUT_S = 120  # per part: tiny models, but two loaded cores and inductor's compile on CPU
@@ -134,9 +135,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        sys.exit(f"gpu_check.py needs a CUDA GPU, but torch {torch.__version__} (CUDA build: {torch.version.cuda})"
-                 " sees none. Run it on a GPU machine, or with --cpu-smoke to check its code paths on CPU.")
+    require_gpu("gpu_check.py", args.cpu_smoke)
     import lightning  # noqa: F401  (imported once here: every forked part starts with it loaded)
 
     import lightning_3d  # noqa: F401

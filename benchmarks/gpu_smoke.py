@@ -433,11 +433,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def require_gpu(script: str, cpu_smoke: bool) -> None:
+    """Exit with the reason unless a CUDA GPU is visible or ``--cpu-smoke`` was given."""
+    if not cpu_smoke and not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU, but torch {torch.__version__} (CUDA build: {torch.version.cuda})"
+                 " sees none. Run it on a GPU machine, or with --cpu-smoke to check its code paths on CPU.")
+
+
 def main() -> None:
     args = parse_args()
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        sys.exit(f"gpu_smoke.py needs a CUDA GPU, but torch {torch.__version__} (CUDA build: {torch.version.cuda})"
-                 " sees none. Run it on a GPU machine, or with --cpu-smoke to check its code paths on CPU.")
+    require_gpu("gpu_smoke.py", args.cpu_smoke)
     import logging
 
     import lightning as L

@@ -168,7 +168,7 @@ class ShardedCheckpoints:
                 with self.phases.phase("checkpoint load", "checkpoint_timeout"):
                     by_name = _keyed_by_name(state, module, optimizer, saved_names)
                     layouts = fused_layouts(module)
-                    by_name = {**by_name, "state": {name: _stored(values, {k: layouts[name] for k in values})
+                    by_name = {**by_name, "state": {name: _stored(values, dict.fromkeys(values, layouts[name]))
                                                     if name in layouts else values
                                                     for name, values in by_name["state"].items()}}
                     set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
