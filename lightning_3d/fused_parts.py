@@ -6,8 +6,13 @@ neither one slice of the weight (``Shard``) nor the same slice of equal parts (`
 has no placement for that cut, and a placement of one's own does not survive its operators, which rebuild
 placements from the standard types.
 
-So such a weight is stored with its features in rank order, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, and split
-with a plain ``Shard``: every DTensor operator is exact on it, and each rank computes with its
+A fused ``[q | k | v]`` with fewer key/value heads than tp ranks (Falcon's multi-query attention: one kv head)
+cannot split its k and v at all: every rank keeps them whole (a *whole* part), ``[q_r | k | v]``, and the
+gradient of those rows, which each rank gets only for its own query heads, is summed over tp by the projection
+(``policies.projections.ColumnSplit``).
+
+So such a weight is stored with its features in rank order, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (a whole part
+once per rank: ``[q_0 k v | q_1 k v]``), and split with a plain ``Shard``: every DTensor operator is exact on it, and each rank computes with its
 ``[q_r | k_r | v_r]``. The order is recorded on the module that holds the weight (:class:`FusedParts`, found
 with :func:`fused_layouts`). What exchanges the weight with the world outside the run maps through it
 (``checkpoint.boxes.local_boxes``): its initialization, ``init_from``, checkpoints (the optimizer's state of it
@@ -38,12 +43,42 @@ class FusedParts:
     dim: int
     sizes: tuple[int, ...]
     ranks: int
+    whole: tuple[bool, ...] = ()
+    """Per part: kept whole by every rank (default: none is)."""
+
+    def is_whole(self, part: int) -> bool:
+        return bool(self.whole) and self.whole[part]
 
     def single_device_index(self) -> Tensor:
-        """For each stored position along ``dim``, its position in the single-device tensor."""
-        starts = [sum(self.sizes[:j]) for j in range(len(self.sizes))]
-        return torch.cat([torch.arange(start + r * (size // self.ranks), start + (r + 1) * (size // self.ranks))
-                          for r in range(self.ranks) for start, size in zip(starts, self.sizes)])
+        """For each stored position along ``dim``, its position in the single-device tensor (a whole part's
+        positions once per rank)."""
+        return torch.cat([self._held(r, part) for r in range(self.ranks) for part in range(len(self.sizes))])
+
+    def held_by(self, rank: int) -> list[int]:
+        """The single-device positions ``rank`` holds, in its stored order."""
+        return torch.cat([self._held(rank, part) for part in range(len(self.sizes))]).tolist()
+
+    def _held(self, rank: int, part: int) -> Tensor:
+        start, size = sum(self.sizes[:part]), self.sizes[part]
+        if self.is_whole(part):
+            return torch.arange(start, start + size)
+        return torch.arange(start + rank * (size // self.ranks), start + (rank + 1) * (size // self.ranks))
+
+    def whole_rows(self) -> list[tuple[int, int]]:
+        """(start, length) of each whole part within one rank's stored piece, in its order."""
+        found, start = [], 0
+        for part, size in enumerate(self.sizes):
+            length = size if self.is_whole(part) else size // self.ranks
+            if self.is_whole(part):
+                found.append((start, length))
+            start += length
+        return found
+
+    def single_device_shape(self, stored_shape) -> tuple[int, ...]:
+        """The single-device shape of a tensor stored in this order with ``stored_shape``."""
+        shape = list(stored_shape)
+        shape[self.dim] = sum(self.sizes)
+        return tuple(shape)
 
     def stored(self, tensor: Tensor) -> Tensor:
         """``tensor`` (single-device order) in the stored order."""

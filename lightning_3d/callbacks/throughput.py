@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from lightning_3d.callbacks.layout import dims_of
-from lightning_3d.parallel.clip import local_piece
+from lightning_3d.parallel.clip import local_pieces
 
 # Dense bf16 peak FLOP/s per device, by the start of torch.cuda.get_device_name(); pass peak_flops otherwise.
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L40S": 362e12,
@@ -52,8 +52,7 @@ class ThroughputMonitor(L.Callback):
         dims = dims_of(trainer)
         share = 0.0
         for param in pl_module.parameters():
-            local, copies = local_piece(param, dims)
-            share += local.numel() / copies
+            share += sum(local.numel() / copies for local, copies in local_pieces(param, dims))
         total = torch.tensor([share], dtype=torch.float64, device=pl_module.device)
         if dist.is_initialized():
             dist.all_reduce(total)

@@ -42,6 +42,12 @@ def local_boxes(tensor: DTensor, parts: FusedParts | None = None) -> list[Box]:
     ]
 
 
+def single_device_size(tensor: DTensor, parts: FusedParts | None = None) -> torch.Size:
+    """The shape of ``tensor`` on one device (larger than one of a fused projection stored with whole parts
+    once per rank, ``parts``)."""
+    return torch.Size(parts.single_device_shape(tensor.shape)) if parts is not None else tensor.size()
+
+
 def is_strided(value: object, parts: FusedParts | None = None) -> bool:
     """A DTensor whose local piece is more than one box of the single-device tensor, or is stored in rank order
     (``parts``: even one box of it lies elsewhere than its placements say)."""
@@ -130,7 +136,7 @@ class BoxesSavePlanner(DefaultSavePlanner):
                     chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
                     items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
                                            tensor_data=TensorWriteData(chunk=chunk, properties=properties,
-                                                                       size=tensor.size())))
+                                                                       size=single_device_size(tensor, parts))))
             plan = dataclasses.replace(plan, items=items)
             self.plan = plan
         return plan

@@ -9,6 +9,7 @@ single-device model's gradient, so clipping changes nothing about parity.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from typing import Iterable
@@ -20,7 +21,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_3d.checkpoint.boxes import local_boxes
 from lightning_3d.common import local
+from lightning_3d.fused_parts import fused_layouts
 from lightning_3d.parallel.dims import ParallelDims
 
 _STAGE_COPIES = WeakIdKeyDictionary()
@@ -31,6 +34,18 @@ def mark_stage_copies(param: Tensor, copies: int) -> None:
     """Say that ``copies`` pipeline stages hold ``param`` (``lightning_3d.parallel.tied``), so the global
     norm and the parameter count take it once."""
     _STAGE_COPIES[param] = copies
+
+
+_WHOLE_PARTS = WeakIdKeyDictionary()
+"""Parameter -> its layout, for fused projections with parts every tp rank keeps whole (``lightning_3d.fused_parts``)."""
+
+
+def mark_whole_parts(module: torch.nn.Module) -> None:
+    """Record ``module``'s parameters stored with parts every tp rank keeps whole (Falcon's one k and v head),
+    so the global norm counts those rows once. Called once data parallel has placed the final parameters."""
+    for name, parts in fused_layouts(module).items():
+        if any(parts.whole):
+            _WHOLE_PARTS[module.get_parameter(name)] = parts
 
 
 def global_grad_norm(parameters: Iterable[Tensor], dims: ParallelDims) -> Tensor:
@@ -53,8 +68,8 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
         device = device or local(param).device
         if param.grad is None:
             continue
-        piece, copies = local_piece(param.grad, dims, of=param)
-        groups[(piece.device, piece.dtype, copies)].append(piece.detach())
+        for piece, copies in local_pieces(param.grad, dims, of=param):
+            groups[(piece.device, piece.dtype, copies)].append(piece.detach())
     if not groups:  # a rank without gradients (frozen stage) still joins the all-reduce, on its device
         return torch.zeros((), device=device), torch.zeros((), device=device)
     share, local_squares = [], []
@@ -78,6 +93,29 @@ def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) ->
     # _StridedShard for dp, which is not a Shard (is_shard() is False).
     distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
     return tensor.to_local(), dims.dp * dims.tp // distinct * stage_copies
+
+
+def local_pieces(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) -> list[tuple[Tensor, int]]:
+    """:func:`local_piece` in pieces that each have one number of holders: one piece, or for a fused
+    projection with whole parts (a parameter, or ``of``'s gradient), each box of it (a whole part's rows are
+    on every tp rank)."""
+    piece, copies = local_piece(tensor, dims, of=of)
+    parts = _WHOLE_PARTS.get(tensor if of is None else of)
+    if parts is None:
+        return [(piece, copies)]
+    d = parts.dim
+    starts = list(itertools.accumulate((0, *parts.sizes[:-1])))
+    whole = [range(start, start + size) for start, size, is_whole in zip(starts, parts.sizes, parts.whole) if is_whole]
+    pieces = []
+    for offsets, sizes, region in local_boxes(tensor, parts):
+        # A box may run from a split part into a whole one: cut it where the parts meet.
+        first, last = offsets[d], offsets[d] + sizes[d]
+        cuts = sorted({first, last, *(b for b in starts if first < b < last)})
+        for a, b in zip(cuts, cuts[1:]):
+            rows = slice(region[d].start + a - first, region[d].start + b - first)
+            held = copies * dims.tp if any(a in r for r in whole) else copies
+            pieces.append((piece[(*region[:d], rows, *region[d + 1:])], held))
+    return pieces
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_3d.parallel.clip import mark_whole_parts
 from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.data_parallel import apply_data_parallel
@@ -199,6 +200,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     #    holds (its tp shard, and under ZeRO-3 its dp shard of that).
     if config.init_from:
         load_pretrained(module, config.init_from, plan.checkpoint_names, plan.tied_parameters)
+    mark_whole_parts(module)  # the global norm counts the rows every tp rank holds once
 
     sharded_logits = dims.tp > 1 and config.vocab_parallel_loss
     loss_context = vocab_parallel_loss if sharded_logits else nullcontext

@@ -43,6 +43,7 @@ from lightning_3d.errors import ShardedShapeError
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.pipeline.split import held_modules
 from lightning_3d.policies.base import Plan
+from lightning_3d.policies.experts import experts_stood_in
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exc
     saved = [(sub, dict(vars(sub)), dict(sub._parameters), dict(sub._buffers)) for sub in block.modules()]
     mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)  # parameters stay real; reads only
     try:
-        with mode, torch.no_grad(), warnings.catch_warnings():
+        with mode, torch.no_grad(), warnings.catch_warnings(), experts_stood_in(block):
             warnings.simplefilter("ignore")
             fake_args, fake_kwargs = tree_map(lambda x: _fake(mode, x), (args, kwargs))
             block.forward(*fake_args, **fake_kwargs)  # forward, not __call__: its pre-hooks have run

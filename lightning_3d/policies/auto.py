@@ -59,14 +59,17 @@ class AutoPolicy(Policy):
 
 def repeated_blocks(root: nn.Module) -> list[str]:
     """FQNs of the children of the longest ``ModuleList``/``ModuleDict``/``Sequential`` whose children share
-    one class and hold parameters (transformer layers, in every model we know)."""
-    best: list[str] = []
+    one class and hold parameters (transformer layers, in every model we know), among the outermost such
+    lists: a list inside one of those layers (a mixture of experts' MLPs) is part of the layer."""
+    lists = []
     for fqn, module in root.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(module) < 2:
             continue
         children = list(module.named_children())
         same_class = len({type(child) for _, child in children}) == 1
         has_params = all(any(True for _ in child.parameters()) for _, child in children)
-        if same_class and has_params and len(children) > len(best):
-            best = [join_fqn(fqn, name) for name, _ in children]
-    return best
+        if same_class and has_params:
+            lists.append([join_fqn(fqn, name) for name, _ in children])
+    outermost = [found for found in lists
+                 if not any(found[0].startswith(child + ".") for other in lists for child in other)]
+    return max(outermost, key=len, default=[])

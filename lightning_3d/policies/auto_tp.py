@@ -41,6 +41,7 @@ from lightning_3d.policies.auto_pipeline import tied_parameters
 from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_inputs import block_inputs, required_positionals
 from lightning_3d.policies.block_trace import is_projection, meta_copy, projection_sizes
+from lightning_3d.policies.experts import ExpertsSplit
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
@@ -72,13 +73,17 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
                 column_input = dict(input_layouts=between)
             changed = region.changed_in_place
             for column in region.columns:
-                tp_plan[join_fqn(block, column)] = ColumnSplit(parts=region.parts[column], copy_output=column in changed,
+                tp_plan[join_fqn(block, column)] = ColumnSplit(parts=region.parts[column], whole=region.whole[column],
+                                                               copy_output=column in changed,
                                                                **column_input)
             tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between, copy_output=region.row in changed)
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
             tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner)]
+        for name, layout in split.experts.items():
+            tp_plan[join_fqn(block, name)] = ExpertsSplit(layout)
+            covered[block].append(join_fqn(block, name))
     vocabulary, said = vocab_parallel_styles(root, blocks, options.tp, options.vocab_parallel_loss)
     tp_plan.update(vocabulary)
     _judge(root, splits, tp_plan, options, said)
@@ -184,7 +189,11 @@ def sharded_share(root: nn.Module, blocks: list[str], tp_plan: dict[str, Paralle
             style = tp_plan.get(join_fqn(block, fqn))
             for name, param in module.named_parameters(recurse=False):
                 total += param.numel()
-                if isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight"):
+                if isinstance(style, ColumnSplit) and any(style.whole):  # its whole parts are on every rank
+                    split = sum(size for size, whole in zip(style.parts, style.whole) if not whole)
+                    sharded += param.numel() * split // sum(style.parts)
+                elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
+                        or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")):
                     sharded += param.numel()
     return sharded, total
 
@@ -240,16 +249,18 @@ def _model_name(root: nn.Module, blocks: list[str]) -> str:
 
 def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int) -> str:
     block = blocks[0] if blocks else "(no repeated blocks found)"
-    experts = expert_banks(root.get_submodule(blocks[0])) if blocks else []
+    experts = expert_banks(root.get_submodule(blocks[0])) if blocks and not split.experts else []
     if experts:
+        why = "; ".join(f"{name}: {reason}" for name, reason in split.left.items() if "expert" in reason) or (
+            "they are not a transformers experts module (stacked gate_up_proj / down_proj, the layout"
+            " use_experts_implementation describes), and which tokens reach an expert is decided by the router at"
+            " run time, so a trace on the meta device cannot follow them")
         return (
             f"policy='auto' does not split the mixture-of-experts blocks of {_model_name(root, blocks)} over tp: in"
-            f" {block} (every block alike), {', '.join(experts)} hold the experts' weights, one slice per expert,"
-            " and which tokens reach an expert is decided by the router at run time, so tracing the block on the"
-            " meta device cannot follow them (and splitting every expert over tp would waste the sparsity that"
-            f" expert parallelism keeps). Train it at tensor_parallel_size=1 (pipeline and data parallel apply"
-            f" as to any model), or write a policy that splits these weights, or pass allow_replicated=True to"
-            f" keep the whole block on every tp rank."
+            f" {block} (every block alike), {', '.join(experts)} hold the experts' weights, and {why}. Train it at"
+            " tensor_parallel_size=1 (pipeline and data parallel apply as to any model), or write a policy that"
+            " splits these weights (lightning_3d.policies.experts.ExpertsSplit for stacked ones), or pass"
+            " allow_replicated=True to keep the whole block on every tp rank."
         )
     if split.problem:
         reasons = f"  the block could not be traced on the meta device: {split.problem}"

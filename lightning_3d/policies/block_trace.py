@@ -33,6 +33,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_3d.policies.experts import experts_stood_in
+
 
 STREAM = "<stream>"
 """The provenance tag of the block's input hidden states (and of what is added to them)."""
@@ -132,7 +134,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict,
     recorder.prov[id(hidden)] = frozenset({STREAM})
     handles = recorder.hook_modules()
     try:
-        with torch.no_grad(), torch.device("meta"), _FunctionLevel(recorder), recorder:
+        with torch.no_grad(), torch.device("meta"), _FunctionLevel(recorder), recorder, experts_stood_in(block):
             block(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 -- what meta cannot run, or a shape the split broke
         recorder.trace.problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

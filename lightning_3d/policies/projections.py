@@ -14,6 +14,8 @@ the outputs per rank. Two things real models add, each only a placement:
   checkpoints keep the single-device layout (``lightning_3d.checkpoint.boxes`` writes a rank's k boxes).
   Parts of unequal sizes (``[q | k | v]`` with fewer kv heads than query heads) have no such placement: the
   weight is stored with its features in rank order and split with ``Shard`` (``lightning_3d.fused_parts``).
+  So are parts every rank keeps whole (``whole``: k and v of Falcon's one kv head): each rank's gradient of
+  them covers its own query heads only, and the projection sums it over tp.
 
 The column output is always returned as this rank's local columns, as they come: a fused output must not be
 redistributed (that would reorder it into a plain ``Shard``).
@@ -24,13 +26,14 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_3d.fused_parts import FusedParts, record
+from lightning_3d.fused_parts import ATTRIBUTE, FusedParts, record
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -48,21 +51,22 @@ class ColumnSplit(ColwiseParallel):
         {"model.model.layers.*.self_attn.qkv_proj": ColumnSplit(parts=(32, 16, 16))}
     """
 
-    def __init__(self, *, parts: int | tuple[int, ...] = 1, copy_output: bool = False, **kwargs) -> None:
+    def __init__(self, *, parts: int | tuple[int, ...] = 1, whole: tuple[bool, ...] = (), copy_output: bool = False,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
-        self.parts, self.copy_output = parts, copy_output
+        self.parts, self.whole, self.copy_output = parts, tuple(whole), copy_output
 
     def _placement(self, dim: int) -> Placement:
         k = len(self.parts) if isinstance(self.parts, tuple) else self.parts
-        return Shard(dim) if k == 1 or self._unequal() else _StridedShard(dim, split_factor=k)
+        return Shard(dim) if k == 1 or self._in_rank_order() else _StridedShard(dim, split_factor=k)
 
-    def _unequal(self) -> bool:
-        return isinstance(self.parts, tuple) and len(set(self.parts)) > 1
+    def _in_rank_order(self) -> bool:
+        return isinstance(self.parts, tuple) and (len(set(self.parts)) > 1 or any(self.whole))
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         weight_dim = 0 if is_linear(module) else 1  # the output features
         for param, dim in (("weight", weight_dim), ("bias", 0)):
-            order = FusedParts(dim, self.parts, mesh.size()) if self._unequal() else None
+            order = FusedParts(dim, self.parts, mesh.size(), self.whole) if self._in_rank_order() else None
             if _distribute(module, param, mesh, self._placement(dim), self.src_data_rank, order) and order:
                 record(module, param, order)
 
@@ -70,13 +74,53 @@ class ColumnSplit(ColwiseParallel):
         return _local(outputs, self.copy_output)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts), self._local_columns,
-        )
+        prepare = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        if not any(self.whole):
+            return distribute_module(module, device_mesh, self._partition, prepare, self._local_columns)
+        distribute_module(module, device_mesh, self._partition, prepare)
+        module.forward = _WithWholeParts(module, device_mesh, self.copy_output)
+        return module
 
     def __repr__(self) -> str:
-        return f"ColumnSplit(parts={self.parts}, input_layouts={self.input_layouts})"
+        whole = f", whole={self.whole}" if any(self.whole) else ""
+        return f"ColumnSplit(parts={self.parts}{whole}, input_layouts={self.input_layouts})"
+
+
+class _WithWholeParts:
+    """The forward of a column projection with parts every rank keeps whole, on this rank's local tensors: the
+    input's gradient is this rank's share (summed over tp, as any column's), and so is the gradient of the
+    whole parts' weights (the rest of the weight is this rank's own)."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, copy_output: bool) -> None:
+        self.module, self.mesh, self.copy_output = module, mesh, copy_output
+
+    def __call__(self, x) -> torch.Tensor:
+        x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else gradient_summed(x, self.mesh)
+        layouts = vars(self.module)[ATTRIBUTE]
+        weight, bias = (self._local(name, layouts) for name in ("weight", "bias"))
+        if is_linear(self.module):
+            out = F.linear(x, weight, bias)
+        else:  # Conv1D, as it computes: weight (in, out), bias added by the same kernel
+            out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[-1])
+        return out.clone() if self.copy_output else out
+
+    def _local(self, name: str, layouts: dict) -> torch.Tensor | None:
+        param = getattr(self.module, name, None)
+        if param is None:
+            return None
+        parts, local = layouts[name], param.to_local()
+        pieces, start = [], 0
+        for whole_start, length in parts.whole_rows():
+            pieces.append(local.narrow(parts.dim, start, whole_start - start))
+            pieces.append(gradient_summed(local.narrow(parts.dim, whole_start, length), self.mesh))
+            start = whole_start + length
+        pieces.append(local.narrow(parts.dim, start, local.shape[parts.dim] - start))
+        return torch.cat(pieces, dim=parts.dim)
+
+
+def gradient_summed(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``tensor`` as it is, whose gradient is summed over ``mesh``: each rank's gradient of it is a share."""
+    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 class RowSplit(RowwiseParallel):

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies.block_trace import (
     STREAM,
     BlockTrace,
@@ -44,6 +46,7 @@ from lightning_3d.policies.block_trace import (
     meta_like,
     trace_block,
 )
+from lightning_3d.policies.experts import ExpertsLayout, experts_layout, is_experts
 
 _MAX_FIXES = 4
 """The most attributes one region's fix may change (the search is over subsets of the candidates)."""
@@ -59,6 +62,8 @@ class Region:
     """Query heads (attention regions), else None."""
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Column -> the sizes of its fused parts, of which each rank keeps one chunk each (one part: a slice)."""
+    whole: dict[str, tuple[bool, ...]] = field(default_factory=dict)
+    """Column -> per part, whether every rank keeps it whole (k and v of fewer kv heads than tp ranks)."""
     owned: dict[str, list[Tensor]] = field(default_factory=dict)
     """Column -> per tp rank, the output features it keeps (global indices, in order)."""
     input_module: str | None = None
@@ -84,8 +89,10 @@ class Region:
 @dataclass
 class BlockSplit:
     regions: list[Region] = field(default_factory=list)
+    experts: dict[str, ExpertsLayout] = field(default_factory=dict)
+    """Experts module (:mod:`~lightning_3d.policies.experts`) -> where its intermediate features are."""
     left: dict[str, str] = field(default_factory=dict)
-    """Projection left whole -> why."""
+    """Projection (or experts module) left whole -> why."""
     problem: str | None = None
     """Why the block could not be traced at all (then every projection is left whole)."""
 
@@ -117,6 +124,13 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             continue
         split.regions.append(region)
         claimed.update([row, *columns])
+    for name, module in block.named_modules():
+        if is_experts(module):
+            layout, why = experts_layout(module, tp)
+            if layout is None:
+                split.left[name] = why
+            else:
+                split.experts[name] = layout
     for name in whole.order:
         if name not in claimed and name not in split.left:
             split.left[name] = ("it reads the residual stream but no row projection of a region reads it"
@@ -160,14 +174,16 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
     for name in columns:
         out = trace.sizes[name][1]
         sets = owned[name]
-        if sum(len(s) for s in sets) != out or set().union(*sets) != set(range(out)):
-            kv = " (fewer key/value heads than tp ranks?)" if heads else ""
+        holders = Counter(f for share in sets for f in share)
+        shared = {f for f, count in holders.items() if count == tp}  # fewer kv heads than ranks: every rank's
+        if set(holders) != set(range(out)) or any(count not in (1, tp) for count in holders.values()):
+            kv = " (fewer key/value heads than tp ranks, but more than one?)" if heads else ""
             return None, f"the ranks' shares of {name}'s {out} outputs overlap or leave some out{kv}"
-        parts = _parts([sorted(s) for s in sets], out, tp)
+        parts = _parts([sorted(share) for share in sets], out, tp, shared if tp > 1 else set())
         if parts is None:
             return None, (f"each rank's share of {name}'s outputs is not its chunk of each of consecutive parts (one"
-                          " slice, or one chunk of each of a fused projection's parts)")
-        region.parts[name] = parts
+                          " slice, or one chunk of each of a fused projection's parts, or a part every rank keeps)")
+        region.parts[name], region.whole[name] = parts
         region.owned[name] = [torch.tensor(sorted(s)) for s in sets]
     return region, ""
 
@@ -181,22 +197,27 @@ def _channels(event) -> set[str]:
     return {name for side in (event.q, event.k, event.v) for head in side for name in head}
 
 
-def _parts(owned: list[list[int]], out: int, tp: int) -> tuple[int, ...] | None:
+def _parts(owned: list[list[int]], out: int, tp: int,
+           shared: set[int]) -> tuple[tuple[int, ...], tuple[bool, ...]] | None:
     """The sizes of the consecutive parts of which rank r keeps chunk r each (one part: one slice per rank;
-    a fused ``q|k|v``: three, unequal with fewer kv heads); None if the shares are not such a cut. The parts
-    are read off rank 0's share (each run of consecutive features is its chunk of one part), then every rank
-    is checked against them."""
+    a fused ``q|k|v``: three, unequal with fewer kv heads), and which of them every rank keeps whole (the
+    ``shared`` features: key/value heads fewer than the ranks); None if the shares are not such a cut. The
+    parts are read off rank 0's share (each run of consecutive features, all shared or none, is its chunk of
+    one part or a whole part), then every rank is checked against them."""
     runs, start = [], 0
-    for i in range(1, len(owned[0]) + 1):
-        if i == len(owned[0]) or owned[0][i] != owned[0][i - 1] + 1:
-            runs.append((owned[0][start], i - start))
+    mine = owned[0]
+    for i in range(1, len(mine) + 1):
+        if i == len(mine) or mine[i] != mine[i - 1] + 1 or (mine[i] in shared) != (mine[i - 1] in shared):
+            runs.append((mine[start], i - start, mine[start] in shared))
             start = i
-    sizes = tuple(length * tp for _, length in runs)
+    sizes = tuple(length if whole else length * tp for _, length, whole in runs)
+    whole = tuple(w for _, _, w in runs)
     starts = [sum(sizes[:j]) for j in range(len(sizes))]
-    if sum(sizes) != out or [s for s, _ in runs] != starts:
+    if sum(sizes) != out or [s for s, _, _ in runs] != starts:
         return None
-    if all(owned[r] == [s + r * n + i for s, (_, n) in zip(starts, runs) for i in range(n)] for r in range(tp)):
-        return sizes
+    held = FusedParts(0, sizes, tp, whole)
+    if all(owned[r] == held.held_by(r) for r in range(tp)):
+        return sizes, whole
     return None
 
 

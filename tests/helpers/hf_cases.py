@@ -119,6 +119,9 @@ AUTO_TP_MODELS = {
     "gpt_neox": dict(_HF_SIZES, model_type="gpt_neox", intermediate_size=64, bos_token_id=0, eos_token_id=0),
     "falcon": dict(_HF_SIZES, model_type="falcon", new_decoder_architecture=True, num_kv_heads=2, bos_token_id=0,
                    eos_token_id=0),
+    # Falcon-7B's multi-query attention: one k and v head, which every tp rank keeps whole in the fused
+    # query_key_value (its gradient summed over tp; counted once by the global norm).
+    "falcon_mqa": dict(_HF_SIZES, model_type="falcon", multi_query=True, bos_token_id=0, eos_token_id=0),
     "olmo": dict(_HF_SIZES, model_type="olmo", intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
                  bos_token_id=0, eos_token_id=0),
     "gemma2": dict(_HF_SIZES, model_type="gemma2", intermediate_size=64, num_key_value_heads=2, head_dim=8),
@@ -132,6 +135,16 @@ AUTO_TP_MODELS = {
     "olmo2": dict(_HF_SIZES, model_type="olmo2", intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
                   bos_token_id=0, eos_token_id=0),
     "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),
+}
+# Mixtures of experts: each expert's intermediate features split over tp (lightning_3d/policies/experts.py);
+# Qwen2-MoE adds a shared expert (an MLP region) and its gate. Not with sequence parallelism (refused: the
+# router would see one rank's positions).
+AUTO_TP_MOE_MODELS = {
+    "mixtral": dict(_HF_SIZES, model_type="mixtral", intermediate_size=64, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
+    "qwen2_moe": dict(_HF_SIZES, model_type="qwen2_moe", intermediate_size=64, num_key_value_heads=2,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
 }
 
 # Forwards that pipeline as written only when the stages follow the forward: OPT calls its final norm, registered
@@ -176,7 +189,7 @@ def auto_tp_case(model, dp, pp, tp, **strategy):
     if model == "nanogpt":
         return as_written_case(f"auto_{tag}", "user_published_gpt", dp, pp, tp, **strategy)
     return Case(name=f"auto_{tag}", module="hf", strategy_kwargs=kwargs, dp=dp, steps=AUTO_TP_STEPS.get(model, 4),
-                model=AUTO_TP_MODELS[model])
+                model={**AUTO_TP_MODELS, **AUTO_TP_MOE_MODELS}[model])
 
 
 AUTO_TP_CASES = {c.name: c for c in [
@@ -185,7 +198,12 @@ AUTO_TP_CASES = {c.name: c for c in [
     for layout, extra in [((1, 1, 2), {}), ((1, 1, 2), dict(sequence_parallel=True)), ((1, 2, 2), {})]
 ] + [
     # ZeRO-3 over dp on fused projections (phi3's weights, nanoGPT's q|k|v bias too): dp cuts the tp-local piece.
-    auto_tp_case(model, 2, 1, 2, zero_stage=3) for model in ("phi3", "phi3_gqa", "nanogpt")
+    auto_tp_case(model, 2, 1, 2, zero_stage=3) for model in ("phi3", "phi3_gqa", "nanogpt", "mixtral")
+] + [
+    auto_tp_case(model, *layout) for model in AUTO_TP_MOE_MODELS for layout in [(1, 1, 2), (1, 2, 2)]
+] + [
+    # The global norm clips (0.05 is below every step's norm): whole parts counted once, under ZeRO's dp cut.
+    dataclasses.replace(auto_tp_case("falcon_mqa", 2, 1, 2, zero_stage=3), gradient_clip_val=0.05),
 ]}
 
 AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith(("_1_1_2", "_zero3"))]

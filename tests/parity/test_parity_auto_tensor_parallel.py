@@ -1,5 +1,7 @@
 """Tensor parallelism that policy="auto" finds by tracing a block (issue 29), for models this repository did not
-write: Phi-3 (fused qkv_proj and gate_up_proj; with fewer kv heads, parts of unequal sizes), BERT (attention and MLP over sibling modules), GPT-NeoX and
+write: Phi-3 (fused qkv_proj and gate_up_proj; with fewer kv heads, parts of unequal sizes), BERT (attention
+and MLP over sibling modules), Mixtral and Qwen2-MoE (experts split by their intermediate features; no sequence
+parallelism), GPT-NeoX and
 Falcon (fused head-major query_key_value), OLMo, Gemma 2, Qwen2, GPT-2 (Conv1D) from transformers configs,
 and nanoGPT as published (fused c_attn, sizes read from its input). Each matches one process step by step at
 (dp, pp, tp) = (1, 1, 2), with sequence parallelism, and at (1, 2, 2); at least 90% of each rank's block
@@ -72,13 +74,14 @@ def test_a_checkpoint_of_fused_projections_under_zero_holds_what_one_process_tra
     reference = reference_for(AUTO_TP_CASES[name]).params
     consolidate(AUTO_TP_CHECKPOINTS[name], tmp_path / "model.pt")
     saved = torch.load(tmp_path / "model.pt")
-    assert {k for k in saved if "attn" in k and "bias" in k or "qkv" in k}  # fused ones are there
+    assert {k for k in saved if "attn" in k and "bias" in k or "qkv" in k or "query_key_value" in k or "experts" in k}  # fused ones are there
     for key, tensor in saved.items():
         assert (tensor - reference[key]).abs().max() <= 1e-5, key
 
 
 RELOADED = [("auto_nanogpt_1_1_2", 1), ("auto_nanogpt_1_1_2", 4), ("auto_phi3_1_1_2", 1), ("auto_phi3_1_1_2", 4),
-            ("auto_phi3_gqa_1_1_2", 1)]  # (Phi-3 with 2 kv heads does not split over 4 ranks.)
+            ("auto_phi3_gqa_1_1_2", 1), ("auto_falcon_mqa_1_1_2", 4)]
+# (Phi-3 with 2 kv heads does not split over 4 ranks; Falcon with one kv head keeps it whole on all 4.)
 
 
 @pytest.fixture(scope="module")

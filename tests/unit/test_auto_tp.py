@@ -104,6 +104,10 @@ def test_rank_order_maps_back_to_the_single_device_order():
     parts = FusedParts(0, (4, 2, 2), 2)
     assert parts.single_device_index().tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
     assert parts.stored(torch.arange(8.0)).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    # A whole part (one kv head of 2 features for 2 ranks): stored once per rank, the same single-device shape.
+    mqa = FusedParts(0, (4, 2), 2, whole=(False, True))
+    assert mqa.single_device_index().tolist() == [0, 1, 4, 5, 2, 3, 4, 5]
+    assert mqa.whole_rows() == [(2, 2)] and mqa.single_device_shape((8, 3)) == (6, 3)
 
 
 def test_nanogpt_as_published_gets_its_hidden_features_sliced_and_gathered():
@@ -141,27 +145,64 @@ def test_fewer_kv_heads_than_tp_ranks_is_refused_naming_it():
 
 
 def test_a_block_auto_cannot_split_is_refused_with_what_and_how_unless_allowed():
-    # Falcon-7B's multi-query attention: one kv head in the fused query_key_value, which 2 ranks both need.
-    root = hf("falcon", new_decoder_architecture=False, multi_query=True)
+    # Gemma 2's 2 kv heads over 4 ranks: each kv head is needed by 2 ranks of 4, neither one rank nor all.
+    root = hf("gemma2")
     with pytest.raises(PolicyError) as caught:
-        plan(root)
+        plan(root, tp=4)
     message = str(caught.value)
-    for fragment in ["would leave 24% of the block parameters of FalconForCausalLM whole on every tp rank",
-                     "self_attention.query_key_value, self_attention.dense: the ranks' shares of"
-                     " self_attention.query_key_value's 48 outputs overlap", "model.transformer.h.*.",
+    for fragment in ["of the block parameters of Gemma2ForCausalLM whole on every tp rank",
+                     "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.o_proj: the ranks' shares of"
+                     " self_attn.k_proj's 16 outputs overlap", "model.model.layers.*.",
                      "ColumnSplit(parts=", "allow_replicated=True"]:
         assert fragment in message, (fragment, message)
-    allowed = plan(root, allow_replicated=True)
-    assert "model.transformer.h.0.self_attention.query_key_value" not in allowed.tp_plan
-    assert isinstance(allowed.tp_plan["model.transformer.h.0.mlp.dense_h_to_4h"], ColumnSplit)
+    allowed = plan(root, tp=4, allow_replicated=True)
+    assert "model.model.layers.0.self_attn.k_proj" not in allowed.tp_plan
+    assert isinstance(allowed.tp_plan["model.model.layers.0.mlp.up_proj"], ColumnSplit)
+
+
+def test_multi_query_attention_keeps_its_one_kv_head_whole_on_every_rank():
+    # Falcon-7B: one kv head in the fused query_key_value [q (32) | k (8) | v (8)], which both ranks need.
+    root = hf("falcon", new_decoder_architecture=False, multi_query=True)
+    found = plan(root)
+    qkv = found.tp_plan["model.transformer.h.0.self_attention.query_key_value"]
+    assert (qkv.parts, qkv.whole) == ((32, 16), (False, True))
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.9
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe"])
-def test_mixture_of_experts_blocks_are_refused_at_tp_naming_the_experts(model_type):
+def test_mixture_of_experts_blocks_split_each_expert_by_its_intermediate_features(model_type):
+    from lightning_3d.policies.experts import ExpertsSplit
+
     sizes = dict(SIZES, intermediate_size=64, num_key_value_heads=2, num_experts=4, num_local_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
-    with pytest.raises(PolicyError, match=r"mixture-of-experts(.|\n)*experts\.gate_up_proj \(4, (.|\n)*tensor_parallel_size=1"):
-        plan(hf(model_type, **sizes))
+    root = hf(model_type, **sizes)
+    found = plan(root)
+    assert isinstance(found.tp_plan["model.model.layers.0.mlp.experts"], ExpertsSplit)
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.95  # all but norms and the router
+
+
+def test_experts_written_as_a_module_list_are_refused_at_tp_naming_them():
+    # A user's mixture of experts for one device: a router and an nn.ModuleList of MLPs, routed at run time.
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(32, 4, bias=False)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4))
+
+        def forward(self, x):
+            weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                rows = (chosen == e).any(-1).nonzero(as_tuple=True)
+                out[rows] += expert(x[rows]) * weights[rows].sum(-1, keepdim=True)
+            return x + out
+
+    root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(MoE() for _ in range(2))})})
+    with pytest.raises(PolicyError, match=r"mixture-of-experts(.|\n)*experts \(4 x Sequential\)(.|\n)*not a transformers"
+                                          r" experts module(.|\n)*tensor_parallel_size=1"):
+        plan(root)
 
 
 def test_a_model_without_repeated_blocks_is_refused_at_tp_not_left_whole():

@@ -83,7 +83,7 @@ def gather_full_state(module: torch.nn.Module, spread: dict[str, float] | None =
     difference between two ranks' copies: copies that drift apart are a wrong result, whatever rank 0 holds."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_3d.checkpoint.boxes import is_strided, local_boxes
+    from lightning_3d.checkpoint.boxes import is_strided, local_boxes, single_device_size
     from lightning_3d.fused_parts import fused_layouts
 
     local = {}
@@ -96,7 +96,7 @@ def gather_full_state(module: torch.nn.Module, spread: dict[str, float] | None =
         parts = layouts.get(name)
         if is_strided(tensor, parts):  # its boxes, placed on rank 0 (full_tensor misreads a dp cut over a strided tp split)
             piece = tensor.to_local().detach().cpu()
-            local[name] = (tuple(tensor.shape), tensor.dtype,
+            local[name] = (tuple(single_device_size(tensor, parts)), tensor.dtype,
                            [(offsets, sizes, piece[region].clone()) for offsets, sizes, region in local_boxes(tensor, parts)])
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
