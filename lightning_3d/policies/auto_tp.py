@@ -42,6 +42,7 @@ from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_inputs import block_inputs, required_positionals
 from lightning_3d.policies.block_trace import is_projection, meta_copy, projection_sizes
 from lightning_3d.policies.experts import ExpertsSplit
+from lightning_3d.policies.head_weights import HeadWeights
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
@@ -80,6 +81,10 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
             tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
+            for holder, names in region.head_weights.items():
+                fqn = join_fqn(block, holder)
+                tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn))
+                covered[block] += [f"{fqn}.{name}" for name in names]
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner)]
         for name, layout in split.experts.items():
             tp_plan[join_fqn(block, name)] = ExpertsSplit(layout)
@@ -150,7 +155,7 @@ def _split_one(callers: list[tuple[str, nn.Module]], block: str, module: nn.Modu
 
 
 def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> tuple[list[str], list[str]]:
-    """The norms of ``block`` outside its tp regions (``regions``: the modules they cover), which run on
+    """The norms of ``block`` outside its tp regions (``regions``: the modules and head weights they cover), which run on
     sequence shards, and its dropout layers there, which then draw on each tp rank's own stream. Other weights
     between the regions are refused: on a sequence shard they would get the gradient of this rank's
     positions only (and might mix positions)."""
@@ -163,7 +168,8 @@ def sequence_parallel_parts(root: nn.Module, block: str, regions: list[str]) -> 
             norms.append(fqn)
         elif isinstance(module, nn.Dropout) and module.p > 0:
             dropouts.append(fqn)
-        elif any(True for _ in module.parameters(recurse=False)) and not any(fqn.startswith(n + ".") for n in norms):
+        elif (any(f"{fqn}.{n}" not in regions for n, _ in module.named_parameters(recurse=False))
+              and not any(fqn.startswith(n + ".") for n in norms)):  # (a region's head weights are in regions)
             unknown.append(f"{fqn} ({type(module).__name__})")
     if unknown:
         raise PolicyError(
@@ -183,7 +189,14 @@ def _is_norm(module: nn.Module) -> bool:
 # -- what was split, said once; what was not, refused -------------------------------------------------------
 def sharded_share(root: nn.Module, blocks: list[str], tp_plan: dict[str, ParallelStyle]) -> tuple[int, int]:
     """(parameter elements of ``blocks`` the plan shards over tp, all of their parameter elements)."""
-    sharded = total = 0
+    sharded, _, total = _shares(root, blocks, tp_plan)
+    return sharded, total
+
+
+def _shares(root: nn.Module, blocks: list[str], tp_plan: dict[str, ParallelStyle]) -> tuple[int, int, int]:
+    """(elements sharded over tp, elements of parts every rank keeps whole by design, all elements) of the
+    parameters of ``blocks``."""
+    sharded = by_design = total = 0
     for block in blocks:
         for fqn, module in root.get_submodule(block).named_modules():
             style = tp_plan.get(join_fqn(block, fqn))
@@ -192,16 +205,19 @@ def sharded_share(root: nn.Module, blocks: list[str], tp_plan: dict[str, Paralle
                 if isinstance(style, ColumnSplit) and any(style.whole):  # its whole parts are on every rank
                     split = sum(size for size, whole in zip(style.parts, style.whole) if not whole)
                     sharded += param.numel() * split // sum(style.parts)
+                    by_design += param.numel() - param.numel() * split // sum(style.parts)
                 elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
-                        or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")):
+                        or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")
+                        or (isinstance(style, HeadWeights) and name in style.names)):
                     sharded += param.numel()
-    return sharded, total
+    return sharded, by_design, total
 
 
 def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: PlanOptions, vocabulary: str) -> None:
     blocks = list(splits)
-    sharded, total = sharded_share(root, blocks, tp_plan)
-    whole = 1 - sharded / total if total else 0.0
+    # k and v of fewer kv heads than ranks, kept whole on every rank, are the split's design, not a gap in it.
+    sharded, by_design, total = _shares(root, blocks, tp_plan)
+    whole = 1 - (sharded + by_design) / total if total else 0.0
     first = splits[blocks[0]] if blocks else BlockSplit()
     if whole > MAX_REPLICATED and not options.allow_replicated:
         raise PolicyError(_refusal(root, blocks, first, whole, options.tp))
@@ -210,6 +226,8 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                         + "".join(f", {c} fused {'|'.join(map(str, k))}" for c, k in r.parts.items() if len(k) > 1)
                         for r in first.regions)
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
+    if by_design:
+        left += f"; key/value heads fewer than the ranks, kept whole on every rank: {by_design / total:.1%}"
     rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
                    f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")
 

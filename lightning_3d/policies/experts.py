@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_3d.policies.head_weights import shadowed
 from lightning_3d.policies.projections import gradient_summed
 
 FLAGS = ("has_gate", "is_transposed", "is_concatenated", "has_bias")
@@ -127,10 +128,9 @@ class _SplitForward:
             placements=[Replicate()]).to_local()
 
 
-@contextlib.contextmanager
 def _local_weights(module: nn.Module, mesh: DeviceMesh):
-    """``module``'s split weights seen as this rank's local tensors while its forward runs (an instance
-    attribute shadows the registered parameter); the replicated down bias as its once-added share."""
+    """``module``'s split weights seen as this rank's local tensors while its forward runs; the replicated down
+    bias as its once-added share."""
     local = {}
     for name, param in module.named_parameters(recurse=False):
         if not isinstance(param, DTensor):
@@ -139,12 +139,7 @@ def _local_weights(module: nn.Module, mesh: DeviceMesh):
             local[name] = gradient_summed(param.to_local(), mesh) * (1.0 if mesh.get_local_rank() == 0 else 0.0)
         else:
             local[name] = param.to_local()
-    module.__dict__.update(local)
-    try:
-        yield
-    finally:
-        for name in local:
-            del module.__dict__[name]
+    return shadowed(module, local)
 
 
 @contextlib.contextmanager

@@ -75,6 +75,9 @@ class Region:
     narrow_input: bool = False
     """The input module takes this rank's slice of the hidden features and the columns gather them back: for
     code that reads sizes from its input's width (nanoGPT's ``B, T, C = x.size()``, then ``view(B, T, C)``)."""
+    head_weights: dict[str, list[str]] = field(default_factory=dict)
+    """Module holding the region -> its own weights of one value per head (attention sinks), split with the
+    heads (:mod:`~lightning_3d.policies.head_weights`)."""
     fixes: dict[str, dict[str, int]] = field(default_factory=dict)
     """Module -> attribute -> its value on each tp rank (``config.<name>``: a value of the module's config);
     :func:`attribute_values` turns them into what to set."""
@@ -118,6 +121,7 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             continue
         region.input_module = _input_module(whole, columns)
         region.changed_in_place = whole.changed_in_place & {row, *columns}
+        region.head_weights = _head_weights(block, region)
         why = _find_fixes(block, args, kwargs, whole, region, tp) or _find_inner(block, args, kwargs, whole, region, tp)
         if why:
             _leave(split, [*columns, row], why)
@@ -162,6 +166,12 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
             for side in (event.q[h], event.k[h], event.v[h]):
                 for name, feats in side.items():
                     owned[name][rank] |= feats
+        # What else reaches the row with the heads' outputs is this rank's too: a gate on each head's output
+        # (gated attention: its own projection, or fused with q), read off the row's input positions.
+        for name, slots in trace.row_inputs.get(row, {}).items():
+            for rank in range(tp if name in owned else 0):
+                part = slice(rank * width // tp, (rank + 1) * width // tp)
+                owned[name][rank] |= set(_features(s[part] for s in slots))
     else:
         inputs = trace.row_inputs.get(row, {})
         if set(inputs) != set(columns):
@@ -361,6 +371,10 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     for name, index in features.items():
         _keep_outputs(local.get_submodule(name), len(index))
     _keep_inputs(local.get_submodule(region.row), whole.sizes[region.row][0] // tp)
+    for holder, names in region.head_weights.items():
+        module = local.get_submodule(holder)
+        for name in names:
+            module.register_parameter(name, nn.Parameter(meta_like(getattr(module, name), (region.heads // tp,))))
     for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)
@@ -397,6 +411,19 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             if getattr(got_event, side) != getattr(event, side)[heads]:
                 return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
     return ""
+
+
+def _head_weights(block: nn.Module, region: Region) -> dict[str, list[str]]:
+    """The one-dimensional weights, of one value per head, of the modules holding an attention region."""
+    if not region.heads:
+        return {}
+    found = {}
+    for holder in sorted({prefix for name in [region.row, *region.columns] for prefix in _prefixes(name)}):
+        names = [n for n, p in block.get_submodule(holder).named_parameters(recurse=False)
+                 if p.dim() == 1 and p.shape[0] == region.heads]
+        if names:
+            found[holder] = names
+    return found
 
 
 def _pass_through(x, *args, **kwargs):

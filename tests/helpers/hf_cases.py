@@ -137,7 +137,7 @@ AUTO_TP_MODELS = {
     "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),
 }
 # Mixtures of experts: each expert's intermediate features split over tp (lightning_3d/policies/experts.py);
-# Qwen2-MoE adds a shared expert (an MLP region) and its gate. Not with sequence parallelism (refused: the
+# Qwen2-MoE adds a shared expert (an MLP region) and its gate; gpt-oss, below. Not with sequence parallelism (refused: the
 # router would see one rank's positions).
 AUTO_TP_MOE_MODELS = {
     "mixtral": dict(_HF_SIZES, model_type="mixtral", intermediate_size=64, num_key_value_heads=2,
@@ -145,6 +145,10 @@ AUTO_TP_MOE_MODELS = {
     "qwen2_moe": dict(_HF_SIZES, model_type="qwen2_moe", intermediate_size=64, num_key_value_heads=2,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=32),
+    # Experts stored transposed, gate and up interleaved, with biases; attention sinks (one weight per head).
+    "gpt_oss": dict(_HF_SIZES, model_type="gpt_oss", intermediate_size=32, num_key_value_heads=2, head_dim=8,
+                    num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2,
+                    sliding_window=8),
 }
 
 # Forwards that pipeline as written only when the stages follow the forward: OPT calls its final norm, registered

@@ -227,3 +227,19 @@ def test_three_dimensional_weights_that_are_not_experts_are_not_taken_for_expert
     block = Block()
     del block.gate_up, block.down
     assert expert_banks(block) == []
+
+
+def test_attention_sinks_split_with_their_heads():
+    # gpt-oss: one learned logit per head (self_attn.sinks, 4 values), beside experts stored transposed,
+    # gate and up interleaved, with biases.
+    from lightning_3d.policies.experts import ExpertsSplit
+    from lightning_3d.policies.head_weights import HeadWeights
+
+    root = hf("gpt_oss", intermediate_size=32, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+              num_experts_per_tok=2)
+    found = plan(root)
+    attention = found.tp_plan["model.model.layers.0.self_attn"]
+    assert isinstance(attention, HeadWeights) and attention.names == ["sinks"]
+    assert isinstance(found.tp_plan["model.model.layers.0.mlp.experts"], ExpertsSplit)
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.95
