@@ -222,14 +222,21 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
     if whole > MAX_REPLICATED and not options.allow_replicated:
         raise PolicyError(_refusal(root, blocks, first, whole, options.tp))
     model = _model_name(root, blocks)
-    regions = "; ".join(f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
-                        + "".join(f", {c} fused {'|'.join(map(str, k))}" for c, k in r.parts.items() if len(k) > 1)
-                        for r in first.regions)
+    regions = "; ".join([f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
+                         + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
+                                   for c, k in r.parts.items() if len(k) > 1)
+                         + "".join(f", {m or '<block>'}.{n} per head" for m, ns in r.head_weights.items() for n in ns)
+                         for r in first.regions]
+                        + [f"{e} (each expert's intermediate features)" for e in first.experts])
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
     if by_design:
         left += f"; key/value heads fewer than the ranks, kept whole on every rank: {by_design / total:.1%}"
     rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
                    f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")
+
+
+def _parts_said(sizes: tuple[int, ...], whole: tuple[bool, ...]) -> str:
+    return "|".join(f"{size}{' (whole on every rank)' if whole and whole[i] else ''}" for i, size in enumerate(sizes))
 
 
 def expert_banks(block: nn.Module) -> list[str]:

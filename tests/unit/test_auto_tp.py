@@ -243,3 +243,13 @@ def test_attention_sinks_split_with_their_heads():
     assert isinstance(found.tp_plan["model.model.layers.0.mlp.experts"], ExpertsSplit)
     sharded, total = sharded_share(root, found.blocks, found.tp_plan)
     assert sharded / total > 0.95
+
+
+def test_a_gate_on_each_heads_output_goes_with_its_head():
+    # Laguna: g_proj (one gate per query feature, read off the row projection's input) beside q, k and v.
+    root = hf("laguna", intermediate_size=64, num_key_value_heads=2, head_dim=8, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=16)
+    found = plan(root)
+    attention = [k for k, style in found.tp_plan.items() if k.startswith("model.model.layers.0.self_attn.")
+                 and isinstance(style, ColumnSplit)]
+    assert "model.model.layers.0.self_attn.g_proj" in attention, attention

@@ -78,6 +78,10 @@ OVERRIDES: dict[str, dict] = {
     "bert-generation": dict(is_decoder=True),  # causal attention, as transformers asks for its use as a decoder
     "dots3_note_text": dict(head_dim=2 * (HEAD_DIM // 2)),  # its sliding-window heads: rotary + plain part
     "dots1": dict(n_shared_experts=1),  # its default None fails the build; DeepSeek-style, one shared expert
+    # Its sigmoid router's scores sit near 0.5 at the default init: at step 3 of the census data two experts'
+    # scores were 6e-8 apart, which a tp sum's order decides (measured in one process); at 0.1 the closest
+    # pair in 3 steps is 3e-5 apart.
+    "exaone_moe": dict(initializer_range=0.1),
     "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),  # alternating layers, 2 pairs = 4 blocks
     "mamba2": dict(num_heads=8),  # heads x head size = expansion (2) x width; `num_heads` is not attention's
     # layer ids within 4 blocks; its key/value rounding works on heads of a multiple of 16
