@@ -42,6 +42,7 @@ from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_inputs import block_inputs, required_positionals
 from lightning_3d.policies.block_trace import is_projection, meta_copy, projection_sizes
 from lightning_3d.policies.experts import ExpertsSplit
+from lightning_3d.policies.head_inputs import HeadInputs
 from lightning_3d.policies.head_weights import HeadWeights
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
@@ -102,6 +103,10 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
         tp_plan[first] = HiddenStates(input=(Replicate(), Shard(1)))
         tp_plan[last] = HiddenStates(input=(Replicate(), Shard(1)) if first == last else None,
                                      output=(Shard(1), Replicate()))
+    for block, split in splits.items():  # after the blocks' own styles: they run first
+        for region in split.regions:
+            if region.head_inputs:
+                tp_plan[block] = HeadInputs(region.head_inputs, region.heads, inner=tp_plan.get(block))
     return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng,
                 tied_parameters=tied_parameters(root))
 
@@ -226,6 +231,7 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
                                    for c, k in r.parts.items() if len(k) > 1)
                          + "".join(f", {m or '<block>'}.{n} per head" for m, ns in r.head_weights.items() for n in ns)
+                         + "".join(f", the block's {k[1]} cut to each rank's heads" for k in r.head_inputs)
                          for r in first.regions]
                         + [f"{e} (each expert's intermediate features)" for e in first.experts])
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""

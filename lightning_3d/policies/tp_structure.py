@@ -46,6 +46,7 @@ from lightning_3d.policies.block_trace import (
     meta_like,
     trace_block,
 )
+from lightning_3d.policies import head_inputs
 from lightning_3d.policies.experts import ExpertsLayout, experts_layout, is_experts
 
 _MAX_FIXES = 4
@@ -75,6 +76,9 @@ class Region:
     narrow_input: bool = False
     """The input module takes this rank's slice of the hidden features and the columns gather them back: for
     code that reads sizes from its input's width (nanoGPT's ``B, T, C = x.size()``, then ``view(B, T, C)``)."""
+    head_inputs: list = field(default_factory=list)
+    """The block's inputs of one slice per head (ALiBi), which each rank gets cut to its heads
+    (:mod:`~lightning_3d.policies.head_inputs`)."""
     head_weights: dict[str, list[str]] = field(default_factory=dict)
     """Module holding the region -> its own weights of one value per head (attention sinks), split with the
     heads (:mod:`~lightning_3d.policies.head_weights`)."""
@@ -254,23 +258,27 @@ def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     traces as the whole one does on that rank; the reason when none does."""
     candidates = _candidates(block, whole, region, tp)
     failures = []
-    # A narrowed input costs an all-gather per region: tried only when no set of attributes does without.
+    # Inputs of one slice per head are cut only when no set of attributes does without them; a narrowed
+    # input costs an all-gather per region: tried only when neither does.
+    per_head = head_inputs.candidates(args, kwargs, region.heads) if region.heads else []
     for narrow in (False, True) if region.input_module is not None else (False,):
         region.narrow_input = narrow
-        for size in range(min(len(candidates), _MAX_FIXES) + 1):
-            for chosen in itertools.combinations(candidates, size):
-                fixes = _as_fixes(chosen, tp)
-                why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
-                if why:
-                    failures.append(why)
-                    continue
-                for rank in range(1, tp):
-                    why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+        for cut in [[]] + [[key] for key in per_head]:
+            region.head_inputs = cut
+            for size in range(min(len(candidates), _MAX_FIXES) + 1):
+                for chosen in itertools.combinations(candidates, size):
+                    fixes = _as_fixes(chosen, tp)
+                    why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
                     if why:
-                        return f"rank {rank} of tp would compute otherwise: {why}"
-                region.fixes = fixes
-                return ""
-    region.narrow_input = False
+                        failures.append(why)
+                        continue
+                    for rank in range(1, tp):
+                        why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+                        if why:
+                            return f"rank {rank} of tp would compute otherwise: {why}"
+                    region.fixes = fixes
+                    return ""
+    region.narrow_input, region.head_inputs = False, []
     ints = {f"{m or '<block>'}.{a}": v for m, a, v in candidates}
     tried = f"; with {', '.join(ints)} divided: {failures[-1]}" if len(failures) > 1 else ""
     return (f"split over tp it does not compute what one process does (as it is: {failures[0]}{tried}); the"
@@ -382,6 +390,8 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         local.get_submodule(region.input_module).register_forward_pre_hook(_resize_input(1 / tp), with_kwargs=True)
         for column in region.columns:
             local.get_submodule(column).register_forward_pre_hook(_resize_input(tp), with_kwargs=True)
+    if region.head_inputs:
+        args, kwargs = head_inputs.cut(args, kwargs, region.head_inputs, region.heads, rank, tp)
     return trace_block(local, args, kwargs, features)
 
 

@@ -135,6 +135,8 @@ AUTO_TP_MODELS = {
     "olmo2": dict(_HF_SIZES, model_type="olmo2", intermediate_size=64, num_key_value_heads=2, pad_token_id=0,
                   bos_token_id=0, eos_token_id=0),
     "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),
+    # ALiBi: the per-head bias BLOOM computes once and hands every block, cut to each rank's heads.
+    "bloom": dict(_HF_SIZES, model_type="bloom", hidden_dropout=0.0, attention_dropout=0.0),
 }
 # Mixtures of experts: each expert's intermediate features split over tp (lightning_3d/policies/experts.py);
 # Qwen2-MoE adds a shared expert (an MLP region) and its gate; gpt-oss, below. Not with sequence parallelism (refused: the

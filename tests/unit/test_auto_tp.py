@@ -253,3 +253,15 @@ def test_a_gate_on_each_heads_output_goes_with_its_head():
     attention = [k for k, style in found.tp_plan.items() if k.startswith("model.model.layers.0.self_attn.")
                  and isinstance(style, ColumnSplit)]
     assert "model.model.layers.0.self_attn.g_proj" in attention, attention
+
+
+def test_alibi_handed_to_every_block_is_cut_to_each_ranks_heads():
+    # BLOOM computes its ALiBi bias, (batch x heads, 1, tokens), once and passes it to every block.
+    from lightning_3d.policies.head_inputs import HeadInputs, cut
+
+    found = plan(hf("bloom", n_head=4))
+    style = found.tp_plan["model.transformer.h.0"]
+    assert isinstance(style, HeadInputs) and style.keys == [("kwarg", "alibi")] and style.heads == 4
+    alibi = torch.arange(2 * 4 * 3.0).reshape(2 * 4, 1, 3)  # batch 2: rows (b, h)
+    _, kwargs = cut((), {"alibi": alibi}, style.keys, heads=4, rank=1, tp=2)
+    assert kwargs["alibi"].flatten(1)[:, 0].tolist() == [6.0, 9.0, 18.0, 21.0]  # heads 2, 3 of each sample
