@@ -64,8 +64,12 @@ def is_experts(module: nn.Module) -> bool:
 
 def experts_layout(module: nn.Module, tp: int) -> tuple[ExpertsLayout | None, str]:
     """How ``module`` (:func:`is_experts`) splits over ``tp`` ranks, or None and why it does not."""
-    if getattr(module, "has_post_expert_norm", False):
-        return None, "a norm runs on each expert's output, which tp would see in pieces"
+    if getattr(module, "has_post_expert_norm", False) or any(
+            any(True for _ in child.parameters()) for child in module.children()):
+        return None, "a module with weights (a norm) runs on each expert's output, which tp would see in pieces"
+    if not hasattr(type(module).forward, "__wrapped__"):  # the decorator's dispatch wraps the class's forward
+        return None, (f"{type(module).__name__}.forward does more than the experts implementation it calls, on"
+                      " outputs that tp would see in pieces")
     transposed = bool(module.is_transposed)
     layout = ExpertsLayout(up="gate_up_proj" if module.has_gate else "up_proj", up_dim=2 if transposed else 1,
                            halves=bool(module.has_gate and module.is_concatenated),

@@ -52,3 +52,11 @@ def test_a_block_with_experts_traces_on_meta_and_its_forward_is_put_back():
     trace = trace_block(block, (torch.zeros(1, 4, 32, device="meta"),), {})
     assert trace.problem is None, trace.problem
     assert "forward" not in vars(block.experts)
+
+
+def test_an_experts_class_that_adds_to_the_implementation_is_refused():
+    # Ergo's experts subclass the decorated projections and normalize each route's output in their own forward.
+    experts = _experts("ergo", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8,
+                       num_hidden_layers=2, mlp_layer_types=["dense", "sparse"])
+    layout, why = experts_layout(experts, tp=2)
+    assert layout is None and "norm" in why, why
