@@ -28,10 +28,18 @@ another rank's failure meanwhile), keeps trying at every poll, and says so again
 A watcher ends its process with ``os._exit``: the main thread may be blocked inside a C++ collective that
 no Python exception can interrupt. Keys live under a generation number (one per ``fit``/``validate``/...
 call, counted alike on every rank), so a failure caught by the user does not haunt the next call.
+
+:meth:`FaultWatch.stop` joins the watcher before it returns (and the interpreter's exit stops a watch left
+running). A daemon thread still inside a call into torch's store when the interpreter finalizes is ended
+by CPython with ``pthread_exit``, whose unwinding through pybind11's GIL guard (a ``noexcept`` destructor)
+aborts the process: "terminate called without an active exception", SIGABRT, after all the work was done.
+A watcher that does not end within ``exit_timeout_s`` is reported by name, and its rank exits with
+``EXIT_CODE`` instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -85,9 +93,20 @@ class FaultWatch:
 
     def start(self) -> None:
         self._thread.start()
+        atexit.register(self.stop)  # a run that never reached the strategy's teardown
 
     def stop(self) -> None:
+        """End the watcher and wait for it (at most ``exit_timeout_s``): once this returns, this rank runs no
+        thread of the watch. One that is still running then (stuck in a call to the store) is reported by name,
+        and the rank exits with ``EXIT_CODE`` rather than abort at the interpreter's exit (module docstring)."""
         self._stop.set()
+        atexit.unregister(self.stop)
+        if not self._thread.is_alive() or self._thread is threading.current_thread():
+            return
+        self._thread.join(self.exit_timeout_s)
+        if self._thread.is_alive():
+            self._exit(f"{self.describe(self.rank)} could not stop its fault watch within {self.exit_timeout_s:g} s"
+                       " (exit_timeout): the watch is still in a call to the fault store")
 
     @property
     def phase(self) -> Phase:
@@ -113,7 +132,7 @@ class FaultWatch:
         """Publish this rank's exception unless another rank's came first; if it is the first, record it for
         torchrun and give the other ranks' watchers a moment to see it before this process goes away."""
         self._raised.set()
-        self.stop()
+        self._stop.set()  # joined at the strategy's teardown, which follows
         while exception.__cause__ is not None:  # e.g. the pipeline's RuntimeError around the user's exception
             exception = exception.__cause__
         message = f"{type(exception).__name__}: {exception}"
