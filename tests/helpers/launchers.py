@@ -25,17 +25,90 @@ import torch.distributed as dist
 
 
 def run_to_end(cmd: list[str], *, env: dict, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd)`` with captured text output, in a session of its own: on timeout the whole
-    process group is killed (torchrun's ranks too, which killing torchrun alone would leave running)."""
+    """``subprocess.run(cmd)`` with captured text output, in a session of its own: when it hangs
+    (:class:`Progress`) the whole process group is killed (torchrun's ranks too, which killing torchrun alone
+    would leave running)."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
+    progress = Progress(proc.pid, timeout)
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=progress.next_check())
+            break
+        except subprocess.TimeoutExpired:
+            hung = progress.hung()
+            if hung:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                raise LaunchHung(cmd, timeout, hung, stdout, stderr) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+class Progress:
+    """Whether a launch (every process of process group ``pgid``) is hung, rather than slow on a loaded host.
+
+    A launch past its ``timeout`` goes on while its processes use CPU time: on 2 cores at load 15 a launch
+    takes several times what it takes on idle ones, and a limit is for a hang, not for a slow machine. It is
+    hung once past ``timeout`` when in the last ``STALL_S`` seconds they used less than ``MIN_CPU_SHARE`` of
+    one core together (ranks waiting for each other, or for a rank that sleeps, use none; a launch slowed by a
+    loaded host uses far more), and at ``HARD_CAP`` x ``timeout`` whatever they do (a rank spinning forever).
+    pytest's own limit (``timeout`` in pyproject.toml, per test) still applies."""
+
+    STALL_S = 60.0
+    MIN_CPU_SHARE = 0.01
+    HARD_CAP = 4
+
+    def __init__(self, pgid: int, timeout: float) -> None:
+        self.pgid, self.timeout = pgid, timeout
+        self.started = time.monotonic()
+        self.samples = [(self.started, group_cpu_s(pgid))]  # (when, the group's CPU seconds), the last STALL_S
+
+    def next_check(self) -> float:
+        """Seconds until the next look: a sixth of ``STALL_S``, and one at ``timeout``."""
+        until_timeout = self.started + self.timeout - time.monotonic()
+        return max(0.05, min(self.STALL_S / 6, until_timeout) if until_timeout > 0 else self.STALL_S / 6)
+
+    def hung(self) -> str | None:
+        """Why the launch counts as hung now, or None (slow but moving, or not past its ``timeout`` yet)."""
+        now = time.monotonic()
+        self.samples = [(t, cpu) for t, cpu in self.samples if now - t <= self.STALL_S] + [(now, group_cpu_s(self.pgid))]
+        ran = now - self.started
+        if ran < self.timeout:
+            return None
+        if ran >= self.HARD_CAP * self.timeout:
+            return f"still running after {ran:.0f} s ({self.HARD_CAP} x its timeout of {self.timeout:g} s)"
+        (first, cpu_then), (_, cpu_now) = self.samples[0], self.samples[-1]
+        if now - first >= self.STALL_S * 0.8 and cpu_now - cpu_then < self.MIN_CPU_SHARE * (now - first):
+            return (f"past its timeout of {self.timeout:g} s, its processes used {cpu_now - cpu_then:.2f} s of CPU"
+                    f" in the last {now - first:.0f} s: hung")
+        return None
+
+
+class LaunchHung(subprocess.TimeoutExpired):
+    """A launch killed as hung (:class:`Progress`); ``why`` says how it was told from a slow one."""
+
+    def __init__(self, cmd, timeout: float, why: str, output, stderr) -> None:
+        super().__init__(cmd, timeout, output=output, stderr=stderr)
+        self.why = why
+
+    def __str__(self) -> str:
+        return f"Command '{self.cmd}' was killed: {self.why}"
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) of the live processes of process group ``pgid``, from /proc."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp, ..., utime (12), stime (13)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def torchrun(nprocs: int, *args: str, timeout: float = 300, cwd: Path | None = None,
@@ -155,17 +228,21 @@ class _ForkServer:
         request = dict(nprocs=nprocs, target=args, cwd=str(cwd or os.getcwd()), env=env, stdout=str(out),
                        stderr=str(err))
         cmd = [*FORKRUN, f"--nproc-per-node={nprocs}", *args]
-        deadline = time.monotonic() + timeout
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        self._launch_pgid = self._reply(deadline)["pgid"]
-        try:
-            code = self._reply(deadline)["exit"]
-        except subprocess.TimeoutExpired:
-            os.killpg(self._launch_pgid, signal.SIGKILL)
-            self._reply(time.monotonic() + 60)  # the server reaps the launch and says so
-            self._launch_pgid = None
-            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(), stderr=err.read_text()) from None
+        self._launch_pgid = self._reply(time.monotonic() + timeout)["pgid"]
+        progress = Progress(self._launch_pgid, timeout)
+        while True:
+            try:
+                code = self._reply(time.monotonic() + progress.next_check())["exit"]
+                break
+            except subprocess.TimeoutExpired:
+                hung = progress.hung()
+                if hung:
+                    os.killpg(self._launch_pgid, signal.SIGKILL)
+                    self._reply(time.monotonic() + 60)  # the server reaps the launch and says so
+                    self._launch_pgid = None
+                    raise LaunchHung(cmd, timeout, hung, out.read_text(), err.read_text()) from None
         self._launch_pgid = None  # left set only when interrupted (KeyboardInterrupt): close() kills the launch
         return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
 

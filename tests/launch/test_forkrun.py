@@ -4,14 +4,13 @@ launch, named, instead of leaving the others waiting; a launch past its timeout 
 
 import json
 import os
-import subprocess
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.launchers import run_forked
+from helpers.launchers import LaunchHung, Progress, run_forked
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, time
@@ -57,13 +56,14 @@ def test_ranks_see_torchruns_environment_and_the_first_failure_ends_the_launch(t
 
 
 @pytest.mark.multiprocess
-def test_a_launch_past_its_timeout_is_killed_with_every_rank(tmp_path):
+def test_a_launch_hung_past_its_timeout_is_killed_with_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setattr(Progress, "STALL_S", 3.0)  # the sleepers use no CPU: hung once past the timeout
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\n"
                       "open(os.path.join(sys.argv[1], f\"pid{os.environ['RANK']}\"), 'w').write(str(os.getpid()))\n"
                       "time.sleep(600)\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(LaunchHung, match="hung"):
         run_forked(2, [str(script), str(tmp_path)], env=env, timeout=8)  # a fork and a file write take well under 1 s
     _assert_gone([int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)])
 
