@@ -225,7 +225,9 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
     whole = 1 - (sharded + by_design) / total if total else 0.0
     first = splits[blocks[0]] if blocks else BlockSplit()
     if whole > MAX_REPLICATED and not options.allow_replicated:
-        raise PolicyError(_refusal(root, blocks, first, whole, options.tp))
+        # The message shows a block with something left whole (blocks of several kinds: dense and MoE layers).
+        shown = next((b for b in blocks if splits[b].left or splits[b].problem), blocks[0])
+        raise PolicyError(_refusal(root, [shown, *blocks], splits[shown], whole, options.tp))
     model = _model_name(root, blocks)
     regions = "; ".join([f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
@@ -279,7 +281,7 @@ def _model_name(root: nn.Module, blocks: list[str]) -> str:
 
 
 def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int) -> str:
-    block = blocks[0] if blocks else "(no repeated blocks found)"
+    block = blocks[0] if blocks else "(no repeated blocks found)"  # the block shown
     experts = expert_banks(root.get_submodule(blocks[0])) if blocks and not split.experts else []
     if experts:
         why = "; ".join(f"{name}: {reason}" for name, reason in split.left.items() if "expert" in reason) or (
@@ -288,7 +290,7 @@ def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float
             " run time, so a trace on the meta device cannot follow them")
         return (
             f"policy='auto' does not split the mixture-of-experts blocks of {_model_name(root, blocks)} over tp: in"
-            f" {block} (every block alike), {', '.join(experts)} hold the experts' weights, and {why}. Train it at"
+            f" {block} (every block of its kind), {', '.join(experts)} hold the experts' weights, and {why}. Train it at"
             " tensor_parallel_size=1 (pipeline and data parallel apply as to any model), or write a policy that"
             " splits these weights (lightning_3d.policies.experts.ExpertsSplit for stacked ones), or pass"
             " allow_replicated=True to keep the whole block on every tp rank."
@@ -304,7 +306,7 @@ def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float
     return (
         f"policy='auto' would leave {whole:.0%} of the block parameters of {_model_name(root, blocks)} whole on every"
         f" tp rank at tensor_parallel_size={tp} (more than {MAX_REPLICATED:.0%}): each rank would hold and compute"
-        f" them all. In {block} (every block alike), not split:\n{reasons}\n"
+        f" them all. In {block} (every block of its kind), not split:\n{reasons}\n"
         f"Write these lines in a policy of your own (lightning_3d.policies.register_policy; see policies/gpt.py):"
         f" a tp_plan such as {{'{pattern}.<q/k/v or up>': ColumnSplit(parts=<fused parts>),"
         f" '{pattern}.<out or down>': RowSplit()}} (lightning_3d.policies.projections) with attribute_fixes for"
