@@ -35,7 +35,11 @@ def local_boxes(tensor: DTensor, parts: FusedParts | None = None) -> list[Box]:
     """The boxes of the single-device tensor that this rank's local tensor holds (one, unless a strided shard
     or a fused projection stored in rank order, ``parts``, splits a dimension into several runs). No
     communication."""
-    runs = [_runs(_global_indices(tensor, dim, parts)) for dim in range(tensor.ndim)]
+    # A part every rank keeps whole is its own box, so ranks write identical boxes of it (DCP keeps one) rather
+    # than overlapping ones (rank 1's last q rows run on into k: [q_1 | k | v] is one run of single-device rows).
+    cuts = (set(itertools.accumulate(parts.sizes)) if parts is not None and any(parts.whole) else set())
+    runs = [_runs(_global_indices(tensor, dim, parts), cuts if parts is not None and dim == parts.dim else set())
+            for dim in range(tensor.ndim)]
     return [
         (tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo), tuple(slice(l, l + n) for _, l, n in combo))
         for combo in itertools.product(*runs)
@@ -89,12 +93,13 @@ def _chunk(index: Tensor, size: int, rank: int) -> Tensor:
     return pieces[rank] if rank < len(pieces) else index[:0]
 
 
-def _runs(index: Tensor) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive global indices: (global start, local start, length)."""
+def _runs(index: Tensor, cuts: set[int] = frozenset()) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive global indices, none crossing an index of ``cuts``: (global start, local
+    start, length)."""
     values = index.tolist()
     runs, start = [], 0
     for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1] + 1:
+        if i == len(values) or values[i] != values[i - 1] + 1 or values[i] in cuts:
             runs.append((values[start], start, i - start))
             start = i
     return runs
@@ -157,8 +162,16 @@ class BoxesLoadPlanner(DefaultLoadPlanner):
         self.layouts = layouts or {}
 
     def create_local_plan(self):
-        plan = super().create_local_plan()
         self.strided = strided = _strided(self.state_dict, self.layouts)
+        # DCP's own plan sees them as placeholders of their single-device shape (it checks a tensor's size, and a
+        # whole part is stored once per rank); their read items are this planner's.
+        everything = self.state_dict
+        self.state_dict = {k: torch.empty(single_device_size(*strided[k]), device="meta") if k in strided else v
+                           for k, v in everything.items()}
+        try:
+            plan = super().create_local_plan()
+        finally:
+            self.state_dict = everything
         if strided:
             items = [item for item in plan.items if item.dest_index.fqn not in strided]
             for fqn, (tensor, parts) in strided.items():

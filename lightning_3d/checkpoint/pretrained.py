@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.checkpoint import sharded
-from lightning_3d.checkpoint.boxes import local_boxes
+from lightning_3d.checkpoint.boxes import local_boxes, single_device_size
 from lightning_3d.checkpoint.safe_load import torch_load
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
 from lightning_3d.fused_parts import fused_layouts
@@ -81,16 +81,17 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
     layouts = fused_layouts(module)
     p = Path(path)
     if sharded.is_sharded_checkpoint(p):
-        sharded.check_matches(p, {"model": state}, None, strict=False, written_by="init_from")
+        sharded.check_matches(p, {"model": state}, None, strict=False, written_by="init_from", layouts=layouts)
         sharded.load(p, {"model": state}, layouts)
         return
     source = _open(p)
     names = _names(list(state), source.shapes, path, renames or {}, {second: first for first, second in tied})
     for key, tensor in state.items():
         name = names[key]
-        if tuple(tensor.shape) != source.shapes[name]:
+        shape = tuple(single_device_size(tensor, layouts.get(key)) if isinstance(tensor, DTensor) else tensor.shape)
+        if shape != source.shapes[name]:
             raise ValueError(f"init_from={path!r}: {name} has shape {source.shapes[name]} there but {key} has"
-                             f" {tuple(tensor.shape)} in the model.")
+                             f" {shape} in the model.")
         if _kind(source.dtypes[name]) != _kind(tensor.dtype):  # floats convert (bf16 file, fp32 model); kinds do not
             raise ValueError(f"init_from={path!r}: {name} is {source.dtypes[name]} there but {key} is {tensor.dtype}"
                              f" in the model; a {_kind(tensor.dtype)} tensor cannot take {_kind(source.dtypes[name])}"

@@ -28,12 +28,13 @@ import torch.distributed.checkpoint as dcp
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from lightning_3d.checkpoint import atomic
-from lightning_3d.checkpoint.boxes import BoxesLoadPlanner, BoxesSavePlanner
+from lightning_3d.checkpoint.boxes import BoxesLoadPlanner, BoxesSavePlanner, single_device_size
 from lightning_3d.checkpoint.safe_load import CheckedReader, torch_load
 from lightning_3d.errors import CheckpointError
-from lightning_3d.fused_parts import FusedParts
+from lightning_3d.fused_parts import FusedParts, layout_of
 
 FORMAT = "lightning_3d.dcp/1"
 META_FILE = "lightning_3d.meta.pt"
@@ -123,16 +124,19 @@ def stored_shapes(path: Path) -> dict[str, tuple[int, ...] | None]:
 
 
 def check_matches(path: Path, state: dict[str, Any], model_keys_everywhere: set[str] | None, strict: bool,
-                  written_by: str) -> None:
+                  written_by: str, layouts: dict[str, FusedParts] | None = None) -> None:
     """Raise, naming the first offending key, if ``state`` (this rank's template) asks for an entry the
-    checkpoint lacks or has with another shape; with ``strict``, also if the checkpoint has model entries
-    that no rank's model has (``model_keys_everywhere``: the model's keys gathered over all ranks)."""
+    checkpoint lacks or has with another shape (its single-device shape: ``layouts`` as for :func:`save`);
+    with ``strict``, also if the checkpoint has model entries that no rank's model has
+    (``model_keys_everywhere``: the model's keys gathered over all ranks)."""
     stored = stored_shapes(path)
     for key, value in flatten(state).items():
         if key not in stored:
             raise CheckpointError(f"{key} is not in the checkpoint {path} (written by {written_by}). Is it a"
                                   " checkpoint of another model or config?")
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        parts = layout_of(key, layouts or {}) if isinstance(value, DTensor) else None
+        shape = (tuple(single_device_size(value, parts)) if isinstance(value, DTensor)
+                 else tuple(value.shape) if isinstance(value, torch.Tensor) else None)
         if shape != stored[key] and not (shape is None and stored[key] is None):
             raise CheckpointError(f"{key} has shape {stored[key]} in the checkpoint {path} but {shape} in the"
                                   f" model (checkpoint written by {written_by}): a checkpoint of another model"

@@ -128,7 +128,7 @@ class ShardedCheckpoints:
         model_keys = [None] * dist.get_world_size()
         dist.all_gather_object(model_keys, [f"model.{k}" for k in state["model"]])
         sharded.check_matches(path, state, {k for keys in model_keys for k in keys}, module.strict_loading,
-                              written_by=_describe(written["layout"]))
+                              written_by=_describe(written["layout"]), layouts=fused_layouts(module))
         sharded.load(path, state, fused_layouts(module))
         set_model_state_dict(module, state["model"])
         for i, optimizer in enumerate(optimizers if len(state) > 1 else []):
