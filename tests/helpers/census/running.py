@@ -15,6 +15,7 @@ import torch
 from helpers import WORKERS
 from helpers.census.configs import tiny_config
 from helpers.harness import Case, Result
+from helpers.harness.launching import HEAP_ABORTS
 from helpers.launchers import run_forked
 
 LAYOUTS = {"tp2": dict(data_parallel_size=1, pipeline_parallel_size=1, tensor_parallel_size=2),
@@ -66,11 +67,14 @@ def run_layout(model_types: list[str], layout: str, out_dir: Path) -> dict[str, 
         (out_dir / f"launch{attempt}" / "output.txt").write_text(proc.stdout + proc.stderr)
         outcomes.update(_collected(remaining, out_dir / f"launch{attempt}"))
         stuck = next((case.name for case in remaining if case.name not in outcomes), None)
-        if stuck in ended_in:
+        heap = next((line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(HEAP_ABORTS)), None)
+        if stuck is not None and heap:  # never retried: a corrupted heap is a failure to report, not to hide
+            outcomes[stuck] = CaseError(f"glibc aborted a rank on a corrupted heap: {heap}", False, _tail(proc))
+        elif stuck in ended_in:
             outcomes[stuck] = CaseError("launch ended", False, _tail(proc))
         elif stuck is not None:
             # The launch ended inside this case before any rank could record it (a hang, a crash): it gets one
-            # more launch, as the harness' launch gives a glibc heap abort or a failed gloo rendezvous.
+            # more launch, which tells a failed gloo rendezvous from the case's own end.
             ended_in.add(stuck)
     return {name.split("@")[0]: outcomes[name] for name in (case.name for case in cases)}
 
