@@ -103,19 +103,11 @@ def local_pieces(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) -
     parts = _WHOLE_PARTS.get(tensor if of is None else of)
     if parts is None:
         return [(piece, copies)]
-    d = parts.dim
-    starts = list(itertools.accumulate((0, *parts.sizes[:-1])))
+    starts = itertools.accumulate((0, *parts.sizes[:-1]))
     whole = [range(start, start + size) for start, size, is_whole in zip(starts, parts.sizes, parts.whole) if is_whole]
-    pieces = []
-    for offsets, sizes, region in local_boxes(tensor, parts):
-        # A box may run from a split part into a whole one: cut it where the parts meet.
-        first, last = offsets[d], offsets[d] + sizes[d]
-        cuts = sorted({first, last, *(b for b in starts if first < b < last)})
-        for a, b in zip(cuts, cuts[1:]):
-            rows = slice(region[d].start + a - first, region[d].start + b - first)
-            held = copies * dims.tp if any(a in r for r in whole) else copies
-            pieces.append((piece[(*region[:d], rows, *region[d + 1:])], held))
-    return pieces
+    # Each box lies in one part (local_boxes ends a box where a part does when some part is whole).
+    return [(piece[region], copies * dims.tp if any(offsets[parts.dim] in rows for rows in whole) else copies)
+            for offsets, _, region in local_boxes(tensor, parts)]
 
 
 def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, dims: ParallelDims) -> Tensor:

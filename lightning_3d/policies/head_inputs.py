@@ -66,11 +66,10 @@ class HeadInputs(ParallelStyle):
         if self.inner is not None:
             module = self.inner._apply(module, device_mesh)
         rank, tp = device_mesh.get_local_rank(), device_mesh.size()
-        present = [key for key in self.keys if key[0] == "kwarg"]
 
-        def hook(_module, args, kwargs):
-            keys = [key for key in self.keys if (key in present and key[1] in kwargs) or
-                    (key[0] == "arg" and key[1] < len(args))]
+        def hook(_module, args, kwargs):  # the inputs this call passes
+            keys = [(kind, where) for kind, where in self.keys
+                    if (where in kwargs if kind == "kwarg" else where < len(args))]
             return cut(args, kwargs, keys, self.heads, rank, tp)
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
