@@ -45,7 +45,7 @@ from lightning_3d.policies.experts import ExpertsSplit
 from lightning_3d.policies.head_inputs import HeadInputs
 from lightning_3d.policies.head_weights import HeadWeights
 from lightning_3d.policies.hidden_states import HiddenStates
-from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit
+from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit, SummedGradients
 from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
 from lightning_3d.policies.vocab_parallel import vocab_parallel_styles
 
@@ -65,7 +65,16 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
         covered[block] = []
         for region in split.regions:
             column_input = {}
-            if region.narrow_input:  # the module sees this rank's hidden features; its columns gather them
+            if region.feeders:  # all on local tensors, each rank's gradient a share summed where they enter
+                tp_plan[join_fqn(block, region.input_module)] = HiddenStates(input=(between, Replicate()),
+                                                                             partial_gradient=True)
+                column_input = dict(local_input=True)
+                for feeder, divides in region.feeders.items():
+                    tp_plan[join_fqn(block, feeder)] = (ColumnSplit(local_input=True, gather_output=True)
+                                                        if divides else SummedGradients())
+                tp_plan.update({join_fqn(block, m): SummedGradients() for m in region.on_feeders})
+                covered[block] += [join_fqn(block, m) for m in (*region.feeders, *region.on_feeders)]
+            elif region.narrow_input:  # the module sees this rank's hidden features; its columns gather them
                 tp_plan[join_fqn(block, region.input_module)] = HiddenStates(input=(between, Shard(-1)))
                 column_input = dict(input_layouts=Shard(-1))
             elif region.input_module is not None:
@@ -211,6 +220,8 @@ def _shares(root: nn.Module, blocks: list[str], tp_plan: dict[str, ParallelStyle
                     split = sum(size for size, whole in zip(style.parts, style.whole) if not whole)
                     sharded += param.numel() * split // sum(style.parts)
                     by_design += param.numel() - param.numel() * split // sum(style.parts)
+                elif isinstance(style, SummedGradients) and is_projection(module):  # a low-rank feeder
+                    by_design += param.numel()
                 elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
                         or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")
                         or (isinstance(style, HeadWeights) and name in style.names)):
@@ -229,7 +240,7 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
         shown = next((b for b in blocks if splits[b].left or splits[b].problem), blocks[0])
         raise PolicyError(_refusal(root, [shown, *blocks], splits[shown], whole, options.tp))
     model = _model_name(root, blocks)
-    regions = "; ".join([f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
+    regions = "; ".join([_feeders_said(r) + f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
                                    for c, k in r.parts.items() if len(k) > 1)
                          + "".join(f", {m or '<block>'}.{n} per head" for m, ns in r.head_weights.items() for n in ns)
@@ -238,9 +249,14 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                         + [f"{e} (each expert's intermediate features)" for e in first.experts])
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
     if by_design:
-        left += f"; key/value heads fewer than the ranks, kept whole on every rank: {by_design / total:.1%}"
+        left += f"; kept whole on every rank by design (key/value heads fewer than the ranks, low-rank projections): {by_design / total:.1%}"
     rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
                    f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")
+
+
+def _feeders_said(region) -> str:
+    said = [f"{f} ({'split, gathered' if divides else 'whole'})" for f, divides in region.feeders.items()]
+    return f"{', '.join(said)} -> " if said else ""
 
 
 def _parts_said(sizes: tuple[int, ...], whole: tuple[bool, ...]) -> str:

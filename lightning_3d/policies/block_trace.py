@@ -53,6 +53,13 @@ _KEEP_SHAPE = {aten._to_copy.default, aten._softmax.default, aten.native_dropout
                aten.native_layer_norm.default, aten._fused_rms_norm.default}
 """Ops that keep each value in its place (a cast, dropout, a softmax over heads' rows, a norm over features:
 Persimmon's per-head LayerNorm of q and k)."""
+_VIEWS = {
+    aten.view.default, aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor,
+    aten.select.int, aten.narrow.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int, aten.chunk.default, aten.unflatten.int,
+}
+"""Of the moves, those whose outputs are views of their input: a copy into such a view writes its base."""
 _ADDS = {aten.add.Tensor, aten.add_.Tensor}
 _PRODUCTS = {aten.bmm.default, aten.mm.default, aten.baddbmm.default}
 _SDPA = F.scaled_dot_product_attention
@@ -158,6 +165,7 @@ class _Recorder(TorchDispatchMode):
         self.readers: dict[int, list[tuple[str, ...]]] = {}  # tensor id -> stacks of the ops that read it
         self.projection_inputs: dict[str, int] = {}  # projection -> its input's id
         self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
+        self.view_of: dict[int, tuple] = {}  # a view's id -> (its base, the op, its args, kwargs, which output)
         self.in_sdpa = False
 
     # -- modules ---------------------------------------------------------------------------------------------
@@ -230,11 +238,51 @@ class _Recorder(TorchDispatchMode):
             union = frozenset({STREAM})
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
         for o in outs:
-            if union:
+            if union and (o.is_floating_point() or o.is_complex()):  # no gradient flows through indices or masks
                 self.prov[id(o)] = union
             self.keep.append(o)
+        if func in _VIEWS and isinstance(args[0], Tensor):
+            for i, o in enumerate(outs):
+                self.view_of[id(o)] = (args[0], func, args, kwargs, i)
+        if func is aten.copy_.default:
+            self._copy_into(args[0], args[1])
+            return out
         self._follow_features(func, args, kwargs, out, flat_in, outs)
         return out
+
+    def _copy_into(self, dst: Tensor, src: Tensor) -> None:
+        """``dst.copy_(src)``, where ``dst`` may be a view (``key[..., :d].copy_(k_nope)``, as MLA builds its keys
+        in place): the provenance and features of ``src`` reach the tensor ``dst`` views, at the places it views."""
+        chain, base = [], dst
+        while id(base) in self.view_of:
+            parent, func, args, kwargs, i = self.view_of[id(base)]
+            chain.append((func, args, kwargs, i))
+            base = parent
+        prov = self.prov.get(id(src), frozenset())
+        for t in (dst, base):
+            self.prov[id(t)] = self.prov.get(id(t), frozenset()) | prov
+        source = self.shadow.get(id(src))
+        if not source:
+            return
+        shadow = self.shadow.setdefault(id(base), {})
+        written: Shadow = {}
+        try:
+            for name in {*shadow, *source}:
+                slots = source.get(name) or [torch.full(src.shape, -1, dtype=torch.long, device="cpu")]
+                held = shadow.setdefault(name, [torch.full(base.shape, -1, dtype=torch.long, device="cpu")])
+                held.extend(held[-1].clone() for _ in range(len(slots) - len(held)))
+                written[name] = []
+                for j, whole in enumerate(held):
+                    view = whole
+                    for func, args, kwargs, i in reversed(chain):
+                        view = func(view, *args[1:], **kwargs)
+                        view = view[i] if isinstance(view, (tuple, list)) else view
+                    view.copy_(torch.broadcast_to(slots[min(j, len(slots) - 1)], view.shape))
+                    written[name].append(view)
+        except Exception:  # noqa: BLE001 -- a view the host cannot write (an expanded one): the features are lost
+            self.shadow.pop(id(base), None)
+            return
+        self.shadow[id(dst)] = written
 
     def _follow_features(self, func, args, kwargs, out, flat_in, outs) -> None:
         shadowed = [a for a in flat_in if id(a) in self.shadow]
@@ -246,6 +294,12 @@ class _Recorder(TorchDispatchMode):
             return
         if func in _MOVES:
             self._move(func, args, kwargs, out, flat_in)
+        elif func is aten.view_as_complex.default:  # (..., n, 2) -> (..., n): each number holds two features
+            self.shadow[id(out)] = {name: [s[..., k] for s in slots for k in (0, 1)]
+                                    for name, slots in self.shadow[id(args[0])].items()}
+        elif func is aten.view_as_real.default:  # (..., n) -> (..., n, 2): both parts hold both features
+            self.shadow[id(out)] = {name: [torch.stack([s, s], -1) for s in slots]
+                                    for name, slots in self.shadow[id(args[0])].items()}
         elif func in _KEEP_SHAPE or torch.Tag.pointwise in func.tags:
             merged: Shadow = {}
             for o in outs[:1]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Partial, Placement
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
@@ -20,7 +20,8 @@ class HiddenStates(ParallelStyle):
     """Gives a module's hidden states the layout ``input`` = (as they come, as the module wants them) on the
     way in, and ``output`` = (as the module returns them, as the caller wants them) on the way out; either
     may be None. The converted hidden states are local tensors with ``use_local_output`` (default), else
-    DTensors.
+    DTensors. ``partial_gradient``: local tensors, whose gradient each rank returns is its share, summed (or
+    reduce-scattered) here on the way back.
 
     Example (the residual stream split along the sequence entering the first block, gathered after the last)::
 
@@ -29,9 +30,11 @@ class HiddenStates(ParallelStyle):
     """
 
     def __init__(self, *, input: tuple[Placement, Placement] | None = None,
-                 output: tuple[Placement, Placement] | None = None, use_local_output: bool = True) -> None:
+                 output: tuple[Placement, Placement] | None = None, use_local_output: bool = True,
+                 partial_gradient: bool = False) -> None:
         super().__init__()
         self.input, self.output, self.use_local_output = input, output, use_local_output
+        self.partial_gradient = partial_gradient
 
     def _convert(self, x: Any, mesh: DeviceMesh, layouts: tuple[Placement, Placement]) -> Any:
         if not isinstance(x, Tensor):
@@ -40,6 +43,8 @@ class HiddenStates(ParallelStyle):
         dt = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (current,), run_check=False)
         if dt.placements != (desired,):
             dt = dt.redistribute(placements=(desired,))
+        if self.partial_gradient:  # the module computes on local tensors; each rank's gradient is its share
+            return dt.to_local(grad_placements=[Partial()])
         return dt.to_local() if self.use_local_output else dt
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -64,4 +69,5 @@ class HiddenStates(ParallelStyle):
         return self._convert(output, mesh, self.output)
 
     def __repr__(self) -> str:
-        return f"HiddenStates(input={self.input}, output={self.output}, use_local_output={self.use_local_output})"
+        partial = ", partial_gradient=True" if self.partial_gradient else ""
+        return f"HiddenStates(input={self.input}, output={self.output}, use_local_output={self.use_local_output}{partial})"

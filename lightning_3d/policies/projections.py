@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_3d.fused_parts import ATTRIBUTE, FusedParts, record
+from lightning_3d.policies.head_weights import shadowed
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -52,9 +53,10 @@ class ColumnSplit(ColwiseParallel):
     """
 
     def __init__(self, *, parts: int | tuple[int, ...] = 1, whole: tuple[bool, ...] = (), copy_output: bool = False,
-                 **kwargs) -> None:
+                 local_input: bool = False, gather_output: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
         self.parts, self.whole, self.copy_output = parts, tuple(whole), copy_output
+        self.local_input, self.gather_output = local_input, gather_output
 
     def _placement(self, dim: int) -> Placement:
         k = len(self.parts) if isinstance(self.parts, tuple) else self.parts
@@ -75,39 +77,53 @@ class ColumnSplit(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         prepare = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        if not any(self.whole):
+        if not any(self.whole) and not self.local_input:
             return distribute_module(module, device_mesh, self._partition, prepare, self._local_columns)
-        distribute_module(module, device_mesh, self._partition, prepare)
-        module.forward = _WithWholeParts(module, device_mesh, self.copy_output)
+        distribute_module(module, device_mesh, self._partition, None if self.local_input else prepare)
+        module.forward = _LocalForward(module, device_mesh, self.copy_output, self.local_input, self.gather_output)
         return module
 
     def __repr__(self) -> str:
         whole = f", whole={self.whole}" if any(self.whole) else ""
-        return f"ColumnSplit(parts={self.parts}{whole}, input_layouts={self.input_layouts})"
+        local = ", local_input=True" if self.local_input else ""
+        gather = ", gather_output=True" if self.gather_output else ""
+        return f"ColumnSplit(parts={self.parts}{whole}{local}{gather}, input_layouts={self.input_layouts})"
 
 
-class _WithWholeParts:
-    """The forward of a column projection with parts every rank keeps whole, on this rank's local tensors: the
-    input's gradient is this rank's share (summed over tp, as any column's), and so is the gradient of the
-    whole parts' weights (the rest of the weight is this rank's own)."""
+class _LocalForward:
+    """The forward of a column projection on this rank's local tensors, for parts every rank keeps whole and
+    for regions computed on local tensors. The input's gradient is this rank's share: summed over tp here (as
+    any column's), or, with ``local_input``, where the region's hidden states entered. The gradient of the
+    whole parts' weights is a share too, summed here (the rest of the weight is this rank's own).
+    ``gather``: the output is gathered whole on every rank (MLA's low-rank ``q_a_proj``, normed whole next)."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, copy_output: bool) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, copy_output: bool, local_input: bool = False,
+                 gather: bool = False) -> None:
         self.module, self.mesh, self.copy_output = module, mesh, copy_output
+        self.local_input, self.gather = local_input, gather
 
     def __call__(self, x) -> torch.Tensor:
-        x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else gradient_summed(x, self.mesh)
-        layouts = vars(self.module)[ATTRIBUTE]
+        if isinstance(x, DTensor):
+            x = x.to_local(grad_placements=[Partial()])
+        elif not self.local_input:
+            x = gradient_summed(x, self.mesh)
+        layouts = vars(self.module).get(ATTRIBUTE, {})
         weight, bias = (self._local(name, layouts) for name in ("weight", "bias"))
         if is_linear(self.module):
             out = F.linear(x, weight, bias)
         else:  # Conv1D, as it computes: weight (in, out), bias added by the same kernel
             out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[-1])
+        if self.gather:  # each rank's gradient of the whole output is a share: reduce-scattered on the way back
+            out = (DTensor.from_local(out, self.mesh, [Shard(out.dim() - 1)], run_check=False)
+                   .redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()]))
         return out.clone() if self.copy_output else out
 
     def _local(self, name: str, layouts: dict) -> torch.Tensor | None:
         param = getattr(self.module, name, None)
         if param is None:
             return None
+        if name not in layouts:
+            return param.to_local()
         parts, local = layouts[name], param.to_local()
         pieces, start = [], 0
         for whole_start, length in parts.whole_rows():
@@ -121,6 +137,31 @@ class _WithWholeParts:
 def gradient_summed(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``tensor`` as it is, whose gradient is summed over ``mesh``: each rank's gradient of it is a share."""
     return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class SummedGradients(ParallelStyle):
+    """A module left whole on every tp rank, in a region computed on local tensors, where each rank's gradient
+    is a share (MLA's ``q_a_layernorm``, on the gathered low-rank query): its weights' gradients are summed over
+    tp in the backward pass.
+
+    Example (DeepSeek-V3)::
+
+        {"model.layers.*.self_attn.q_a_layernorm": SummedGradients()}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        forward, names = module.forward, [name for name, _ in module.named_parameters(recurse=False)]
+
+        def summed(*args, **kwargs):
+            tensors = {name: gradient_summed(getattr(module, name), device_mesh) for name in names}
+            with shadowed(module, tensors):
+                return forward(*args, **kwargs)
+
+        module.forward = summed
+        return module
+
+    def __repr__(self) -> str:
+        return "SummedGradients()"
 
 
 class RowSplit(RowwiseParallel):

@@ -82,6 +82,15 @@ class Region:
     head_weights: dict[str, list[str]] = field(default_factory=dict)
     """Module holding the region -> its own weights of one value per head (attention sinks), split with the
     heads (:mod:`~lightning_3d.policies.head_weights`)."""
+    feeders: dict[str, bool] = field(default_factory=dict)
+    """The low-rank projections that read the hidden states and feed the columns (MLA's ``q_a_proj``,
+    ``kv_a_proj_with_mqa``, whose rotary part also reaches every head's key directly) -> whether its outputs
+    divide by tp. Every rank computes their whole output: split by output features and gathered, or whole.
+    Inside such a region all computes on local tensors, whose gradients are each rank's share, summed once
+    where the hidden states enter (``HiddenStates(partial_gradient=True)``)."""
+    on_feeders: list[str] = field(default_factory=list)
+    """The other modules with weights inside such a region (MLA's ``q_a_layernorm`` on a feeder's output, a
+    sparse-attention indexer): whole on every rank, their gradients summed over tp."""
     fixes: dict[str, dict[str, int]] = field(default_factory=dict)
     """Module -> attribute -> its value on each tp rank (``config.<name>``: a value of the module's config);
     :func:`attribute_values` turns them into what to set."""
@@ -115,23 +124,32 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         reads = whole.reads[row]
         if row not in whole.exits or not reads or STREAM in reads:
             continue
-        columns = [c for c in whole.order if c in reads]
-        if any(whole.reads.get(c) != frozenset({STREAM}) for c in columns):
-            _leave(split, [*columns, row], "it reads projections that do not read the residual stream")
+        feeders, why = _feeders(whole, reads)
+        columns = [c for c in whole.order if c in reads and c not in feeders]
+        if why:
+            _leave(split, [*feeders, *columns, row], why)
             continue
-        region, why = _region(whole, columns, row, tp)
+        region, why = _region(whole, columns, row, tp, feeders)
         if region is None:
-            _leave(split, [*columns, row], why)
+            _leave(split, [*feeders, *columns, row], why)
             continue
-        region.input_module = _input_module(whole, columns)
+        region.input_module = _input_module(whole, [c for c in whole.order if c in feeders or c in columns
+                                                    and whole.reads[c] == frozenset({STREAM})], only_columns=not feeders)
+        if feeders:
+            if region.input_module is None:
+                _leave(split, [*feeders, *columns, row], "its low-rank projections and the columns they feed"
+                       " are in no one module that takes the hidden states")
+                continue
+            region.feeders = {f: whole.sizes[f][1] % tp == 0 for f in feeders}
         region.changed_in_place = whole.changed_in_place & {row, *columns}
         region.head_weights = _head_weights(block, region)
-        why = _find_fixes(block, args, kwargs, whole, region, tp) or _find_inner(block, args, kwargs, whole, region, tp)
+        why = (_find_fixes(block, args, kwargs, whole, region, tp) or _find_inner(block, args, kwargs, whole, region, tp)
+               or _find_whole_inside(block, region))
         if why:
-            _leave(split, [*columns, row], why)
+            _leave(split, [*region.feeders, *columns, row], why)
             continue
         split.regions.append(region)
-        claimed.update([row, *columns])
+        claimed.update([row, *columns, *region.feeders])
     for name, module in block.named_modules():
         if is_experts(module):
             layout, why = experts_layout(module, tp)
@@ -151,11 +169,28 @@ def _leave(split: BlockSplit, names: list[str], why: str) -> None:
         split.left.setdefault(name, why)
 
 
-def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[Region | None, str]:
+def _feeders(trace: BlockTrace, reads: frozenset[str]) -> tuple[list[str], str]:
+    """The low-rank projections behind a row's columns (MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``): the
+    projections read by a column of the row, each of which reads the residual stream alone; and why not, when
+    a column reads something else."""
+    feeders: list[str] = []
+    for column in trace.order:
+        if column not in reads or trace.reads[column] == frozenset({STREAM}):
+            continue
+        for source in sorted(trace.reads[column]):
+            if source == STREAM or trace.reads.get(source) != frozenset({STREAM}):
+                return feeders, "it reads projections that do not read the residual stream, nor projections that do"
+            if source not in feeders:
+                feeders.append(source)
+    return [f for f in trace.order if f in feeders], ""
+
+
+def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
+            feeders: list[str] = ()) -> tuple[Region | None, str]:
     width = trace.sizes[row][0]
     if width % tp:
         return None, f"{row}'s {width} inputs do not divide by tensor_parallel_size={tp}"
-    events = _attention_events(trace, columns)
+    events = _attention_events(trace, [*columns, *feeders])
     if len(events) > 1:
         return None, "it holds more than one attention product"
     owned: dict[str, list[set[int]]] = {c: [set() for _ in range(tp)] for c in columns}
@@ -169,7 +204,8 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int) -> tuple[R
             rank = h // (heads // tp)
             for side in (event.q[h], event.k[h], event.v[h]):
                 for name, feats in side.items():
-                    owned[name][rank] |= feats
+                    if name not in feeders:  # a feeder's features (MLA's shared rotary key) reach every head
+                        owned[name][rank] |= feats
         # What else reaches the row with the heads' outputs is this rank's too: a gate on each head's output
         # (gated attention: its own projection, or fused with q), read off the row's input positions.
         for name, slots in trace.row_inputs.get(row, {}).items():
@@ -235,17 +271,36 @@ def _parts(owned: list[list[int]], out: int, tp: int,
     return None
 
 
-def _input_module(trace: BlockTrace, columns: list[str]) -> str | None:
+def _input_module(trace: BlockTrace, columns: list[str], only_columns: bool = True) -> str | None:
     """The innermost module that received the region's input as its first tensor, holds every column, and
-    in which nothing but the columns read that input."""
+    in which nothing but the columns read that input (``only_columns``; else anything may)."""
     seen = [set(trace.input_id.get(c, [])) for c in columns]
     common = set.intersection(*seen) if seen else set()
     candidates = [m for m in common if m and all(_inside(c, m) for c in columns)]
     for module in sorted(candidates, key=lambda m: -m.count(".")):
         readers = [stack for stack in trace.input_readers.get(columns[0], []) if module in stack]
-        if all(any(c in stack for c in columns) for stack in readers):
+        if not only_columns or all(any(c in stack for c in columns) for stack in readers):
             return module
     return None
+
+
+def _find_whole_inside(block: nn.Module, region: Region) -> str:
+    """In a region computed on local tensors (one with feeders), set ``region.on_feeders``: every other module
+    with weights inside the region's input module (the feeders' norms; a sparse-attention indexer), each whole
+    on every rank with its gradients summed over tp. The reason when the input module holds weights itself."""
+    if not region.feeders:
+        return ""
+    styled = {*region.columns, region.row, *region.feeders, *region.inner}
+    own = [n for n, _ in block.get_submodule(region.input_module).named_parameters(recurse=False)
+           if n not in region.head_weights.get(region.input_module, [])]
+    if own:
+        return (f"{region.input_module} holds weights of its own ({', '.join(own)}) beside its low-rank projections,"
+                " which tp would see as each rank's share")
+    region.on_feeders = [name for name, module in block.named_modules()
+                         if name != region.input_module and _inside(name, region.input_module)
+                         and not any(_inside(name, s) for s in styled)
+                         and any(True for _ in module.parameters(recurse=False))]
+    return ""
 
 
 def _inside(fqn: str, module: str) -> bool:
@@ -307,7 +362,7 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
 
 
 def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
-    event = _attention_events(whole, region.columns)[0]
+    event = _attention_events(whole, [*region.columns, *region.feeders])[0]
     return {len({frozenset(sorted((n, tuple(sorted(f))) for n, f in head.items())) for head in event.k})}
 
 
@@ -410,10 +465,10 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
                                         for n in expected):
         return f"{region.row} would read other features"
     if region.heads:
-        event = _attention_events(whole, region.columns)[0]
+        event = _attention_events(whole, [*region.columns, *region.feeders])[0]
         per_rank = region.heads // tp
         heads = slice(rank * per_rank, (rank + 1) * per_rank)
-        local_events = _attention_events(trace, region.columns)
+        local_events = _attention_events(trace, [*region.columns, *region.feeders])
         if len(local_events) != 1:
             return "the attention product is not found once"
         got_event = local_events[0]

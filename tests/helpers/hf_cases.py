@@ -137,6 +137,13 @@ AUTO_TP_MODELS = {
     "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),
     # ALiBi: the per-head bias BLOOM computes once and hands every block, cut to each rank's heads.
     "bloom": dict(_HF_SIZES, model_type="bloom", hidden_dropout=0.0, attention_dropout=0.0),
+    # Multi-head latent attention (DeepSeek-V3's, its MLPs dense): the low-rank q_a_proj and kv_a_proj_with_mqa
+    # split and gathered, their norms whole with gradients summed over tp, q_b_proj and kv_b_proj split by heads;
+    # the rotary key, one for all heads, reaches every rank's heads whole.
+    "deepseek_v3": dict(_HF_SIZES, model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4, intermediate_size=64,
+                        first_k_dense_replace=4, n_routed_experts=4, moe_intermediate_size=32, n_group=1,
+                        topk_group=1, attention_dropout=0.0),
 }
 # Mixtures of experts: each expert's intermediate features split over tp (lightning_3d/policies/experts.py);
 # Qwen2-MoE adds a shared expert (an MLP region) and its gate; gpt-oss, below. Not with sequence parallelism (refused: the
@@ -183,7 +190,7 @@ PIPELINE_HF_CASES = {c.name: c for c in [
     for model, config in PIPELINE_HF_MODELS.items() if model != "falcon"  # (Falcon: in AUTO_TP_CASES, tp2 x pp2)
 ]}
 
-AUTO_TP_STEPS = {"qwen3": 20}
+AUTO_TP_STEPS = {"qwen3": 20, "deepseek_v3": 12}
 """Steps per model where 4 are too few: an unreduced gradient of a small weight shows late (Qwen3's k_norm:
 equal losses at step 1, 1e-3 apart by step 6)."""
 
@@ -210,6 +217,7 @@ AUTO_TP_CASES = {c.name: c for c in [
 ] + [
     # The global norm clips (0.05 is below every step's norm): whole parts counted once, under ZeRO's dp cut.
     dataclasses.replace(auto_tp_case("falcon_mqa", 2, 1, 2, zero_stage=3), gradient_clip_val=0.05),
+    dataclasses.replace(auto_tp_case("deepseek_v3", 2, 1, 2, zero_stage=3), gradient_clip_val=0.05),
 ]}
 
 AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith(("_1_1_2", "_zero3"))]

@@ -265,3 +265,43 @@ def test_alibi_handed_to_every_block_is_cut_to_each_ranks_heads():
     alibi = torch.arange(2 * 4 * 3.0).reshape(2 * 4, 1, 3)  # batch 2: rows (b, h)
     _, kwargs = cut((), {"alibi": alibi}, style.keys, heads=4, rank=1, tp=2)
     assert kwargs["alibi"].flatten(1)[:, 0].tolist() == [6.0, 9.0, 18.0, 21.0]  # heads 2, 3 of each sample
+
+
+MLA = dict(SIZES, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+           v_head_dim=8, intermediate_size=64, first_k_dense_replace=2, n_group=1, topk_group=1)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_splits_its_heads_and_gathers_its_low_rank_projections(model_type):
+    # MLA writes each key in place ([..., :nope].copy_(k_nope), [..., nope:].copy_(k_rot)); V2's rotary goes
+    # through complex numbers. The trace follows both to the heads.
+    from lightning_3d.policies.hidden_states import HiddenStates
+    from lightning_3d.policies.projections import SummedGradients
+
+    root = hf(model_type, **MLA)
+    found = plan(root)
+    attention = "model.model.layers.0.self_attn"
+    styles = {name[len(attention) + 1:]: style for name, style in found.tp_plan.items() if name.startswith(attention)}
+    assert styles[""].partial_gradient and isinstance(styles[""], HiddenStates)
+    for low_rank in ("q_a_proj", "kv_a_proj_with_mqa"):
+        assert styles[low_rank].local_input and styles[low_rank].gather_output
+    for head_split in ("q_b_proj", "kv_b_proj"):
+        assert styles[head_split].local_input and not styles[head_split].gather_output
+    assert isinstance(styles["o_proj"], RowSplit)
+    assert isinstance(styles["q_a_layernorm"], SummedGradients) and isinstance(styles["kv_a_layernorm"], SummedGradients)
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.95
+
+
+def test_a_sparse_attention_indexer_stays_whole_beside_split_latent_attention():
+    # GLM-MoE-DSA: the indexer scores tokens with its own projections; only top-k indices leave it, through which
+    # no gradient flows, so it does not take part in the split and each rank runs it whole.
+    from lightning_3d.policies.projections import SummedGradients
+
+    root = hf("glm_moe_dsa", **MLA, head_dim=4, qk_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
+              num_experts_per_tok=2, mlp_layer_types=["dense", "dense"], indexer_types=["full", "full"],
+              index_n_heads=2, index_head_dim=8, index_topk=4)
+    found = plan(root)
+    attention = "model.model.layers.0.self_attn"
+    assert isinstance(found.tp_plan[f"{attention}.q_b_proj"], ColumnSplit)
+    assert isinstance(found.tp_plan[f"{attention}.indexer.wk"], SummedGradients)

@@ -83,6 +83,9 @@ OVERRIDES: dict[str, dict] = {
     # pair in 3 steps is 3e-5 apart.
     "exaone_moe": dict(initializer_range=0.1),
     "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),  # alternating layers, 2 pairs = 4 blocks
+    # identity ("zero") experts beside the 4 routed ones, half as many as the default's 256 beside 512: the
+    # default's 256 would make the router a fifth of the tiny block (on LongCat-Flash itself it is 0.5%)
+    "longcat_flash": dict(zero_expert_num=2),
     "mamba2": dict(num_heads=8),  # heads x head size = expansion (2) x width; `num_heads` is not attention's
     # layer ids within 4 blocks; its key/value rounding works on heads of a multiple of 16
     "kolibri1_1": dict(head_dim=16, index_layers=[3], kv_source_layers=[0, 1, 2, 3]),
