@@ -24,8 +24,8 @@ def divisors(n: int) -> list[int]:
 
 
 def join_fqn(prefix: str, name: str) -> str:
-    """``prefix.name``, or ``name`` under the root (prefix "")."""
-    return f"{prefix}.{name}" if prefix else name
+    """``prefix.name``, or ``name`` under the root (prefix ""), or ``prefix`` itself (name "")."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def parent_fqn(fqn: str) -> str:

@@ -109,9 +109,11 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             sharded_rng += dropouts
     if options.sequence_parallel and blocks:
         first, last = blocks[0], blocks[-1]
-        tp_plan[first] = HiddenStates(input=(Replicate(), Shard(1)))
-        tp_plan[last] = HiddenStates(input=(Replicate(), Shard(1)) if first == last else None,
-                                     output=(Shard(1), Replicate()))
+        ends = {first: HiddenStates(input=(Replicate(), Shard(1))),
+                last: HiddenStates(input=(Replicate(), Shard(1)) if first == last else None, output=(Shard(1), Replicate()))}
+        for block, style in ends.items():  # a block's own weights split per channel keep their style around it
+            own = tp_plan.get(block)
+            tp_plan[block] = HeadWeights(own.names, inner=style) if isinstance(own, HeadWeights) else style
     for block, split in splits.items():  # after the blocks' own styles: they run first
         for region in split.regions:
             if region.head_inputs:
@@ -224,9 +226,19 @@ def _shares(root: nn.Module, blocks: list[str], tp_plan: dict[str, ParallelStyle
                     by_design += param.numel()
                 elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
                         or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")
-                        or (isinstance(style, HeadWeights) and name in style.names)):
+                        or _split_from_above(tp_plan, join_fqn(block, fqn), name)):
                     sharded += param.numel()
     return sharded, by_design, total
+
+
+def _split_from_above(tp_plan: dict[str, ParallelStyle], module: str, name: str) -> bool:
+    """Whether a ``HeadWeights`` on ``module`` or a module holding it splits its weight ``name``."""
+    atoms = module.split(".")
+    for i in range(len(atoms), -1, -1):
+        style = tp_plan.get(".".join(atoms[:i]))
+        if isinstance(style, HeadWeights) and ".".join([*atoms[i:], name]) in style.names:
+            return True
+    return False
 
 
 def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: PlanOptions, vocabulary: str) -> None:
@@ -243,7 +255,8 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
     regions = "; ".join([_feeders_said(r) + f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
                                    for c, k in r.parts.items() if len(k) > 1)
-                         + "".join(f", {m or '<block>'}.{n} per head" for m, ns in r.head_weights.items() for n in ns)
+                         + "".join(f", {m or '<block>'}.{n} per {'channel' if '.' in n else 'head'}"
+                                   for m, ns in r.head_weights.items() for n in ns)
                          + "".join(f", the block's {k[1]} cut to each rank's heads" for k in r.head_inputs)
                          for r in first.regions]
                         + [f"{e} (each expert's intermediate features)" for e in first.experts])

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.policies.experts import experts_stood_in
 from lightning_3d.policies.meta_values import MetaValues
 
 
@@ -47,7 +48,8 @@ def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4
             try:
                 # On meta, the inputs made here and what the forward derives from them carry host values
                 # (MetaValues): mask code that reads them (packed sequences, an all-ones padding mask) runs.
-                with torch.no_grad(), torch.device("meta"), MetaValues():
+                # The experts of the blocks before it stand in for themselves (routing reads values).
+                with torch.no_grad(), torch.device("meta"), MetaValues(), experts_stood_in(model):
                     call()
             except _Stop:
                 first = next((a for a in [*seen["args"], *seen["kwargs"].values()] if isinstance(a, Tensor)), None)

@@ -113,6 +113,9 @@ class BlockTrace:
     """Projection -> for each op that read its input tensor, the module stack that op ran in."""
     weighted_inputs: dict[str, tuple[frozenset[str], tuple[int, ...]]] = field(default_factory=dict)
     """Module with weights of its own, not a projection (a norm) -> the provenance and shape of its input."""
+    depthwise: dict[str, list[dict[str, frozenset[int]]]] = field(default_factory=dict)
+    """Module whose weight a depthwise convolution used (one filter per channel: a short convolution, Mamba's
+    ``conv1d``) -> per channel, the features of its input there."""
     features_in_place: set[str] = field(default_factory=set)
     """Of those, the modules whose output holds the features of their input at the same places (a norm)."""
     problem: str | None = None
@@ -166,6 +169,7 @@ class _Recorder(TorchDispatchMode):
         self.projection_inputs: dict[str, int] = {}  # projection -> its input's id
         self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
         self.view_of: dict[int, tuple] = {}  # a view's id -> (its base, the op, its args, kwargs, which output)
+        self.param_owner = {id(p): fqn for fqn, module in block.named_modules() for p in module.parameters(recurse=False)}
         self.in_sdpa = False
 
     # -- modules ---------------------------------------------------------------------------------------------
@@ -294,6 +298,8 @@ class _Recorder(TorchDispatchMode):
             return
         if func in _MOVES:
             self._move(func, args, kwargs, out, flat_in)
+        elif func is aten.convolution.default:
+            self._depthwise(args, out)
         elif func is aten.view_as_complex.default:  # (..., n, 2) -> (..., n): each number holds two features
             self.shadow[id(out)] = {name: [s[..., k] for s in slots for k in (0, 1)]
                                     for name, slots in self.shadow[id(args[0])].items()}
@@ -335,6 +341,23 @@ class _Recorder(TorchDispatchMode):
         for i, piece in enumerate(pieces):
             if isinstance(piece, Tensor):
                 self.shadow[id(piece)] = {name: [tree_flatten(s)[0][i] for s in slots] for name, slots in result.items()}
+
+    def _depthwise(self, args, out: Tensor) -> None:
+        """A 1-d convolution of one filter per channel keeps each channel's features (over time it mixes the
+        positions, not the channels); any other convolution loses them."""
+        x, weight, groups = args[0], args[1], args[8]
+        shadow = self.shadow.get(id(x))
+        if not shadow or x.dim() != 3 or groups != x.shape[1] or tuple(weight.shape[:2]) != (groups, 1):
+            return
+        self.shadow[id(out)] = {name: [s[:, :, :1].expand(out.shape).clone() for s in slots]
+                                for name, slots in shadow.items()}
+        base = weight
+        while id(base) in self.view_of:
+            base = self.view_of[id(base)][0]
+        owner = self.param_owner.get(id(base))
+        if owner is not None:
+            self.trace.depthwise[owner] = [{name: _features(s[0, c, :1] for s in slots) for name, slots in shadow.items()}
+                                           for c in range(groups)]
 
     def _product(self, func, args, outs) -> None:
         a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])

@@ -82,6 +82,9 @@ class Region:
     head_weights: dict[str, list[str]] = field(default_factory=dict)
     """Module holding the region -> its own weights of one value per head (attention sinks), split with the
     heads (:mod:`~lightning_3d.policies.head_weights`)."""
+    depthwise: list[str] = field(default_factory=list)
+    """Depthwise convolutions on the columns' outputs (a short convolution, Mamba's ``conv1d``): their weights,
+    one filter per channel, split with the channels (in ``head_weights``, under the module holding both)."""
     feeders: dict[str, bool] = field(default_factory=dict)
     """The low-rank projections that read the hidden states and feed the columns (MLA's ``q_a_proj``,
     ``kv_a_proj_with_mqa``, whose rotary part also reaches every head's key directly) -> whether its outputs
@@ -143,6 +146,10 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             region.feeders = {f: whole.sizes[f][1] % tp == 0 for f in feeders}
         region.changed_in_place = whole.changed_in_place & {row, *columns}
         region.head_weights = _head_weights(block, region)
+        why = _channel_weights(block, whole, region, tp)
+        if why:
+            _leave(split, [*feeders, *columns, row], why)
+            continue
         why = (_find_fixes(block, args, kwargs, whole, region, tp) or _find_inner(block, args, kwargs, whole, region, tp)
                or _find_whole_inside(block, region))
         if why:
@@ -349,7 +356,8 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
         sizes |= {region.heads}
         sizes |= _kv_head_counts(region, whole)
     sizes = {s for s in sizes if s and s % tp == 0}
-    holders = sorted({prefix for name in [region.row, *region.columns] for prefix in _prefixes(name)})
+    holders = sorted({prefix for name in [region.row, *region.columns] for prefix in _prefixes(name)}
+                     | set(region.depthwise))
     found: list[tuple[str, str, int]] = []
     for holder in holders:
         module = block.get_submodule(holder)
@@ -415,8 +423,10 @@ def _find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
 
 
 def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
-    """The modules with weights of their own that read only the region's columns."""
-    return [m for m, (reads, _) in whole.weighted_inputs.items() if reads and reads <= set(region.columns)]
+    """The modules with weights of their own that read only the region's columns (not depthwise convolutions:
+    their weights split with their channels)."""
+    return [m for m, (reads, _) in whole.weighted_inputs.items()
+            if reads and reads <= set(region.columns) and m not in whole.depthwise]
 
 
 def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int,
@@ -435,9 +445,11 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         _keep_outputs(local.get_submodule(name), len(index))
     _keep_inputs(local.get_submodule(region.row), whole.sizes[region.row][0] // tp)
     for holder, names in region.head_weights.items():
-        module = local.get_submodule(holder)
         for name in names:
-            module.register_parameter(name, nn.Parameter(meta_like(getattr(module, name), (region.heads // tp,))))
+            owner, _, leaf = f"{holder}.{name}".strip(".").rpartition(".")
+            module = local.get_submodule(owner)
+            weight = getattr(module, leaf)
+            module.register_parameter(leaf, nn.Parameter(meta_like(weight, (weight.shape[0] // tp, *weight.shape[1:]))))
     for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)
@@ -464,6 +476,10 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
                                         any(not torch.equal(a, b) for a, b in zip(expected[n], got[n]))
                                         for n in expected):
         return f"{region.row} would read other features"
+    for module in region.depthwise:
+        share = len(whole.depthwise[module]) // tp
+        if trace.depthwise.get(module) != whole.depthwise[module][rank * share:(rank + 1) * share]:
+            return f"{module}'s channels would hold other features"
     if region.heads:
         event = _attention_events(whole, [*region.columns, *region.feeders])[0]
         per_rank = region.heads // tp
@@ -489,6 +505,26 @@ def _head_weights(block: nn.Module, region: Region) -> dict[str, list[str]]:
         if names:
             found[holder] = names
     return found
+
+
+def _channel_weights(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> str:
+    """Set ``region.depthwise``, the depthwise convolutions on the region's columns (one filter per channel),
+    and add their weights to ``region.head_weights``, split with their channels: rank r keeps channels
+    ``[r C/tp, (r+1) C/tp)``, which the checks hold to the features the rank keeps. They go under the innermost
+    module holding the region and the convolution: the model may read them from there without calling the
+    convolution's own forward (transformers' ``causal_conv1d_forward``)."""
+    region.depthwise = [m for m, channels in whole.depthwise.items()
+                        if channels and all(set(c) <= set(region.columns) for c in channels)]
+    for module in region.depthwise:
+        count = len(whole.depthwise[module])
+        if count % tp:
+            return f"{module}'s {count} channels do not divide by tensor_parallel_size={tp}"
+        names = [region.row, *region.columns, module]
+        holder = max(set.intersection(*(set(_prefixes(n)) for n in names)), key=lambda m: m.count(".") + bool(m))
+        relative = module[len(holder) + 1:] if holder else module
+        region.head_weights.setdefault(holder, []).extend(
+            f"{relative}.{name}" for name, _ in block.get_submodule(module).named_parameters(recurse=False))
+    return ""
 
 
 def _pass_through(x, *args, **kwargs):

@@ -137,6 +137,10 @@ AUTO_TP_MODELS = {
     "gpt2": dict(model_type="gpt2", seq_len=16, **GPT2_SIZES, **NO_DROPOUT),
     # ALiBi: the per-head bias BLOOM computes once and hands every block, cut to each rank's heads.
     "bloom": dict(_HF_SIZES, model_type="bloom", hidden_dropout=0.0, attention_dropout=0.0),
+    # LFM2's short convolution (in_proj -> B, C, x; a depthwise conv1d on B * x; out_proj), with its biases:
+    # B, C and x split by channel, the conv's filters with their channels.
+    "lfm2": dict(_HF_SIZES, model_type="lfm2", intermediate_size=64, num_key_value_heads=2, conv_bias=True,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"], block_auto_adjust_ff_dim=False),
     # Multi-head latent attention (DeepSeek-V3's, its MLPs dense): the low-rank q_a_proj and kv_a_proj_with_mqa
     # split and gathered, their norms whole with gradients summed over tp, q_b_proj and kv_b_proj split by heads;
     # the rotary key, one for all heads, reaches every rank's heads whole.

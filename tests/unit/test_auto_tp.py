@@ -305,3 +305,69 @@ def test_a_sparse_attention_indexer_stays_whole_beside_split_latent_attention():
     attention = "model.model.layers.0.self_attn"
     assert isinstance(found.tp_plan[f"{attention}.q_b_proj"], ColumnSplit)
     assert isinstance(found.tp_plan[f"{attention}.indexer.wk"], SummedGradients)
+
+
+def test_a_short_convolution_splits_its_filters_with_their_channels():
+    # LFM2: in_proj -> B | C | x, a depthwise conv1d on B * x (read by the mixer, not called), out_proj.
+    from lightning_3d.policies.head_weights import HeadWeights
+
+    root = hf("lfm2", **SIZES, intermediate_size=64, num_key_value_heads=2, conv_bias=True,
+              layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
+    found = plan(root)
+    assert found.tp_plan["model.model.layers.0.conv.in_proj"].parts == (32, 32, 32)
+    conv = found.tp_plan["model.model.layers.0.conv"]
+    assert isinstance(conv, HeadWeights) and conv.names == ["conv.weight", "conv.bias"]
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.95
+
+
+class _RolledConvolution(nn.Module):
+    """A depthwise convolution on its channels turned half a turn: the filter at channel c convolves feature
+    c + 8 (mod 16), so each rank's features sit at the other rank's filters."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.in_proj, self.out_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.conv = nn.Conv1d(16, 16, 3, groups=16, padding=2)
+
+    def forward(self, x):
+        y = self.in_proj(self.norm(x))
+        y = torch.cat([y[..., 8:], y[..., :8]], -1).transpose(1, 2)
+        y = self.conv(y)[..., :x.shape[1]].transpose(1, 2)
+        return x + self.out_proj(torch.cat([y[..., 8:], y[..., :8]], -1))
+
+
+def test_a_convolution_whose_channels_do_not_follow_the_split_features_is_not_split():
+    root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_RolledConvolution() for _ in range(2))})})
+    with pytest.raises(PolicyError, match=r"conv's channels would hold other features"):
+        plan(root)
+
+
+class _ConvolutionInTheBlock(nn.Module):
+    """A user's block holding its depthwise convolution itself, beside the projections around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.in_proj, self.out_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.conv = nn.Conv1d(16, 16, 3, groups=16, padding=2)
+
+    def forward(self, x):
+        y = self.conv(self.in_proj(self.norm(x)).transpose(1, 2))[..., :x.shape[1]]
+        return x + self.out_proj(y.transpose(1, 2))
+
+
+def test_a_convolution_held_by_the_block_itself_splits_there_also_under_sequence_parallelism():
+    from lightning_3d.policies.head_weights import HeadWeights
+    from lightning_3d.policies.hidden_states import HiddenStates
+
+    root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_ConvolutionInTheBlock() for _ in range(3))})})
+    found = plan(root)
+    assert found.tp_plan["model.layers.1"].names == ["conv.weight", "conv.bias"]
+    assert found.attribute_fixes["model.layers.1.conv"] == {"groups": 8}
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.9
+    ends = plan(root, sequence_parallel=True).tp_plan
+    for block in ("model.layers.0", "model.layers.2"):
+        assert isinstance(ends[block], HeadWeights) and isinstance(ends[block].inner, HiddenStates)

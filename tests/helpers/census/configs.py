@@ -90,6 +90,7 @@ OVERRIDES: dict[str, dict] = {
     # layer ids within 4 blocks; its key/value rounding works on heads of a multiple of 16
     "kolibri1_1": dict(head_dim=16, index_layers=[3], kv_source_layers=[0, 1, 2, 3]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),  # None fails the build
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),  # its default: attention only
     # the sparse-attention indexer's sizes default to None, which fails the build
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
                            indexer_compress_ratio=2),

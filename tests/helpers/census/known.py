@@ -11,12 +11,12 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj",
         "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
         "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
-        "kolibri1", "kolibri1_1", "laguna", "lfm2", "llama", "longcat_flash", "mellum", "mimo_v2_flash",
-        "minicpm3", "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
-        "mistral", "mixtral", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron", "olmo", "olmo2",
-        "olmo3", "olmoe", "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2",
-        "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open",
-        "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu"
+        "kolibri1", "kolibri1_1", "laguna", "lfm2", "lfm2_moe", "lfm3", "llama", "longcat_flash", "mellum",
+        "mimo_v2_flash", "minicpm3", "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
+        "ministral3", "mistral", "mixtral", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron",
+        "olmo", "olmo2", "olmo3", "olmoe", "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3",
+        "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3",
+        "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu"
     },
     "pp2": {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba",
