@@ -115,6 +115,10 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.distributed.tensor.parallel.ColwiseParallel._prepare_input_fn": Private(
         "the projection and kv-head styles reuse ColwiseParallel's / RowwiseParallel's input redistribution",
         "copying their code instead", attribute=True),
+    "torch.distributed.tensor.parallel.SequenceParallel._prepare_input_fn": Private(
+        "OnSplitFeatures cuts every input of the first one's shape (a gated norm's gate) with SequenceParallel's"
+        " own input conversion, overriding the hook that passes on the first input only",
+        _NO_HOOK + ": SequenceParallel converts the first input alone"),
     "torch.distributed.tensor.parallel.ColwiseParallel._partition_linear_fn": Private(
         "replicated kv heads override how a linear layer's weight is split", "copying its code instead",
         attribute=True),

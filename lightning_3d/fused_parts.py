@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 ATTRIBUTE = "_lightning_3d_fused_parts"
 """On a module: parameter name -> :class:`FusedParts` of the parameters stored in rank order."""
@@ -106,3 +109,16 @@ def layout_of(key: str, layouts: dict[str, FusedParts]) -> FusedParts | None:
         return layouts[key]
     dotted = f".{key}."
     return next((parts for fqn, parts in layouts.items() if f".{fqn}." in dotted), None)
+
+
+def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
+                src_data_rank: int | None, order: FusedParts | None = None) -> bool:
+    """Split ``module.name`` (stored in ``order`` first, if given); False if the module has no such tensor."""
+    param = getattr(module, name, None)
+    if param is None:
+        return False
+    with torch.no_grad():
+        stored = order.stored(param) if order is not None else param
+    sharded = distribute_tensor(stored, mesh, [placement], src_data_rank=src_data_rank)
+    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    return True

@@ -93,7 +93,10 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
             for holder, names in region.head_weights.items():
                 fqn = join_fqn(block, holder)
-                tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn))
+                convolutions = {n: region.depthwise[m] for n in names
+                                if (m := join_fqn(holder, n.rpartition(".")[0])) in region.depthwise}
+                tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn), parts={n: p for n, (p, _) in convolutions.items()},
+                                           whole={n: w for n, (_, w) in convolutions.items()})
                 covered[block] += [f"{fqn}.{name}" for name in names]
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner)]
         for name, layout in split.experts.items():
@@ -113,7 +116,8 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
                 last: HiddenStates(input=(Replicate(), Shard(1)) if first == last else None, output=(Shard(1), Replicate()))}
         for block, style in ends.items():  # a block's own weights split per channel keep their style around it
             own = tp_plan.get(block)
-            tp_plan[block] = HeadWeights(own.names, inner=style) if isinstance(own, HeadWeights) else style
+            tp_plan[block] = (HeadWeights(own.names, inner=style, parts=own.parts, whole=own.whole)
+                              if isinstance(own, HeadWeights) else style)
     for block, split in splits.items():  # after the blocks' own styles: they run first
         for region in split.regions:
             if region.head_inputs:

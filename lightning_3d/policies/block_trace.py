@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.policies.experts import experts_stood_in
+from lightning_3d.policies.scan_kernels import kernel_name, scan_heads
 
 
 STREAM = "<stream>"
@@ -143,6 +145,8 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict,
         return BlockTrace(problem="the block takes no tensor")
     recorder.prov[id(hidden)] = frozenset({STREAM})
     handles = recorder.hook_modules()
+    handles.append(register_module_forward_pre_hook(recorder.kernel_enter))
+    handles.append(register_module_forward_hook(recorder.kernel_leave, with_kwargs=True))
     try:
         with torch.no_grad(), torch.device("meta"), _FunctionLevel(recorder), recorder, experts_stood_in(block):
             block(*args, **kwargs)
@@ -171,6 +175,7 @@ class _Recorder(TorchDispatchMode):
         self.view_of: dict[int, tuple] = {}  # a view's id -> (its base, the op, its args, kwargs, which output)
         self.param_owner = {id(p): fqn for fqn, module in block.named_modules() for p in module.parameters(recurse=False)}
         self.in_sdpa = False
+        self.in_kernel = 0  # inside a scan kernel (scan_kernels): its output is recorded whole, as one product
 
     # -- modules ---------------------------------------------------------------------------------------------
     def hook_modules(self) -> list:
@@ -192,7 +197,14 @@ class _Recorder(TorchDispatchMode):
         def hook(_module, args, output):
             self.stack.pop()
             if fqn in self.trace.weighted_inputs and isinstance(output, Tensor) and args:
-                before, after = self.shadow.get(id(args[0])), self.shadow.get(id(output))
+                # Its input's features at their places, with those of its other inputs of that shape (a gated
+                # norm's gate), as tp_structure's stand-in for it passes them on.
+                inputs = [self.shadow.get(id(a)) for a in args if isinstance(a, Tensor) and a.shape == args[0].shape]
+                before: Shadow = {}
+                for shadow in inputs if inputs and inputs[0] else ():
+                    for name, slots in (shadow or {}).items():
+                        before.setdefault(name, []).extend(slots)
+                after = self.shadow.get(id(output))
                 if before and after and before.keys() == after.keys() and all(
                         len(before[n]) == len(after[n]) and all(torch.equal(a, b) for a, b in zip(before[n], after[n]))
                         for n in before):
@@ -223,6 +235,29 @@ class _Recorder(TorchDispatchMode):
         if shadow:
             t.row_inputs[fqn] = {name: [s.reshape(-1, s.shape[-1])[0] for s in slots] for name, slots in shadow.items()}
 
+    def kernel_enter(self, module, args) -> None:
+        if kernel_name(module):
+            self.in_kernel += 1
+
+    def kernel_leave(self, module, args, kwargs, output) -> None:
+        name = kernel_name(module)
+        if not name:
+            return
+        self.in_kernel -= 1
+        if self.in_kernel:
+            return
+        found = scan_heads(name, module, args, kwargs, lambda t: self.shadow.get(id(t)) if isinstance(t, Tensor) else None,
+                           _features)
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if found is None or not isinstance(out, Tensor):
+            return
+        q, k, v, values = found
+        self.trace.attention.append(HeadEvent(q=q, k=k, v=v))
+        shadow = self.shadow[id(values)]
+        if values.shape == out.shape:
+            self.shadow[id(out)] = {name: [s[:, :1].expand(out.shape).clone() for s in slots] for name, slots in shadow.items()}
+            self.keep.append(out)
+
     # -- ops -------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -245,6 +280,8 @@ class _Recorder(TorchDispatchMode):
             if union and (o.is_floating_point() or o.is_complex()):  # no gradient flows through indices or masks
                 self.prov[id(o)] = union
             self.keep.append(o)
+        if self.in_kernel:
+            return out
         if func in _VIEWS and isinstance(args[0], Tensor):
             for i, o in enumerate(outs):
                 self.view_of[id(o)] = (args[0], func, args, kwargs, i)

@@ -31,8 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_3d.policies.head_weights import shadowed
-from lightning_3d.policies.projections import gradient_summed
+from lightning_3d.policies.local_tensors import gradient_summed, shadowed
 
 FLAGS = ("has_gate", "is_transposed", "is_concatenated", "has_bias")
 """The attributes transformers' ``use_experts_implementation`` sets on an experts module."""

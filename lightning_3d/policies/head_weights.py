@@ -21,14 +21,21 @@ import contextlib
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_3d.fused_parts import FusedParts, distribute_parameter, record
+from lightning_3d.policies.local_tensors import local_parts, shadowed
 
 
 class HeadWeights(ParallelStyle):
     """Splits ``names`` (weights of the module or of its submodules, one value per head or channel first) over
     tp along dim 0; ``inner``: the module's other style (the region's hidden states, when they enter here),
-    applied first. While the module runs, each name reads this rank's part as a plain tensor.
+    applied first; ``parts``: name -> the sizes of the parts its channels are made of, of which each rank keeps
+    one chunk each (a convolution over ``[q | k | v]``), as ``ColumnSplit(parts=...)`` keeps a fused output's;
+    ``whole``: name -> per part, whether every rank keeps it whole (its gradient then summed over tp).
+    While the module runs, each name reads this rank's part as a plain tensor.
 
     Example (gpt-oss; LFM2's short convolution)::
 
@@ -36,9 +43,10 @@ class HeadWeights(ParallelStyle):
         {"model.layers.*.conv": HeadWeights(["conv.weight", "conv.bias"])}
     """
 
-    def __init__(self, names: list[str], inner: ParallelStyle | None = None) -> None:
+    def __init__(self, names: list[str], inner: ParallelStyle | None = None,
+                 parts: dict[str, tuple[int, ...]] | None = None, whole: dict[str, tuple[bool, ...]] | None = None) -> None:
         super().__init__()
-        self.names, self.inner = list(names), inner
+        self.names, self.inner, self.parts, self.whole = list(names), inner, dict(parts or {}), dict(whole or {})
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.inner is not None:
@@ -47,32 +55,27 @@ class HeadWeights(ParallelStyle):
         for name in self.names:
             path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(path)
-            param = getattr(owner, leaf)
-            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            owner.register_parameter(leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
-            owners.setdefault(path, (owner, []))[1].append(leaf)
+            parts, whole = self.parts.get(name, ()), self.whole.get(name, ())
+            if len(parts) > 1 and len(set(parts)) == 1 and not any(whole):  # [q | k | v]: this rank's chunk of each
+                placement, order = _StridedShard(0, split_factor=len(parts)), None
+            else:  # unequal parts, or parts every rank keeps whole (Mamba-2's B and C of one group): in rank order
+                placement = Shard(0)
+                order = FusedParts(0, parts, device_mesh.size(), whole) if len(parts) > 1 else None
+            if distribute_parameter(owner, leaf, device_mesh, placement, self.src_data_rank, order) and order:
+                record(owner, leaf, order)
+            owners.setdefault(path, (owner, []))[1].append((leaf, order))
         forward = module.forward
 
         def local_forward(*args, **kwargs):
             with contextlib.ExitStack() as stack:
                 for owner, leaves in owners.values():
-                    stack.enter_context(shadowed(owner, {leaf: getattr(owner, leaf).to_local() for leaf in leaves}))
+                    local = {leaf: local_parts(getattr(owner, leaf), order, device_mesh) for leaf, order in leaves}
+                    stack.enter_context(shadowed(owner, local))
                 return forward(*args, **kwargs)
 
         module.forward = local_forward
         return module
 
     def __repr__(self) -> str:
-        return f"HeadWeights({self.names}" + (f", inner={self.inner!r})" if self.inner is not None else ")")
-
-
-@contextlib.contextmanager
-def shadowed(module: nn.Module, tensors: dict[str, Tensor]):
-    """While the block runs (inside the context), ``module.<name>`` reads ``tensors[name]`` (an instance attribute shadows the
-    registered parameter of that name; ``state_dict`` and the optimizer still see the parameter)."""
-    vars(module).update(tensors)
-    try:
-        yield
-    finally:
-        for name in tensors:
-            del vars(module)[name]
+        parts = f", parts={self.parts}" if self.parts else ""
+        return f"HeadWeights({self.names}{parts}" + (f", inner={self.inner!r})" if self.inner is not None else ")")

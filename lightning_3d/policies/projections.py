@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_3d.fused_parts import ATTRIBUTE, FusedParts, record
-from lightning_3d.policies.head_weights import shadowed
+from lightning_3d.fused_parts import ATTRIBUTE, FusedParts, distribute_parameter, record
+from lightning_3d.policies.local_tensors import gradient_summed, local_parts, shadowed
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -69,7 +69,7 @@ class ColumnSplit(ColwiseParallel):
         weight_dim = 0 if is_linear(module) else 1  # the output features
         for param, dim in (("weight", weight_dim), ("bias", 0)):
             order = FusedParts(dim, self.parts, mesh.size(), self.whole) if self._in_rank_order() else None
-            if _distribute(module, param, mesh, self._placement(dim), self.src_data_rank, order) and order:
+            if distribute_parameter(module, param, mesh, self._placement(dim), self.src_data_rank, order) and order:
                 record(module, param, order)
 
     def _local_columns(self, mod, outputs, device_mesh):
@@ -122,21 +122,7 @@ class _LocalForward:
         param = getattr(self.module, name, None)
         if param is None:
             return None
-        if name not in layouts:
-            return param.to_local()
-        parts, local = layouts[name], param.to_local()
-        pieces, start = [], 0
-        for whole_start, length in parts.whole_rows():
-            pieces.append(local.narrow(parts.dim, start, whole_start - start))
-            pieces.append(gradient_summed(local.narrow(parts.dim, whole_start, length), self.mesh))
-            start = whole_start + length
-        pieces.append(local.narrow(parts.dim, start, local.shape[parts.dim] - start))
-        return torch.cat(pieces, dim=parts.dim)
-
-
-def gradient_summed(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``tensor`` as it is, whose gradient is summed over ``mesh``: each rank's gradient of it is a share."""
-    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return local_parts(param, layouts.get(name), self.mesh)
 
 
 class SummedGradients(ParallelStyle):
@@ -178,8 +164,8 @@ class RowSplit(RowwiseParallel):
         return _local(outputs, self.copy_output) if self.use_local_output else outputs
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _distribute(module, "weight", mesh, Shard(1 if is_linear(module) else 0), self.src_data_rank)
-        _distribute(module, "bias", mesh, Replicate(), self.src_data_rank)
+        distribute_parameter(module, "weight", mesh, Shard(1 if is_linear(module) else 0), self.src_data_rank)
+        distribute_parameter(module, "bias", mesh, Replicate(), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
@@ -199,19 +185,6 @@ def _local(output, copy: bool):
     return local.clone() if copy else local
 
 
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement,
-                src_data_rank: int | None, order: FusedParts | None = None) -> bool:
-    """Split ``module.name`` (stored in ``order`` first, if given); False if the module has no such tensor."""
-    param = getattr(module, name, None)
-    if param is None:
-        return False
-    with torch.no_grad():
-        stored = order.stored(param) if order is not None else param
-    sharded = distribute_tensor(stored, mesh, [placement], src_data_rank=src_data_rank)
-    module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    return True
-
-
 class OnSplitFeatures(SequenceParallel):
     """A module with weights of its own that runs inside a split region, on this rank's share of the columns'
     outputs (Qwen3's per-head ``q_norm``): its weights stay whole on every rank, its input is taken as cut
@@ -226,6 +199,13 @@ class OnSplitFeatures(SequenceParallel):
     def __init__(self, *, dim: int) -> None:
         super().__init__(sequence_dim=dim, use_local_output=True)
         self.dim = dim
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        """Every tensor input of the first one's shape is cut alike (a gated norm's ``gate``, beside its input)."""
+        first = inputs[0]
+        return tuple(SequenceParallel._prepare_input_fn(sequence_sharding, mod, (x,), device_mesh)
+                     if isinstance(x, torch.Tensor) and x.shape == first.shape else x for x in inputs)
 
     def __repr__(self) -> str:
         return f"OnSplitFeatures(dim={self.dim})"

@@ -82,9 +82,11 @@ class Region:
     head_weights: dict[str, list[str]] = field(default_factory=dict)
     """Module holding the region -> its own weights of one value per head (attention sinks), split with the
     heads (:mod:`~lightning_3d.policies.head_weights`)."""
-    depthwise: list[str] = field(default_factory=list)
-    """Depthwise convolutions on the columns' outputs (a short convolution, Mamba's ``conv1d``): their weights,
-    one filter per channel, split with the channels (in ``head_weights``, under the module holding both)."""
+    depthwise: dict[str, tuple[tuple[int, ...], tuple[bool, ...]]] = field(default_factory=dict)
+    """Depthwise convolution on the columns' outputs (a short convolution, Mamba's ``conv1d``) -> the sizes of
+    the parts of its channels, of which each rank keeps one chunk each, and which of them every rank keeps
+    whole: its weights, one filter per channel, split with the channels (in ``head_weights``, under the module
+    holding both)."""
     feeders: dict[str, bool] = field(default_factory=dict)
     """The low-rank projections that read the hidden states and feed the columns (MLA's ``q_a_proj``,
     ``kv_a_proj_with_mqa``, whose rotary part also reaches every head's key directly) -> whether its outputs
@@ -327,46 +329,72 @@ def _find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         region.narrow_input = narrow
         for cut in [[]] + [[key] for key in per_head]:
             region.head_inputs = cut
-            for size in range(min(len(candidates), _MAX_FIXES) + 1):
-                for chosen in itertools.combinations(candidates, size):
-                    fixes = _as_fixes(chosen, tp)
-                    why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
+            for chosen in _subsets(candidates):
+                fixes = _as_fixes(chosen, tp)
+                why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
+                if why:
+                    failures.append(why)
+                    continue
+                for rank in range(1, tp):
+                    why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
                     if why:
-                        failures.append(why)
-                        continue
-                    for rank in range(1, tp):
-                        why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
-                        if why:
-                            return f"rank {rank} of tp would compute otherwise: {why}"
-                    region.fixes = fixes
-                    return ""
+                        return f"rank {rank} of tp would compute otherwise: {why}"
+                region.fixes = fixes
+                return ""
     region.narrow_input, region.head_inputs = False, []
-    ints = {f"{m or '<block>'}.{a}": v for m, a, v in candidates}
+    ints = {f"{m or '<block>'}.{a}": v for m, a, v, _ in candidates}
     tried = f"; with {', '.join(ints)} divided: {failures[-1]}" if len(failures) > 1 else ""
     return (f"split over tp it does not compute what one process does (as it is: {failures[0]}{tried}); the"
             f" integer attributes tried: {ints or 'none'}")
 
 
-def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> list[tuple[str, str, int]]:
-    """(module, attribute, value) for the integer attributes, on the modules holding the region's
-    projections (and their ``config``), whose value is a size the split divides."""
-    sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
-    sizes |= {size for parts in region.parts.values() for size in parts}
-    if region.heads:
-        sizes |= {region.heads}
-        sizes |= _kv_head_counts(region, whole)
-    sizes = {s for s in sizes if s and s % tp == 0}
+def _subsets(candidates: list[tuple[str, str, int]]):
+    """The sets of candidates to try, smallest first: of the modules' own attributes, then of these and their
+    configs' values (fewer, and what a forward reads most often, come first: Mamba-2's mixer has 6 attributes
+    and 8 config values of a size the split divides)."""
+    own = [c for c in candidates if not c[1].startswith("config.")]
+    for size in range(min(len(own), _MAX_FIXES) + 1):
+        yield from itertools.combinations(own, size)
+    if len(own) < len(candidates):
+        for size in range(1, min(len(candidates), _MAX_FIXES) + 1):
+            yield from (chosen for chosen in itertools.combinations(candidates, size)
+                        if any(c[1].startswith("config.") for c in chosen))
+
+
+def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> list[tuple[str, str, int, int]]:
+    """(module, attribute, value, its value on each rank) for the integer attributes, on the modules holding the
+    region's projections (and their ``config``), whose value is a size the split changes: one it divides, or
+    the sum of consecutive parts of a fused output or of a convolution's channels, some of which every rank
+    keeps whole (Mamba-2's ``conv_dim``: x, B and C, with B and C of one group whole on every rank)."""
+    local = _local_sizes(whole, region, tp)
     holders = sorted({prefix for name in [region.row, *region.columns] for prefix in _prefixes(name)}
-                     | set(region.depthwise))
-    found: list[tuple[str, str, int]] = []
+                     | {m for m in region.depthwise if m in whole.weighted_inputs})  # a convolution that ran itself
+    found: list[tuple[str, str, int, int]] = []
     for holder in holders:
         module = block.get_submodule(holder)
-        found += [(holder, a, v) for a, v in sorted(vars(module).items()) if type(v) is int and v in sizes]
+        found += [(holder, a, v, local[v]) for a, v in sorted(vars(module).items()) if type(v) is int and v in local]
         config = getattr(module, "config", None)
         if config is not None and not isinstance(config, (nn.Module, Tensor)):
-            found += [(holder, f"config.{a}", v) for a, v in sorted(vars(config).items())
-                      if type(v) is int and v in sizes]
+            found += [(holder, f"config.{a}", v, local[v]) for a, v in sorted(vars(config).items())
+                      if type(v) is int and v in local]
     return found
+
+
+def _local_sizes(whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
+    """Size -> its value on each rank, for the sizes the split changes (see :func:`_candidates`)."""
+    sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
+    if region.heads:
+        sizes |= {region.heads} | _kv_head_counts(region, whole)
+    local = {s: s // tp for s in sizes if s and s % tp == 0}
+    fused = [(parts, region.whole.get(c) or (False,) * len(parts)) for c, parts in region.parts.items()]
+    for parts, kept in [*fused, *region.depthwise.values()]:
+        for i in range(len(parts)):
+            for j in range(i + 1, len(parts) + 1):
+                total = sum(parts[i:j])
+                mine = sum(size if keep else size // tp for size, keep in zip(parts[i:j], kept[i:j]))
+                if total != mine:
+                    local.setdefault(total, mine)
+    return local
 
 
 def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
@@ -382,8 +410,8 @@ def _prefixes(fqn: str) -> list[str]:
 
 def _as_fixes(chosen, tp: int) -> dict[str, dict[str, int]]:
     fixes: dict[str, dict[str, int]] = {}
-    for holder, attribute, value in chosen:
-        fixes.setdefault(holder, {})[attribute] = value // tp
+    for holder, attribute, _, value in chosen:
+        fixes.setdefault(holder, {})[attribute] = value
     return fixes
 
 
@@ -449,7 +477,10 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             owner, _, leaf = f"{holder}.{name}".strip(".").rpartition(".")
             module = local.get_submodule(owner)
             weight = getattr(module, leaf)
-            module.register_parameter(leaf, nn.Parameter(meta_like(weight, (weight.shape[0] // tp, *weight.shape[1:]))))
+            count = (len(FusedParts(0, region.depthwise[owner][0], tp, region.depthwise[owner][1]).held_by(rank))
+                     if owner in region.depthwise
+                     else weight.shape[0] // tp)
+            module.register_parameter(leaf, nn.Parameter(meta_like(weight, (count, *weight.shape[1:]))))
     for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)
@@ -476,9 +507,9 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
                                         any(not torch.equal(a, b) for a, b in zip(expected[n], got[n]))
                                         for n in expected):
         return f"{region.row} would read other features"
-    for module in region.depthwise:
-        share = len(whole.depthwise[module]) // tp
-        if trace.depthwise.get(module) != whole.depthwise[module][rank * share:(rank + 1) * share]:
+    for module, (parts, kept) in region.depthwise.items():
+        channels = whole.depthwise[module]
+        if trace.depthwise.get(module) != [channels[c] for c in FusedParts(0, parts, tp, kept).held_by(rank)]:
             return f"{module}'s channels would hold other features"
     if region.heads:
         event = _attention_events(whole, [*region.columns, *region.feeders])[0]
@@ -508,17 +539,23 @@ def _head_weights(block: nn.Module, region: Region) -> dict[str, list[str]]:
 
 
 def _channel_weights(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> str:
-    """Set ``region.depthwise``, the depthwise convolutions on the region's columns (one filter per channel),
-    and add their weights to ``region.head_weights``, split with their channels: rank r keeps channels
-    ``[r C/tp, (r+1) C/tp)``, which the checks hold to the features the rank keeps. They go under the innermost
-    module holding the region and the convolution: the model may read them from there without calling the
-    convolution's own forward (transformers' ``causal_conv1d_forward``)."""
-    region.depthwise = [m for m, channels in whole.depthwise.items()
-                        if channels and all(set(c) <= set(region.columns) for c in channels)]
-    for module in region.depthwise:
-        count = len(whole.depthwise[module])
-        if count % tp:
-            return f"{module}'s {count} channels do not divide by tensor_parallel_size={tp}"
+    """Set ``region.depthwise``, the depthwise convolutions on the region's columns (one filter per channel)
+    and how their channels split: rank r keeps the channels whose features it keeps, which must be its chunk of
+    each of consecutive parts (one slice; a convolution over ``[q | k | v]``: three). Their weights go to
+    ``region.head_weights``, under the innermost module holding the region and the convolution: the model may
+    read them from there without calling the convolution's own forward (transformers' ``causal_conv1d_forward``)."""
+    for module, channels in whole.depthwise.items():
+        if not channels or not all(set(c) <= set(region.columns) for c in channels):
+            continue
+        owned = [{n: set(region.owned[n][r].tolist()) for n in region.columns} for r in range(tp)]
+        held = [[c for c, feats in enumerate(channels) if all(f <= owned[r][n] for n, f in feats.items())]
+                for r in range(tp)]
+        holders = Counter(c for share in held for c in share)
+        shared = {c for c, count in holders.items() if count == tp}  # B and C of fewer groups than ranks
+        parts = _parts(held, len(channels), tp, shared if tp > 1 else set())
+        if parts is None or set(holders) != set(range(len(channels))) or set(holders.values()) - {1, tp}:
+            return f"{module}'s channels do not split as the features they hold do"
+        region.depthwise[module] = parts
         names = [region.row, *region.columns, module]
         holder = max(set.intersection(*(set(_prefixes(n)) for n in names)), key=lambda m: m.count(".") + bool(m))
         relative = module[len(holder) + 1:] if holder else module
@@ -528,6 +565,11 @@ def _channel_weights(block: nn.Module, whole: BlockTrace, region: Region, tp: in
 
 
 def _pass_through(x, *args, **kwargs):
+    """``x``, carrying also the features of the other inputs of its shape (a gated norm's gate), as the module's
+    own output does."""
+    for other in [*args, *kwargs.values()]:
+        if isinstance(other, Tensor) and other.shape == x.shape:
+            x = x + other * 0
     return x
 
 

@@ -141,6 +141,17 @@ AUTO_TP_MODELS = {
     # B, C and x split by channel, the conv's filters with their channels.
     "lfm2": dict(_HF_SIZES, model_type="lfm2", intermediate_size=64, num_key_value_heads=2, conv_bias=True,
                  layer_types=["conv", "full_attention", "conv", "full_attention"], block_auto_adjust_ff_dim=False),
+    # Mamba-2 layers (Bamba): heads split with their x, z and dt features and their A_log, D, dt_bias; B and C of
+    # the one group whole on every rank (their gradients summed over tp), in the fused in_proj and in the conv1d's
+    # channels; the gated norm over all of a rank's features computed by DTensor.
+    "bamba": dict(_HF_SIZES, model_type="bamba", num_key_value_heads=2, intermediate_size=64, mamba_d_head=8,
+                  mamba_n_heads=8, mamba_d_state=8, mamba_chunk_size=16, max_position_embeddings=64),
+    # Gated DeltaNet layers (Qwen3.5) beside full attention: the scan's heads split like attention's; the conv1d
+    # over [q | k | v] keeps each rank's chunk of each part.
+    "qwen3_5_text": dict(_HF_SIZES, model_type="qwen3_5_text", num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=4,
+                         max_position_embeddings=64),
     # Multi-head latent attention (DeepSeek-V3's, its MLPs dense): the low-rank q_a_proj and kv_a_proj_with_mqa
     # split and gathered, their norms whole with gradients summed over tp, q_b_proj and kv_b_proj split by heads;
     # the rotary key, one for all heads, reaches every rank's heads whole.

@@ -340,7 +340,7 @@ class _RolledConvolution(nn.Module):
 
 def test_a_convolution_whose_channels_do_not_follow_the_split_features_is_not_split():
     root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_RolledConvolution() for _ in range(2))})})
-    with pytest.raises(PolicyError, match=r"conv's channels would hold other features"):
+    with pytest.raises(PolicyError, match=r"conv's channels do not split as the features they hold do"):
         plan(root)
 
 
@@ -371,3 +371,31 @@ def test_a_convolution_held_by_the_block_itself_splits_there_also_under_sequence
     ends = plan(root, sequence_parallel=True).tp_plan
     for block in ("model.layers.0", "model.layers.2"):
         assert isinstance(ends[block], HeadWeights) and isinstance(ends[block].inner, HiddenStates)
+
+
+def test_a_gated_deltanet_layer_splits_its_scans_heads_and_its_convolution_by_parts():
+    # Qwen3.5: the scan (chunk_gated_delta_rule) is seen as attention over its heads; the conv1d runs on
+    # [q | k | v], so each rank keeps its chunk of each of the three parts of its channels.
+    root = hf("qwen3_5_text", **SIZES, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+              layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_num_key_heads=4, linear_num_value_heads=4)
+    found = plan(root)
+    layer = "model.model.layers.0.linear_attn"
+    assert isinstance(found.tp_plan[f"{layer}.out_proj"], RowSplit)
+    assert found.tp_plan[layer].parts["conv1d.weight"] == (32, 32, 32)
+    assert found.attribute_fixes[layer] == {"key_dim": 16, "value_dim": 16}
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.95
+
+
+def test_mamba2_layers_of_one_group_keep_b_and_c_whole_on_every_rank():
+    # Bamba: in_proj -> z | x | B | C | dt with one group of B and C, which every rank's heads read; the conv1d
+    # runs on x | B | C, and the mixer's conv_dim per rank is its x plus the whole B and C.
+    root = hf("bamba", **SIZES, num_key_value_heads=2, intermediate_size=64, mamba_d_head=8, mamba_n_heads=8,
+              mamba_d_state=8, mamba_chunk_size=16)
+    found = plan(root)
+    mixer = "model.model.layers.0.mamba"
+    in_proj = found.tp_plan[f"{mixer}.in_proj"]
+    assert (in_proj.parts, in_proj.whole) == ((64, 64, 16, 8), (False, False, True, False))
+    assert found.tp_plan[mixer].whole["conv1d.weight"] == (False, True)
+    assert found.attribute_fixes[mixer] == {"conv_dim": 48, "intermediate_size": 32, "num_heads": 4}

@@ -3,20 +3,22 @@ that passes and is not listed is named in the report, to be added here."""
 
 KNOWN_TO_PASS: dict[str, set[str]] = {
     "tp2": {
-        "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "bert-generation",
+        "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bamba", "beam", "bert-generation",
         "biogpt", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm",
-        "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "emu3", "ernie4_5", "ernie4_5_moe", "exaone",
-        "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint", "fuyu", "gemma", "gemma2", "gemma3_text",
-        "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-        "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_neox_japanese", "gpt_oss", "gptj",
-        "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "helium",
-        "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
-        "kolibri1", "kolibri1_1", "laguna", "lfm2", "lfm2_moe", "lfm3", "llama", "longcat_flash", "mellum",
-        "mimo_v2_flash", "minicpm3", "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral",
-        "ministral3", "mistral", "mixtral", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron",
-        "olmo", "olmo2", "olmo3", "olmoe", "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3",
-        "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3",
-        "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu"
+        "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note_text", "emu3", "ernie4_5",
+        "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "flex_olmo", "flint", "fuyu", "gemma",
+        "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
+        "glm4_moe_lite", "glm_moe_dsa", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox",
+        "gpt_neox_japanese", "gpt_oss", "gptj", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
+        "granitemoehybrid", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
+        "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "kolibri1_1", "laguna", "lara_mini",
+        "lfm2", "lfm2_moe", "lfm3", "llama", "longcat_flash", "mamba2", "mellum", "mimo_v2_flash", "minicpm3",
+        "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
+        "mixtral", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2",
+        "olmo3", "olmoe", "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2",
+        "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla",
+        "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm",
+        "youtu"
     },
     "pp2": {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba",
