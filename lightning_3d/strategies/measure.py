@@ -71,8 +71,8 @@ def measure(config: ParallelConfig, *, module, spec: ModelSpec, blocks: list[str
         if config.activation_checkpointing is not None:  # "auto", or a mode the user fixed
             recompute = calibrate.recompute_share(block, call, batch_size, sizes[-1], block_s[sizes[-1]], device,
                                                   repeat_s, precision=precision)
-    sizes = calibrate_links.message_sizes(largest_message_bytes(module, blocks, batch_size, spec))
-    links = calibrate_links.link_speeds(world_size, per_node, device, sizes)
+    message_bytes = calibrate_links.message_sizes(largest_message_bytes(module, blocks, batch_size, spec))
+    links = calibrate_links.link_speeds(world_size, per_node, device, message_bytes)
     pipeline_s = 0.0
     if "pipeline_parallel_size" in config.auto_fields or config.pipeline_parallel_size > 1:
         pipeline_s = calibrate_links.pipeline_microbatch_seconds(world_size, spec.hidden_size,

@@ -14,7 +14,7 @@ from helpers.launchers import forkrun
 from helpers.workers.auto_layout_worker import USER_MODEL
 from lightning_3d.planner.calibration import SEPARATELY_TIMED
 
-# A limit is for a hang, not for a loaded machine: the shared launch takes 6-8 minutes on 2 busy cores.
+# A limit is for a hang, not for a loaded machine: the shared launch takes minutes on 2 busy cores.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1500)]
 
 
@@ -92,8 +92,9 @@ def test_the_calibration_measured_the_optimizer_the_pipeline_schedules_own_cost_
     for rank in ranks:
         calibration = rank["free"]["calibration"]
         assert 0 < calibration["optimizer_seconds_per_parameter"] < 1e-5
-        # A sanity bound (milliseconds when idle), wide enough for 2 cores at load 10: 1.015 s was seen there.
-        assert 0 <= calibration["pipeline_microbatch_s"] < 5.0
+        # A sanity bound: milliseconds, idle or on 2 loaded cores. Probed on micro-batches of the link probe's
+        # message size in bytes (unit/test_calibration_pipeline_probe.py), it read 0.3-1 s.
+        assert 0 <= calibration["pipeline_microbatch_s"] < 1.0
         assert 0.05 < calibration["recompute_share"] < 3.0
 
 
