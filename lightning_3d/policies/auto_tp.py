@@ -46,7 +46,8 @@ from lightning_3d.policies.head_inputs import HeadInputs
 from lightning_3d.policies.head_weights import HeadWeights
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit, SummedGradients
-from lightning_3d.policies.tp_structure import BlockSplit, attribute_values, split_block
+from lightning_3d.policies.tp_per_rank import attribute_values
+from lightning_3d.policies.tp_structure import BlockSplit, split_block
 from lightning_3d.policies.vocab_parallel import vocab_parallel_styles
 
 MAX_REPLICATED = 0.10

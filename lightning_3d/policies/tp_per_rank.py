@@ -1,0 +1,284 @@
+"""A split region as one tp rank holds it: the block shrunk to the rank's share, traced again, and checked
+against the rank's part of the whole block's trace (:mod:`~lightning_3d.policies.tp_structure` decides the
+split). The per-rank values of the integer attributes the block reshapes by are found here, as the smallest
+set whose division makes every rank's trace right; so are the modules with weights inside a region and the
+dimension of their input that tp cuts."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_3d.fused_parts import FusedParts
+from lightning_3d.policies import head_inputs
+from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
+
+if TYPE_CHECKING:
+    from lightning_3d.policies.tp_structure import Region
+
+_MAX_FIXES = 4
+"""The most attributes one region's fix may change (the search is over subsets of the candidates)."""
+
+
+def attention_events(trace: BlockTrace, columns) -> list:
+    """The attention products whose q, k and v come from ``columns`` only."""
+    return [e for e in trace.attention if _channels(e) and _channels(e) <= set(columns)]
+
+
+def _channels(event) -> set[str]:
+    return {name for side in (event.q, event.k, event.v) for head in side for name in head}
+
+
+def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
+    """Set ``region.fixes`` to the smallest set of divided attributes under which every rank's shrunk block
+    traces as the whole one does on that rank; the reason when none does."""
+    candidates = _candidates(block, whole, region, tp)
+    failures = []
+    # Inputs of one slice per head are cut only when no set of attributes does without them; a narrowed
+    # input costs an all-gather per region: tried only when neither does.
+    per_head = head_inputs.candidates(args, kwargs, region.heads) if region.heads else []
+    for narrow in (False, True) if region.input_module is not None else (False,):
+        region.narrow_input = narrow
+        for cut in [[]] + [[key] for key in per_head]:
+            region.head_inputs = cut
+            for chosen in _subsets(candidates):
+                fixes = _as_fixes(chosen, tp)
+                why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
+                if why:
+                    failures.append(why)
+                    continue
+                for rank in range(1, tp):
+                    why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+                    if why:
+                        return f"rank {rank} of tp would compute otherwise: {why}"
+                region.fixes = fixes
+                return ""
+    region.narrow_input, region.head_inputs = False, []
+    ints = {f"{m or '<block>'}.{a}": v for m, a, v, _ in candidates}
+    tried = f"; with {', '.join(ints)} divided: {failures[-1]}" if len(failures) > 1 else ""
+    return (f"split over tp it does not compute what one process does (as it is: {failures[0]}{tried}); the"
+            f" integer attributes tried: {ints or 'none'}")
+
+
+def _subsets(candidates: list[tuple[str, str, int]]):
+    """The sets of candidates to try, smallest first: of the modules' own attributes, then of these and their
+    configs' values (fewer, and what a forward reads most often, come first: Mamba-2's mixer has 6 attributes
+    and 8 config values of a size the split divides)."""
+    own = [c for c in candidates if not c[1].startswith("config.")]
+    for size in range(min(len(own), _MAX_FIXES) + 1):
+        yield from itertools.combinations(own, size)
+    if len(own) < len(candidates):
+        for size in range(1, min(len(candidates), _MAX_FIXES) + 1):
+            yield from (chosen for chosen in itertools.combinations(candidates, size)
+                        if any(c[1].startswith("config.") for c in chosen))
+
+
+def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> list[tuple[str, str, int, int]]:
+    """(module, attribute, value, its value on each rank) for the integer attributes, on the modules holding the
+    region's projections (and their ``config``), whose value is a size the split changes: one it divides, or
+    the sum of consecutive parts of a fused output or of a convolution's channels, some of which every rank
+    keeps whole (Mamba-2's ``conv_dim``: x, B and C, with B and C of one group whole on every rank)."""
+    local = _local_sizes(whole, region, tp)
+    holders = sorted({prefix for name in [region.row, *region.columns] for prefix in prefixes(name)}
+                     | {m for m in region.depthwise if m in whole.weighted_inputs})  # a convolution that ran itself
+    found: list[tuple[str, str, int, int]] = []
+    for holder in holders:
+        module = block.get_submodule(holder)
+        found += [(holder, a, v, local[v]) for a, v in sorted(vars(module).items()) if type(v) is int and v in local]
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, (nn.Module, Tensor)):
+            found += [(holder, f"config.{a}", v, local[v]) for a, v in sorted(vars(config).items())
+                      if type(v) is int and v in local]
+    return found
+
+
+def _local_sizes(whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
+    """Size -> its value on each rank, for the sizes the split changes (see :func:`_candidates`)."""
+    sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
+    if region.heads:
+        sizes |= {region.heads} | _kv_head_counts(region, whole)
+    local = {s: s // tp for s in sizes if s and s % tp == 0}
+    fused = [(parts, region.whole.get(c) or (False,) * len(parts)) for c, parts in region.parts.items()]
+    for parts, kept in [*fused, *region.depthwise.values()]:
+        for i in range(len(parts)):
+            for j in range(i + 1, len(parts) + 1):
+                total = sum(parts[i:j])
+                mine = sum(size if keep else size // tp for size, keep in zip(parts[i:j], kept[i:j]))
+                if total != mine:
+                    local.setdefault(total, mine)
+    return local
+
+
+def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
+    event = attention_events(whole, [*region.columns, *region.feeders])[0]
+    return {len({frozenset(sorted((n, tuple(sorted(f))) for n, f in head.items())) for head in event.k})}
+
+
+def prefixes(fqn: str) -> list[str]:
+    """The modules holding ``fqn`` (the block itself as ""), not ``fqn``."""
+    atoms = fqn.split(".")
+    return [".".join(atoms[:i]) for i in range(len(atoms))]
+
+
+def _as_fixes(chosen, tp: int) -> dict[str, dict[str, int]]:
+    fixes: dict[str, dict[str, int]] = {}
+    for holder, attribute, _, value in chosen:
+        fixes.setdefault(holder, {})[attribute] = value
+    return fixes
+
+
+def attribute_values(block: nn.Module, fixes: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """``fixes`` (module -> attribute -> per-rank value, ``config.<name>`` for a value of the module's config)
+    as the attributes to set on ``block``'s modules: a config value becomes a copy of that module's config
+    with it changed (the model's config object is shared by all its modules, and stays as it is)."""
+    values: dict[str, dict[str, Any]] = {}
+    for holder, attributes in fixes.items():
+        module = block.get_submodule(holder)
+        plain = {a: v for a, v in attributes.items() if not a.startswith("config.")}
+        in_config = {a.split(".", 1)[1]: v for a, v in attributes.items() if a.startswith("config.")}
+        if in_config:
+            config = copy.copy(module.config)
+            for name, value in in_config.items():
+                setattr(config, name, value)
+            plain["config"] = config
+        values[holder] = plain
+    return values
+
+
+def find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
+    """Set ``region.inner``: the modules with weights that read only the region's columns, each with the one
+    dimension of its input a rank holds 1/tp of; the reason when such a module's input is split otherwise."""
+    inside = _inner_modules(whole, region)
+    if not inside:
+        return ""
+    local = _rank_trace(block, args, kwargs, whole, region, region.fixes, 0, tp)
+    for module in inside:
+        shape, mine = whole.weighted_inputs[module][1], local.weighted_inputs.get(module, (None, ()))[1]
+        split = [d for d, (a, b) in enumerate(zip(shape, mine)) if a != b]
+        if len(shape) != len(mine) or len(split) != 1 or mine[split[0]] * tp != shape[split[0]]:
+            return (f"{module} ({type(block.get_submodule(module)).__name__}) holds weights and runs on the split"
+                    f" outputs, but its input {list(shape)} is not cut along one dimension on a tp rank ({list(mine)})")
+        region.inner[module] = split[0]
+    return ""
+
+
+def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
+    """The modules with weights of their own that read only the region's columns (not depthwise convolutions:
+    their weights split with their channels)."""
+    return [m for m, (reads, _) in whole.weighted_inputs.items()
+            if reads and reads <= set(region.columns) and m not in whole.depthwise]
+
+
+def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int,
+                tp: int) -> BlockTrace:
+    """The trace of ``block`` as tp rank ``rank`` holds it: the region shrunk, ``fixes`` set.
+
+    A module inside the region that keeps its features in place (a norm) passes its input through here: on the
+    ranks it runs on DTensors (:class:`~lightning_3d.policies.projections.OnSplitFeatures`), which compute what
+    it computes on the whole input -- a norm over all of a split projection's features (OLMo 2's q_norm) too --
+    whereas its plain meta copy would meet this rank's share with whole weights."""
+    local = meta_copy(block)
+    for module in set(_inner_modules(whole, region)) & whole.features_in_place:
+        local.get_submodule(module).forward = _pass_through
+    features = {name: owned[rank] for name, owned in region.owned.items()}
+    for name, index in features.items():
+        _keep_outputs(local.get_submodule(name), len(index))
+    _keep_inputs(local.get_submodule(region.row), whole.sizes[region.row][0] // tp)
+    for holder, names in region.head_weights.items():
+        for name in names:
+            owner, _, leaf = f"{holder}.{name}".strip(".").rpartition(".")
+            module = local.get_submodule(owner)
+            weight = getattr(module, leaf)
+            count = (len(FusedParts(0, region.depthwise[owner][0], tp, region.depthwise[owner][1]).held_by(rank))
+                     if owner in region.depthwise
+                     else weight.shape[0] // tp)
+            module.register_parameter(leaf, nn.Parameter(meta_like(weight, (count, *weight.shape[1:]))))
+    for holder, attributes in attribute_values(local, fixes).items():
+        for attribute, value in attributes.items():
+            setattr(local.get_submodule(holder), attribute, value)
+    if region.narrow_input:
+        local.get_submodule(region.input_module).register_forward_pre_hook(_resize_input(1 / tp), with_kwargs=True)
+        for column in region.columns:
+            local.get_submodule(column).register_forward_pre_hook(_resize_input(tp), with_kwargs=True)
+    if region.head_inputs:
+        args, kwargs = head_inputs.cut(args, kwargs, region.head_inputs, region.heads, rank, tp)
+    return trace_block(local, args, kwargs, features)
+
+
+def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int, tp: int) -> str:
+    """'' if ``block`` as tp rank ``rank`` holds it (the region shrunk, ``fixes`` set) traces this rank's part of
+    the whole trace; else what differs."""
+    trace = _rank_trace(block, args, kwargs, whole, region, fixes, rank, tp)
+    if trace.problem:
+        return trace.problem
+    width = whole.sizes[region.row][0] // tp
+    mine = slice(rank * width, (rank + 1) * width)
+    expected = {n: [s[mine] for s in slots] for n, slots in whole.row_inputs.get(region.row, {}).items()}
+    got = trace.row_inputs.get(region.row, {})
+    if set(expected) != set(got) or any(len(expected[n]) != len(got[n]) or
+                                        any(not torch.equal(a, b) for a, b in zip(expected[n], got[n]))
+                                        for n in expected):
+        return f"{region.row} would read other features"
+    for module, (parts, kept) in region.depthwise.items():
+        channels = whole.depthwise[module]
+        if trace.depthwise.get(module) != [channels[c] for c in FusedParts(0, parts, tp, kept).held_by(rank)]:
+            return f"{module}'s channels would hold other features"
+    if region.heads:
+        event = attention_events(whole, [*region.columns, *region.feeders])[0]
+        per_rank = region.heads // tp
+        heads = slice(rank * per_rank, (rank + 1) * per_rank)
+        local_events = attention_events(trace, [*region.columns, *region.feeders])
+        if len(local_events) != 1:
+            return "the attention product is not found once"
+        got_event = local_events[0]
+        for side in ("q", "k", "v"):
+            if getattr(got_event, side) != getattr(event, side)[heads]:
+                return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
+    return ""
+
+
+def _pass_through(x, *args, **kwargs):
+    """``x``, carrying also the features of the other inputs of its shape (a gated norm's gate), as the module's
+    own output does."""
+    for other in [*args, *kwargs.values()]:
+        if isinstance(other, Tensor) and other.shape == x.shape:
+            x = x + other * 0
+    return x
+
+
+def _resize_input(factor: float):
+    """A forward pre-hook that gives the module its first tensor argument ``factor`` times as wide (on meta)."""
+    def hook(_module, args, kwargs):
+        if args and isinstance(args[0], Tensor):
+            x = args[0]
+            return (torch.empty(*x.shape[:-1], int(x.shape[-1] * factor), dtype=x.dtype, device="meta"),
+                    *args[1:]), kwargs
+        return None
+    return hook
+
+
+def _keep_outputs(module: nn.Module, count: int) -> None:
+    """Shrink a projection (on meta) to ``count`` output features."""
+    if isinstance(module, nn.Linear):
+        module.weight = meta_like(module.weight, (count, module.in_features))
+        module.out_features = count
+    else:  # Conv1D: weight (in, out)
+        module.weight = meta_like(module.weight, (module.weight.shape[0], count))
+        module.nf = count
+    if module.bias is not None:
+        module.bias = meta_like(module.bias, (count,))
+
+
+def _keep_inputs(module: nn.Module, count: int) -> None:
+    """Shrink a projection (on meta) to ``count`` input features; the bias stays whole."""
+    if isinstance(module, nn.Linear):
+        module.weight = meta_like(module.weight, (module.out_features, count))
+        module.in_features = count
+    else:
+        module.weight = meta_like(module.weight, (count, module.weight.shape[1]))
+        if hasattr(module, "nx"):
+            module.nx = count
