@@ -17,6 +17,7 @@ from torch import nn
 from lightning_3d.common import join_fqn
 from lightning_3d.policies.auto_tp import structural_tp_plan
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
+from lightning_3d.policies.block_trace import is_projection
 from lightning_3d.policies.registry import register_policy, registered_policies
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ class AutoPolicy(Policy):
 
 
 def repeated_blocks(root: nn.Module) -> list[str]:
-    """FQNs of the children of the longest ``ModuleList``/``ModuleDict``/``Sequential`` whose children share
-    one class and hold parameters (transformer layers, in every model we know), among the outermost such
-    lists: a list inside one of those layers (a mixture of experts' MLPs) is part of the layer."""
+    """FQNs of the children of the longest ``ModuleList``/``ModuleDict``/``Sequential`` of layers, among the
+    outermost such lists: a list inside one of those layers (a mixture of experts' MLPs) is part of the layer.
+    Layers are children that share one class and hold parameters (transformer layers), or, in a hybrid
+    model's list of layers of several classes (attention and linear-attention layers), children that each
+    hold a projection."""
     lists = []
     for fqn, module in root.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(module) < 2:
@@ -68,7 +71,8 @@ def repeated_blocks(root: nn.Module) -> list[str]:
         children = list(module.named_children())
         same_class = len({type(child) for _, child in children}) == 1
         has_params = all(any(True for _ in child.parameters()) for _, child in children)
-        if same_class and has_params:
+        hybrid = not same_class and all(any(is_projection(m) for m in child.modules()) for _, child in children)
+        if (same_class and has_params) or hybrid:
             lists.append([join_fqn(fqn, name) for name, _ in children])
     outermost = [found for found in lists
                  if not any(found[0].startswith(child + ".") for other in lists for child in other)]

@@ -206,7 +206,8 @@ def test_experts_written_as_a_module_list_are_refused_at_tp_naming_them():
 
 
 def test_a_model_without_repeated_blocks_is_refused_at_tp_not_left_whole():
-    # Layers of different classes (a hybrid model) form no block list: tp would split nothing.
+    # A list of modules that are not all layers (a ReLU between two Linears) forms no block list: tp would
+    # split nothing.
     root = nn.ModuleDict({"model": nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))})
     with pytest.raises(PolicyError, match="found no repeated blocks(.|\n)*tensor_parallel_size=1"):
         plan(root)
@@ -399,3 +400,16 @@ def test_mamba2_layers_of_one_group_keep_b_and_c_whole_on_every_rank():
     assert (in_proj.parts, in_proj.whole) == ((64, 64, 16, 8), (False, False, True, False))
     assert found.tp_plan[mixer].whole["conv1d.weight"] == (False, True)
     assert found.attribute_fixes[mixer] == {"conv_dim": 48, "intermediate_size": 32, "num_heads": 4}
+
+
+def test_a_hybrid_models_layers_of_two_classes_are_its_blocks_each_kind_split():
+    # OLMo-Hybrid: three Gated DeltaNet layers, then an attention layer, each a class of its own, in one list.
+    root = hf("olmo_hybrid", **{**SIZES, "num_hidden_layers": 4}, num_key_value_heads=2, intermediate_size=64,
+              layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=4, pad_token_id=0)
+    found = plan(root)
+    assert found.blocks == [f"model.model.layers.{i}" for i in range(4)]
+    assert {type(root.get_submodule(b)).__name__ for b in found.blocks} == {"OlmoHybridLinearAttentionDecoderLayer",
+                                                                              "OlmoHybridAttentionDecoderLayer"}
+    sharded, total = sharded_share(root, found.blocks, found.tp_plan)
+    assert sharded / total > 0.95

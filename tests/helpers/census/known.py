@@ -15,10 +15,10 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "lfm2", "lfm2_moe", "lfm3", "llama", "longcat_flash", "mamba2", "mellum", "mimo_v2_flash", "minicpm3",
         "minicpm5_moe", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
         "mixtral", "modernbert-decoder", "moshi", "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2",
-        "olmo3", "olmoe", "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2",
-        "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla",
-        "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm",
-        "youtu"
+        "olmo3", "olmo_hybrid", "olmoe", "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe",
+        "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+        "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+        "xglm", "youtu"
     },
     "pp2": {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba",
@@ -33,12 +33,12 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "internlm3", "iquestcoder", "jais2", "jamba", "jetmoe", "kimi_linear", "kolibri1", "kolibri1_1",
         "laguna", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "llama", "llama4_text", "longcat_flash", "mamba",
         "mamba2", "mellum", "mimo_v2_flash", "minicpm3", "minicpm5_moe", "minimax", "minimax_m2",
-        "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "modernbert-decoder", "moshi",
-        "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmoe", "openai-gpt", "opt",
-        "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text",
-        "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "recurrent_gemma", "rwkv", "sarvam_mla",
-        "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "trocr", "vaultgemma",
-        "xglm", "youtu",
+        "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama", "modernbert-decoder",
+        "moshi", "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe",
+        "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
+        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "recurrent_gemma",
+        "rwkv", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
+        "trocr", "vaultgemma", "xglm", "youtu",
         "xlstm",  # its block returns, besides the activation, a tensor that is not contiguous (gloo sends none such)
     },
 }
