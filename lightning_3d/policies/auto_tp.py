@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from lightning_3d.common import join_fqn
+from lightning_3d.common import join_fqn, parent_fqn
 from lightning_3d.policies.auto_pipeline import tied_parameters
 from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_inputs import block_inputs, required_positionals
@@ -95,7 +95,7 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             for holder, names in region.head_weights.items():
                 fqn = join_fqn(block, holder)
                 convolutions = {n: region.depthwise[m] for n in names
-                                if (m := join_fqn(holder, n.rpartition(".")[0])) in region.depthwise}
+                                if (m := join_fqn(holder, parent_fqn(n))) in region.depthwise}
                 tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn), parts={n: p for n, (p, _) in convolutions.items()},
                                            whole={n: w for n, (_, w) in convolutions.items()})
                 covered[block] += [f"{fqn}.{name}" for name in names]

@@ -2,13 +2,14 @@
 against the rank's part of the whole block's trace (:mod:`~lightning_3d.policies.tp_structure` decides the
 split). The per-rank values of the integer attributes the block reshapes by are found here, as the smallest
 set whose division makes every rank's trace right; so are the modules with weights inside a region and the
-dimension of their input that tp cuts."""
+dimension of their input that tp cuts. ``region`` is a :class:`~lightning_3d.policies.tp_structure.Region`
+(not imported here: tp_structure imports this module)."""
 
 from __future__ import annotations
 
 import copy
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -16,9 +17,6 @@ from torch import Tensor, nn
 from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies import head_inputs
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
-
-if TYPE_CHECKING:
-    from lightning_3d.policies.tp_structure import Region
 
 _MAX_FIXES = 4
 """The most attributes one region's fix may change (the search is over subsets of the candidates)."""

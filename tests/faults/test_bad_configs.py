@@ -64,8 +64,9 @@ EXPECTED_AFTER_SETUP = {
     # Found by tracing one block on the meta device (lightning_3d.policies.auto_tp): a refusal, not a no-op.
     "auto_cannot_split_most_of_a_block": ("PolicyError", [
         "policy='auto' would leave", "of the block parameters of HeadsLM whole on every tp rank",
-        "attention.q_up, attention.k, attention.v, attention.out: it reads projections that do not read the"
-        " residual stream", "ColumnSplit(parts=", "allow_replicated=True"]),
+        "attention.q_down, attention.q_up, attention.k, attention.v, attention.out: split over tp it does not"
+        " compute what one process does", "the integer attributes tried: {'attention.heads': 4}",
+        "ColumnSplit(parts=", "allow_replicated=True"]),
     "float_token_ids": ("RuntimeError", ["Expected tensor for argument #1 'indices'", "Long, Int"]),
     "auto_with_a_fixed_tp_that_cannot_fit": ("NoLayoutFits", [
         "No layout of 2 ranks fits 0.0 MiB per rank", "tensor_parallel_size=2", "The smallest need is",

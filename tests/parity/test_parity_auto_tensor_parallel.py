@@ -74,7 +74,9 @@ def test_a_checkpoint_of_fused_projections_under_zero_holds_what_one_process_tra
     reference = reference_for(AUTO_TP_CASES[name]).params
     consolidate(AUTO_TP_CHECKPOINTS[name], tmp_path / "model.pt")
     saved = torch.load(tmp_path / "model.pt")
-    assert {k for k in saved if "attn" in k and "bias" in k or "qkv" in k or "query_key_value" in k or "experts" in k}  # fused ones are there
+    # Fused ones are there (or, for MLA, the low-rank projections split and gathered).
+    assert {k for k in saved if "attn" in k and "bias" in k or "qkv" in k or "query_key_value" in k or "experts" in k
+            or "q_a_proj" in k}
     for key, tensor in saved.items():
         assert (tensor - reference[key]).abs().max() <= 1e-5, key
 

@@ -122,8 +122,10 @@ class ForgetsTheHeadCount(Policy):
 
 
 class LowRankQueryAttention(nn.Module):
-    """Queries through a low-rank pair of projections (``q_down`` then ``q_up``, as DeepSeek's MLA writes q):
-    ``q_up`` reads ``q_down``, not the residual stream, so auto's trace finds no region to split here."""
+    """Queries through a low-rank pair of projections (``q_down`` then ``q_up``, as DeepSeek's MLA writes q),
+    in code that reads its width from its input (``B, T, C = x.shape``, then ``reshape(B, T, C)``): auto finds the
+    region (``q_down`` a low-rank feeder), but no per-rank attribute makes the split compute what one process
+    does, and the width cannot be narrowed where a feeder reads the same input."""
 
     def __init__(self, width: int = 32, heads: int = 4, rank: int = 8):
         super().__init__()
