@@ -291,14 +291,19 @@ class _Recorder(TorchDispatchMode):
         self._follow_features(func, args, kwargs, out, flat_in, outs)
         return out
 
-    def _copy_into(self, dst: Tensor, src: Tensor) -> None:
-        """``dst.copy_(src)``, where ``dst`` may be a view (``key[..., :d].copy_(k_nope)``, as MLA builds its keys
-        in place): the provenance and features of ``src`` reach the tensor ``dst`` views, at the places it views."""
-        chain, base = [], dst
+    def _view_base(self, tensor: Tensor) -> tuple[Tensor, list[tuple]]:
+        """The tensor ``tensor`` views (itself if none), and the ops from it to ``tensor``, last first."""
+        chain, base = [], tensor
         while id(base) in self.view_of:
             parent, func, args, kwargs, i = self.view_of[id(base)]
             chain.append((func, args, kwargs, i))
             base = parent
+        return base, chain
+
+    def _copy_into(self, dst: Tensor, src: Tensor) -> None:
+        """``dst.copy_(src)``, where ``dst`` may be a view (``key[..., :d].copy_(k_nope)``, as MLA builds its keys
+        in place): the provenance and features of ``src`` reach the tensor ``dst`` views, at the places it views."""
+        base, chain = self._view_base(dst)
         prov = self.prov.get(id(src), frozenset())
         for t in (dst, base):
             self.prov[id(t)] = self.prov.get(id(t), frozenset()) | prov
@@ -388,10 +393,7 @@ class _Recorder(TorchDispatchMode):
             return
         self.shadow[id(out)] = {name: [s[:, :, :1].expand(out.shape).clone() for s in slots]
                                 for name, slots in shadow.items()}
-        base = weight
-        while id(base) in self.view_of:
-            base = self.view_of[id(base)][0]
-        owner = self.param_owner.get(id(base))
+        owner = self.param_owner.get(id(self._view_base(weight)[0]))
         if owner is not None:
             self.trace.depthwise[owner] = [{name: _features(s[0, c, :1] for s in slots) for name, slots in shadow.items()}
                                            for c in range(groups)]

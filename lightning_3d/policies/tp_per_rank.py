@@ -62,7 +62,7 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
             f" integer attributes tried: {ints or 'none'}")
 
 
-def _subsets(candidates: list[tuple[str, str, int]]):
+def _subsets(candidates: list[tuple[str, str, int, int]]):
     """The sets of candidates to try, smallest first: of the modules' own attributes, then of these and their
     configs' values (fewer, and what a forward reads most often, come first: Mamba-2's mixer has 6 attributes
     and 8 config values of a size the split divides)."""

@@ -38,6 +38,8 @@ from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies.block_trace import STREAM, BlockTrace, _features, trace_block
 from lightning_3d.policies.experts import ExpertsLayout, experts_layout, is_experts
 from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes
+
+
 @dataclass
 class Region:
     """One tensor-parallel region of a block (FQNs relative to the block)."""

@@ -92,8 +92,8 @@ def test_the_calibration_measured_the_optimizer_the_pipeline_schedules_own_cost_
     for rank in ranks:
         calibration = rank["free"]["calibration"]
         assert 0 < calibration["optimizer_seconds_per_parameter"] < 1e-5
-        # A sanity bound: milliseconds, idle or on 2 loaded cores. Probed on micro-batches of the link probe's
-        # message size in bytes (unit/test_calibration_pipeline_probe.py), it read 0.3-1 s.
+        # A sanity bound: milliseconds, idle or on 2 loaded cores; micro-batches of the link probe's message
+        # size in bytes instead of the run's (unit/test_calibration_pipeline_probe.py) read 0.3-1 s.
         assert 0 <= calibration["pipeline_microbatch_s"] < 1.0
         assert 0.05 < calibration["recompute_share"] < 3.0
 

@@ -322,48 +322,41 @@ def test_a_short_convolution_splits_its_filters_with_their_channels():
     assert sharded / total > 0.95
 
 
-class _RolledConvolution(nn.Module):
-    """A depthwise convolution on its channels turned half a turn: the filter at channel c convolves feature
-    c + 8 (mod 16), so each rank's features sit at the other rank's filters."""
+class _ConvolutionInTheBlock(nn.Module):
+    """A user's block holding its depthwise convolution itself, beside the projections around it. ``rolled``:
+    the convolution sees its channels turned half a turn (the filter at channel c convolves feature c + 8 mod
+    16), so each rank's features would sit at the other rank's filters."""
 
-    def __init__(self):
+    def __init__(self, rolled: bool = False):
         super().__init__()
+        self.rolled = rolled
         self.norm = nn.LayerNorm(16)
         self.in_proj, self.out_proj = nn.Linear(16, 16), nn.Linear(16, 16)
         self.conv = nn.Conv1d(16, 16, 3, groups=16, padding=2)
 
+    def _turn(self, y):
+        return torch.cat([y[..., 8:], y[..., :8]], -1) if self.rolled else y
+
     def forward(self, x):
-        y = self.in_proj(self.norm(x))
-        y = torch.cat([y[..., 8:], y[..., :8]], -1).transpose(1, 2)
-        y = self.conv(y)[..., :x.shape[1]].transpose(1, 2)
-        return x + self.out_proj(torch.cat([y[..., 8:], y[..., :8]], -1))
+        y = self.conv(self._turn(self.in_proj(self.norm(x))).transpose(1, 2))[..., :x.shape[1]]
+        return x + self.out_proj(self._turn(y.transpose(1, 2)))
+
+
+def _layers(count: int, **kwargs) -> nn.Module:
+    return nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_ConvolutionInTheBlock(**kwargs)
+                                                                           for _ in range(count))})})
 
 
 def test_a_convolution_whose_channels_do_not_follow_the_split_features_is_not_split():
-    root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_RolledConvolution() for _ in range(2))})})
     with pytest.raises(PolicyError, match=r"conv's channels do not split as the features they hold do"):
-        plan(root)
-
-
-class _ConvolutionInTheBlock(nn.Module):
-    """A user's block holding its depthwise convolution itself, beside the projections around it."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(16)
-        self.in_proj, self.out_proj = nn.Linear(16, 16), nn.Linear(16, 16)
-        self.conv = nn.Conv1d(16, 16, 3, groups=16, padding=2)
-
-    def forward(self, x):
-        y = self.conv(self.in_proj(self.norm(x)).transpose(1, 2))[..., :x.shape[1]]
-        return x + self.out_proj(y.transpose(1, 2))
+        plan(_layers(2, rolled=True))
 
 
 def test_a_convolution_held_by_the_block_itself_splits_there_also_under_sequence_parallelism():
     from lightning_3d.policies.head_weights import HeadWeights
     from lightning_3d.policies.hidden_states import HiddenStates
 
-    root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_ConvolutionInTheBlock() for _ in range(3))})})
+    root = _layers(3)
     found = plan(root)
     assert found.tp_plan["model.layers.1"].names == ["conv.weight", "conv.bias"]
     assert found.attribute_fixes["model.layers.1.conv"] == {"groups": 8}

@@ -1,7 +1,7 @@
 """layout='auto' times the pipeline schedule's own cost per micro-batch on micro-batches of the run's size: the
-smallest micro-batch the layouts may take, in tokens (sequences x the sequence length). A name reused in
-``measure`` once passed the link probe's message size in bytes instead: 65,536 sequences per micro-batch,
-terabytes at a real model's width."""
+smallest micro-batch the layouts may take, in tokens (sequences x the sequence length), not the link probe's
+message sizes in bytes that ``measure`` computes beside them (65,536 sequences per micro-batch: terabytes at a
+real model's width)."""
 
 import torch
 from torch import nn
