@@ -233,6 +233,10 @@ AUTO_TP_CASES = {c.name: c for c in [
     # The global norm clips (0.05 is below every step's norm): whole parts counted once, under ZeRO's dp cut.
     dataclasses.replace(auto_tp_case("falcon_mqa", 2, 1, 2, zero_stage=3), gradient_clip_val=0.05),
     dataclasses.replace(auto_tp_case("deepseek_v3", 2, 1, 2, zero_stage=3), gradient_clip_val=0.05),
+    # A user's model with a gated short convolution (nn.Conv1d of one filter per channel, called as a module) in
+    # each block, its own init: tp splits the filters with their channels; also under ZeRO-3 with SP.
+    as_written_case("auto_conv_lm_1_1_2", "user_conv_lm", 1, 1, 2),
+    as_written_case("auto_conv_lm_2_1_2_zero3_sp", "user_conv_lm", 2, 1, 2, zero_stage=3, sequence_parallel=True),
 ]}
 
 AUTO_TP_SAVED = [name for name in AUTO_TP_CASES if name.endswith(("_1_1_2", "_zero3"))]

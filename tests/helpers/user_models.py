@@ -15,7 +15,8 @@
 * :class:`StoryLM` is a small language model as tutorials write one, with nothing of GPT's names: pre-norm
   blocks in an ``nn.ModuleList``, its own init in the parent (``self.apply``: N(0, 0.02) weights, zero biases,
   the residual outputs scaled down by sqrt(2 * layers)), learned positions, a SiLU MLP three times the width, an
-  untied head.
+  untied head; ``"user_conv_lm"`` mixes tokens with a gated short convolution (an ``nn.Conv1d`` of one filter per
+  channel) instead of attention.
 * :class:`SkipNoneLM` is the exception: written with its own policy (:class:`SkipNonePolicy`) that names
   ``pipeline_root``, ``before`` and ``after``, its forward skipping the modules a stage does not hold.
 
@@ -301,10 +302,26 @@ class StoryAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class StoryBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+class StoryShortConvolution(nn.Module):
+    """A gated short convolution in place of attention (as LFM2 mixes tokens): ``in_proj`` -> b, c, h; a causal
+    depthwise ``nn.Conv1d`` over b * h, called as a module; c gates its output."""
+
+    def __init__(self, dim: int, heads: int, kernel: int = 3) -> None:
         super().__init__()
-        self.attention_norm, self.attention = nn.LayerNorm(dim), StoryAttention(dim, heads)
+        self.in_proj = nn.Linear(dim, 3 * dim)
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)
+        y = self.conv((b * h).transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        return self.out(c * y)
+
+
+class StoryBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, mixer: type[nn.Module] = StoryAttention) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = nn.LayerNorm(dim), mixer(dim, heads)
         self.mlp_norm = nn.LayerNorm(dim)
         self.up, self.down = nn.Linear(dim, 3 * dim), nn.Linear(3 * dim, dim)
         self.dropout = nn.Dropout(0.0)
@@ -315,10 +332,11 @@ class StoryBlock(nn.Module):
 
 
 class StoryLM(nn.Module):
-    def __init__(self, vocab_size: int, context: int, layers: int, dim: int, heads: int) -> None:
+    def __init__(self, vocab_size: int, context: int, layers: int, dim: int, heads: int,
+                 mixer: type[nn.Module] = StoryAttention) -> None:
         super().__init__()
         self.embed, self.position = nn.Embedding(vocab_size, dim), nn.Embedding(context, dim)
-        self.layers = nn.ModuleList(StoryBlock(dim, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(StoryBlock(dim, heads, mixer) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.unembed = nn.Linear(dim, vocab_size, bias=False)
         self.apply(self._init)
@@ -341,13 +359,21 @@ class StoryLM(nn.Module):
 
 
 class StoryLMModule(_NextTokenModule):
+    mixer: type[nn.Module] = StoryAttention
+
     def configure_model(self):
         if self.model is None:
             c = self.config
-            self.model = StoryLM(c.vocab_size, c.block_size, c.n_layer, c.n_embd, c.n_head)
+            self.model = StoryLM(c.vocab_size, c.block_size, c.n_layer, c.n_embd, c.n_head, self.mixer)
 
     def logits(self, tokens):
         return self.model(tokens)
+
+
+class ShortConvStoryLMModule(StoryLMModule):
+    """:class:`StoryLM` with a gated short convolution in each block instead of attention."""
+
+    mixer = StoryShortConvolution
 
 
 class SkipNoneLM(nn.Module):

@@ -7,7 +7,8 @@ import torch
 
 from helpers.harness.cases import ADAM_EPS, SEED, Case
 from helpers.toy_model import ToyLightningModule
-from helpers.user_models import LlamaStyleModule, NanoGPTModule, PublishedGPTModule, StoryLMModule, UserLlamaModule
+from helpers.user_models import (LlamaStyleModule, NanoGPTModule, PublishedGPTModule, ShortConvStoryLMModule, StoryLMModule,
+                                 UserLlamaModule)
 from lightning_3d.models import GPTConfig, GPTLightningModule, HFCausalLMModule, SyntheticDataModule
 
 
@@ -78,7 +79,7 @@ class MicrobatchedHFModule(HFCausalLMModule):
 MODULES = {"gpt": GPTLightningModule, "gpt_explicit_pipeline": ExplicitPipelineGPTModule, "gpt_eager": EagerGPTModule, "gpt_self": SelfCallingGPTModule,
            "toy": ToyLightningModule, "user_nanogpt": NanoGPTModule, "user_llama": UserLlamaModule,
            "user_llama_style": LlamaStyleModule, "user_published_gpt": PublishedGPTModule,
-           "user_story_lm": StoryLMModule}
+           "user_story_lm": StoryLMModule, "user_conv_lm": ShortConvStoryLMModule}
 
 
 def module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModule):
