@@ -14,6 +14,9 @@ from lightning_3d.policies.experts import experts_stood_in
 from lightning_3d.policies.meta_values import MetaValues
 
 
+SKIPPED = "the forward ran to its end without calling the block"
+
+
 class _Stop(Exception):
     pass
 
@@ -51,6 +54,9 @@ def block_inputs(model: nn.Module, block: nn.Module, width: int, tokens: int = 4
                 # The experts of the blocks before it stand in for themselves (routing reads values).
                 with torch.no_grad(), torch.device("meta"), MetaValues(), experts_stood_in(model):
                     call()
+                # A forward that skips the block on token ids (a layer for inputs of another kind: images): what
+                # the other calls failed on is beside the point.
+                failures.insert(0, SKIPPED)
             except _Stop:
                 first = next((a for a in [*seen["args"], *seen["kwargs"].values()] if isinstance(a, Tensor)), None)
                 if first is None or not first.is_floating_point() or first.shape[-1] != width:

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.policies.experts import experts_stood_in
+from lightning_3d.policies.meta_values import MetaValues
 from lightning_3d.policies.scan_kernels import kernel_name, scan_heads
 
 
@@ -148,7 +149,10 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict,
     handles.append(register_module_forward_pre_hook(recorder.kernel_enter))
     handles.append(register_module_forward_hook(recorder.kernel_leave, with_kwargs=True))
     try:
-        with torch.no_grad(), torch.device("meta"), _FunctionLevel(recorder), recorder, experts_stood_in(block):
+        # MetaValues: what the block derives from constants (a distribution's parameters) and a router's choice
+        # of experts carry host values, for code in the block that reads them.
+        with (torch.no_grad(), torch.device("meta"), _FunctionLevel(recorder), recorder, MetaValues(),
+              experts_stood_in(block)):
             block(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 -- what meta cannot run, or a shape the split broke
         recorder.trace.problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
