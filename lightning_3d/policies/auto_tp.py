@@ -1,6 +1,7 @@
 """The tensor-parallel part of the "auto" plan, for a model no policy was written for.
 
-One block of each kind (class and parameter shapes) is traced on a meta copy of the model, with the inputs
+The blocks are those of every list ``auto.block_lists`` finds (a model may hold an encoder's and a decoder's,
+or two stacks it runs in turns). One block of each kind (class and parameter shapes) is traced on a meta copy of the model, with the inputs
 the model itself gives it (:mod:`~lightning_3d.policies.block_trace`), and split from what it computes
 (:mod:`~lightning_3d.policies.tp_structure`): attention and MLP regions, fused or not, in one module or over
 siblings, ``nn.Linear`` or ``Conv1D``. Every block of that kind takes the same split:
@@ -22,9 +23,10 @@ lines, unless ``allow_replicated=True``. What was split is said once per job (ra
 **Sequence parallelism**: between the regions the hidden states stay split along the sequence: the
 LayerNorm/RMSNorm layers of each block outside the regions run on sequence shards, each region gathers its
 input and its row projection reduce-scatters. The residual stream is split entering the first block and
-gathered leaving the last (the final norm and the head see every position). A block holding other weights
-between the regions is refused: they could mix positions. Parameter-free code there (a token shift) cannot be
-seen, so it must act on each position alone.
+gathered leaving the last (the final norm and the head see every position); a model with several lists of
+blocks is refused, as where each list's hidden states may be split and gathered cannot be told from its
+structure. A block holding other weights between the regions is refused: they could mix positions.
+Parameter-free code there (a token shift) cannot be seen, so it must act on each position alone.
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ MAX_REPLICATED = 0.10
 """The largest share of the block parameters "auto" may leave whole on every tp rank without being told."""
 
 
-def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions) -> Plan:
-    """The plan that splits ``root``'s ``blocks`` over ``options.tp`` ranks (see the module docstring)."""
+def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: PlanOptions) -> Plan:
+    """The plan that splits the blocks of every list of ``block_lists`` of ``root`` over ``options.tp`` ranks
+    (see the module docstring); its ``blocks``, what the pipeline cuts, are the first list's."""
+    if options.sequence_parallel and len(block_lists) > 1:
+        raise PolicyError(_several_lists_refusal(block_lists))
+    blocks = [block for found in block_lists for block in found]
     between = Shard(1) if options.sequence_parallel else Replicate()
     splits = block_splits(root, blocks, options.tp)
     tp_plan: dict[str, ParallelStyle] = {}
@@ -105,7 +111,7 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
             covered[block].append(join_fqn(block, name))
     vocabulary, said = vocab_parallel_styles(root, blocks, options.tp, options.vocab_parallel_loss)
     tp_plan.update(vocabulary)
-    _judge(root, splits, tp_plan, options, said)
+    _judge(root, [found[0] for found in block_lists], splits, tp_plan, options, said)
     if options.sequence_parallel:
         for block in blocks:
             norms, dropouts = sequence_parallel_parts(root, block, covered[block])
@@ -123,8 +129,21 @@ def structural_tp_plan(root: nn.Module, blocks: list[str], options: PlanOptions)
         for region in split.regions:
             if region.head_inputs:
                 tp_plan[block] = HeadInputs(region.head_inputs, region.heads, inner=tp_plan.get(block))
-    return Plan(blocks=blocks, tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng,
+    return Plan(blocks=block_lists[0], tp_plan=tp_plan, attribute_fixes=fixes, sharded_rng_regions=sharded_rng,
                 tied_parameters=tied_parameters(root))
+
+
+def _several_lists_refusal(block_lists: list[list[str]]) -> str:
+    lists = ", ".join(f"{parent_fqn(found[0])} ({len(found)})" for found in block_lists)
+    return (
+        f"policy='auto' cannot plan sequence parallelism for a model with {len(block_lists)} lists of blocks"
+        f" ({lists}): the hidden states are split along the sequence entering a list's first block and gathered"
+        " leaving its last, which is right only if the forward runs each list through, first block to last,"
+        " before anything else reads them, and the structure does not say whether it does (a model may run two"
+        " stacks in turns, or one list's blocks between another's). Train with sequence_parallel=False (tensor"
+        " parallelism still splits every list), or register a policy that places the sequence splits"
+        " (lightning_3d.policies.register_policy; see policies/llama.py)."
+    )
 
 
 def block_splits(root: nn.Module, blocks: list[str], tp: int) -> dict[str, BlockSplit]:
@@ -142,13 +161,11 @@ def block_splits(root: nn.Module, blocks: list[str], tp: int) -> dict[str, Block
 
 
 def _callers(root: nn.Module, blocks: list[str]) -> list[tuple[str, nn.Module]]:
-    """What ``training_step`` may call to run the blocks, as (FQN, meta copy): the root's child holding them
-    (unless it is their list), and the root (unless it is the LightningModule, whose copy would copy its
+    """What ``training_step`` may call to run the blocks, as (FQN, meta copy): the root's children holding them
+    (unless one is their list), and the root (unless it is the LightningModule, whose copy would copy its
     trainer)."""
-    prefix = _model_prefix(blocks)
-    found = []
-    if prefix and not isinstance(root.get_submodule(prefix), (nn.ModuleList, nn.ModuleDict)):
-        found.append(prefix)
+    found = [prefix for prefix in dict.fromkeys(_model_prefix([block]) for block in blocks)
+             if prefix and not isinstance(root.get_submodule(prefix), (nn.ModuleList, nn.ModuleDict))]
     if not isinstance(root, LightningModule):
         found.append("")
     return [(fqn, meta_copy(root.get_submodule(fqn))) for fqn in found]
@@ -160,6 +177,8 @@ def _split_one(callers: list[tuple[str, nn.Module]], block: str, module: nn.Modu
         return BlockSplit(problem="it holds no nn.Linear or Conv1D")
     why_not = []
     for fqn, model in callers:
+        if fqn and not block.startswith(fqn + "."):  # another list's model
+            continue
         meta_block = model.get_submodule(block[len(fqn) + 1:] if fqn else block)
         inputs = block_inputs(model, meta_block, width)
         if not isinstance(inputs, str):
@@ -246,17 +265,29 @@ def _split_from_above(tp_plan: dict[str, ParallelStyle], module: str, name: str)
     return False
 
 
-def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: PlanOptions, vocabulary: str) -> None:
+def _judge(root: nn.Module, firsts: list[str], splits: dict[str, BlockSplit], tp_plan, options: PlanOptions,
+           vocabulary: str) -> None:
+    """Refuses the plan if it leaves too much of the blocks of every list whole, else says what it splits in
+    the block each list starts with (``firsts``)."""
     blocks = list(splits)
     # k and v of fewer kv heads than ranks, kept whole on every rank, are the split's design, not a gap in it.
     sharded, by_design, total = _shares(root, blocks, tp_plan)
     whole = 1 - (sharded + by_design) / total if total else 0.0
-    first = splits[blocks[0]] if blocks else BlockSplit()
     if whole > MAX_REPLICATED and not options.allow_replicated:
         # The message shows a block with something left whole (blocks of several kinds: dense and MoE layers).
         shown = next((b for b in blocks if splits[b].left or splits[b].problem), blocks[0])
         raise PolicyError(_refusal(root, [shown, *blocks], splits[shown], whole, options.tp))
     model = _model_name(root, blocks)
+    per_block = ". ".join(f"Per block{f' of {parent_fqn(first)}' if len(firsts) > 1 else ''}:"
+                          f" {_split_said(splits[first])}" for first in firsts)
+    if by_design:
+        per_block += f"; kept whole on every rank by design (key/value heads fewer than the ranks, low-rank projections): {by_design / total:.1%}"
+    rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
+                   f" over tp={options.tp}. {per_block}. Outside them: {vocabulary}.")
+
+
+def _split_said(first: BlockSplit) -> str:
+    """What ``first`` splits in each block of its kind, and what it leaves whole."""
     regions = "; ".join([_feeders_said(r) + f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
                                    for c, k in r.parts.items() if len(k) > 1)
@@ -266,10 +297,7 @@ def _judge(root: nn.Module, splits: dict[str, BlockSplit], tp_plan, options: Pla
                          for r in first.regions]
                         + [f"{e} (each expert's intermediate features)" for e in first.experts])
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
-    if by_design:
-        left += f"; kept whole on every rank by design (key/value heads fewer than the ranks, low-rank projections): {by_design / total:.1%}"
-    rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
-                   f" over tp={options.tp}. Per block: {regions or 'nothing'}{left}. Outside them: {vocabulary}.")
+    return f"{regions or 'nothing'}{left}"
 
 
 def _feeders_said(region) -> str:
