@@ -160,10 +160,11 @@ PRIVATE_NAMES: dict[str, Private] = {
         "an ATen operator the block trace (policies.block_trace) follows feature indices through; ATen names"
         " these ops with a leading underscore, and a dispatch mode sees them, not their public wrappers",
         "none: a TorchDispatchMode sees ATen operators by these names", attribute=True)
-       for op in ("_unsafe_view", "_softmax", "_to_copy", "_fused_rms_norm")},
-    "torch.ops.aten._local_scalar_dense.default": Private(
+       for op in ("_unsafe_view", "_softmax", "_log_softmax", "_to_copy", "_fused_rms_norm")},
+    "torch.ops.aten._local_scalar_dense": Private(
         "the operator behind .item() and bool(tensor): MetaValues (policies.meta_values) answers it from a host"
-        " twin when a forward on the meta device reads a value", "none: a TorchDispatchMode sees ATen operators"),
+        " twin when a forward on the meta device reads a value", "none: a TorchDispatchMode sees ATen operators",
+        attribute=True),
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": Private(
         "count the FLOPs of the CPU's fused attention when layout='auto' measures a model (measure_model):"
         " FlopCounterMode has formulas for the CUDA kernels only", "none: FlopCounterMode's custom formulas are"

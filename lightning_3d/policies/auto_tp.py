@@ -95,6 +95,9 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
                                                                copy_output=column in changed,
                                                                **column_input)
             tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between, copy_output=region.row in changed)
+            for inner in region.inner_rows:  # its output stays in the region, whole on every rank
+                tp_plan[join_fqn(block, inner)] = RowSplit(output_layouts=Replicate(), summed_gradient=True)
+            tp_plan.update({join_fqn(block, m): SummedGradients() for m in region.on_inner_rows})
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
             tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
@@ -105,7 +108,8 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
                 tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn), parts={n: p for n, (p, _) in convolutions.items()},
                                            whole={n: w for n, (_, w) in convolutions.items()})
                 covered[block] += [f"{fqn}.{name}" for name in names]
-            covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner)]
+            covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner,
+                                                                  *region.inner_rows, *region.on_inner_rows)]
         for name, layout in split.experts.items():
             tp_plan[join_fqn(block, name)] = ExpertsSplit(layout)
             covered[block].append(join_fqn(block, name))
@@ -289,6 +293,7 @@ def _judge(root: nn.Module, firsts: list[str], splits: dict[str, BlockSplit], tp
 def _split_said(first: BlockSplit) -> str:
     """What ``first`` splits in each block of its kind, and what it leaves whole."""
     regions = "; ".join([_feeders_said(r) + f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
+                         + "".join(f", {m} inside (split by its inputs, its outputs summed)" for m in r.inner_rows)
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
                                    for c, k in r.parts.items() if len(k) > 1)
                          + "".join(f", {m or '<block>'}.{n} per {'channel' if '.' in n else 'head'}"

@@ -35,7 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.policies.experts import experts_stood_in
+from lightning_3d.policies.feature_weights import set_apart, tracked_weights
 from lightning_3d.policies.meta_values import MetaValues
+from lightning_3d.policies.reductions import Reduction, reduced_dims, reduced_together
 from lightning_3d.policies.scan_kernels import kernel_name, scan_heads
 
 
@@ -63,7 +65,9 @@ _VIEWS = {
     aten.unbind.int, aten.chunk.default, aten.unflatten.int,
 }
 """Of the moves, those whose outputs are views of their input: a copy into such a view writes its base."""
-_ADDS = {aten.add.Tensor, aten.add_.Tensor}
+_ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
+"""Ops that join an output to the residual stream: a sum, or a difference (nGPT's step towards the update,
+``h + rate * (out - h)``)."""
 _PRODUCTS = {aten.bmm.default, aten.mm.default, aten.baddbmm.default}
 _SDPA = F.scaled_dot_product_attention
 
@@ -92,6 +96,9 @@ class HeadEvent:
     q: list[dict[str, frozenset[int]]] = field(default_factory=list)
     k: list[dict[str, frozenset[int]]] = field(default_factory=list)
     v: list[dict[str, frozenset[int]]] = field(default_factory=list)
+    weights: list[dict[str, frozenset[int]]] = field(default_factory=list)
+    """Per head, the elements of the weights traced apart (:mod:`~lightning_3d.policies.feature_weights`) on
+    any of its sides."""
 
 
 @dataclass
@@ -107,6 +114,8 @@ class BlockTrace:
     """Projections whose output was added to the residual stream."""
     row_inputs: dict[str, Shadow] = field(default_factory=dict)
     """Projection -> the shadow of its input's last dimension (position -> features), at one token."""
+    row_weights: dict[str, Shadow] = field(default_factory=dict)
+    """Projection -> as ``row_inputs``, the elements of the weights traced apart at each input position."""
     attention: list[HeadEvent] = field(default_factory=list)
     input_id: dict[str, list[str]] = field(default_factory=dict)
     """Projection -> the modules (outermost first) whose forward received exactly its input tensor."""
@@ -116,6 +125,10 @@ class BlockTrace:
     """Projection -> for each op that read its input tensor, the module stack that op ran in."""
     weighted_inputs: dict[str, tuple[frozenset[str], tuple[int, ...]]] = field(default_factory=dict)
     """Module with weights of its own, not a projection (a norm) -> the provenance and shape of its input."""
+    plain_inputs: dict[str, tuple[frozenset[str], tuple[int, ...]]] = field(default_factory=dict)
+    """As ``weighted_inputs``, for the modules without weights (a norm without an affine part)."""
+    reductions: list[Reduction] = field(default_factory=list)
+    """The reductions over traced features (:mod:`~lightning_3d.policies.reductions`)."""
     depthwise: dict[str, list[dict[str, frozenset[int]]]] = field(default_factory=dict)
     """Module whose weight a depthwise convolution used (one filter per channel: a short convolution, Mamba's
     ``conv1d``) -> per channel, the features of its input there."""
@@ -160,6 +173,7 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict,
         for handle in handles:
             handle.remove()
     recorder.trace.input_readers = {name: recorder.readers.get(i, []) for name, i in recorder.projection_inputs.items()}
+    set_apart(recorder.trace, recorder.tracked_names)
     return recorder.trace
 
 
@@ -178,6 +192,8 @@ class _Recorder(TorchDispatchMode):
         self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
         self.view_of: dict[int, tuple] = {}  # a view's id -> (its base, the op, its args, kwargs, which output)
         self.param_owner = {id(p): fqn for fqn, module in block.named_modules() for p in module.parameters(recurse=False)}
+        self.tracked = tracked_weights(block, is_projection)  # weights whose elements are followed as features
+        self.tracked_names = set(self.tracked.values())
         self.in_sdpa = False
         self.in_kernel = 0  # inside a scan kernel (scan_kernels): its output is recorded whole, as one product
 
@@ -200,7 +216,7 @@ class _Recorder(TorchDispatchMode):
     def _leave(self, fqn: str, module: nn.Module):
         def hook(_module, args, output):
             self.stack.pop()
-            if fqn in self.trace.weighted_inputs and isinstance(output, Tensor) and args:
+            if (fqn in self.trace.weighted_inputs or fqn in self.trace.plain_inputs) and isinstance(output, Tensor) and args:
                 # Its input's features at their places, with those of its other inputs of that shape (a gated
                 # norm's gate), as tp_structure's stand-in for it passes them on.
                 inputs = [self.shadow.get(id(a)) for a in args if isinstance(a, Tensor) and a.shape == args[0].shape]
@@ -226,8 +242,9 @@ class _Recorder(TorchDispatchMode):
     def _note_input(self, fqn: str, module: nn.Module, x: Tensor) -> None:
         self.input_seen.setdefault(id(x), []).append(fqn)
         if not is_projection(module):
-            if any(True for _ in module.parameters(recurse=False)):
-                self.trace.weighted_inputs[fqn] = (self.prov.get(id(x), frozenset()), tuple(x.shape))
+            weighted = any(True for _ in module.parameters(recurse=False))
+            inputs = self.trace.weighted_inputs if weighted else self.trace.plain_inputs
+            inputs[fqn] = (self.prov.get(id(x), frozenset()), tuple(x.shape))
             return
         t = self.trace
         t.order.append(fqn)
@@ -255,12 +272,13 @@ class _Recorder(TorchDispatchMode):
         out = output[0] if isinstance(output, (tuple, list)) else output
         if found is None or not isinstance(out, Tensor):
             return
-        q, k, v, values = found
+        q, k, v, carried = found
         self.trace.attention.append(HeadEvent(q=q, k=k, v=v))
-        shadow = self.shadow[id(values)]
-        if values.shape == out.shape:
-            self.shadow[id(out)] = {name: [s[:, :1].expand(out.shape).clone() for s in slots] for name, slots in shadow.items()}
-            self.keep.append(out)
+        try:
+            self.shadow[id(out)] = carried(out)
+        except RuntimeError:  # an output not shaped as the values: its features are lost here
+            return
+        self.keep.append(out)
 
     # -- ops -------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -271,6 +289,8 @@ class _Recorder(TorchDispatchMode):
             return out  # the trace's own work on the shadows
         for a in flat_in:
             self.readers.setdefault(id(a), []).append(tuple(self.stack))
+            if id(a) in self.tracked and id(a) not in self.shadow:
+                self.shadow[id(a)] = {self.tracked[id(a)]: [torch.arange(a.numel(), device="cpu").view(a.shape)]}
         if func.overloadpacket.__name__.endswith("_") and args and id(args[0]) in self.output_of:
             self.trace.changed_in_place.add(self.output_of[id(args[0])])
         provs = [self.prov[id(a)] for a in flat_in if id(a) in self.prov]
@@ -342,6 +362,12 @@ class _Recorder(TorchDispatchMode):
             if not self.in_sdpa:
                 self._product(func, args, outs)
             return
+        dims = reduced_dims(func, args, kwargs)
+        if dims is not None and isinstance(args[0], Tensor) and self._has_features(self.shadow.get(id(args[0]))):
+            together = reduced_together({n: s for n, s in self.shadow[id(args[0])].items() if n not in self.tracked_names},
+                                        dims, _features)
+            if together:
+                self.trace.reductions.append(Reduction(tuple(self.stack), together))
         if func in _MOVES:
             self._move(func, args, kwargs, out, flat_in)
         elif func is aten.convolution.default:
@@ -404,16 +430,21 @@ class _Recorder(TorchDispatchMode):
 
     def _product(self, func, args, outs) -> None:
         a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])
-        sa, sb = self.shadow.get(id(a)), self.shadow.get(id(b))
         if a.dim() != 3 or b.dim() != 3:
             return
-        if sa and sb:  # q @ k.T: features on both sides of the contraction
+        # Which product it is, from projection features alone (scores with a weight added are not values).
+        sa, sb = self.shadow.get(id(a)), self.shadow.get(id(b))
+        if self._has_features(sa) and self._has_features(sb):  # q @ k.T: features on both sides of the contraction
             self.trace.attention.append(HeadEvent(q=_per_head(sa, lambda s, n: s[n, 0, :]),
                                                   k=_per_head(sb, lambda s, n: s[n, :, 0])))
-        elif sb and self.trace.attention:  # attn @ v: v's features leave with the heads
+        elif self._has_features(sb) and self.trace.attention:  # attn @ v: v's features leave with the heads
             self.trace.attention[-1].v = _per_head(sb, lambda s, n: s[n, 0, :])
             o = outs[0]
             self.shadow[id(o)] = {name: [s[:, :1, :].expand(o.shape).clone() for s in slots] for name, slots in sb.items()}
+
+    def _has_features(self, shadow: Shadow | None) -> bool:
+        """Whether ``shadow`` holds projection features, not only weights' elements."""
+        return bool(shadow) and any(name not in self.tracked_names for name in shadow)
 
     def sdpa(self, args, kwargs, out) -> None:
         q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")][len(args):])[:3]

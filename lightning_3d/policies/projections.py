@@ -152,16 +152,26 @@ class SummedGradients(ParallelStyle):
 
 class RowSplit(RowwiseParallel):
     """Row-wise for an ``nn.Linear`` or ``Conv1D``: the input features split, the bias whole (added once, to
-    the reduced output). ``copy_output``: for a model that changes the output in place."""
+    the reduced output). ``copy_output``: for a model that changes the output in place. ``summed_gradient``:
+    a row inside a region (Mamba's ``x_proj``), whose whole output every rank's heads read, so that each
+    rank's gradient of it is a share, summed over tp on the way back as the output is on the way out.
 
-    def __init__(self, *, copy_output: bool = False, **kwargs) -> None:
+    Example (Mamba: each rank's channels give their share of every step size, B and C)::
+
+        {"backbone.layers.*.mixer.x_proj": RowSplit(output_layouts=Replicate(), summed_gradient=True)}
+    """
+
+    def __init__(self, *, copy_output: bool = False, summed_gradient: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.copy_output = copy_output
+        self.copy_output, self.summed_gradient = copy_output, summed_gradient
 
     def _reduced(self, mod, outputs, device_mesh):
         if outputs.placements != self.output_layouts:
             outputs = outputs.redistribute(placements=self.output_layouts, async_op=True)
-        return _local(outputs, self.copy_output) if self.use_local_output else outputs
+        if not self.use_local_output:
+            return outputs
+        local = _local(outputs, self.copy_output)
+        return gradient_summed(local, device_mesh) if self.summed_gradient else local
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         distribute_parameter(module, "weight", mesh, Shard(1 if is_linear(module) else 0), self.src_data_rank)
@@ -175,7 +185,8 @@ class RowSplit(RowwiseParallel):
         )
 
     def __repr__(self) -> str:
-        return f"RowSplit(output_layouts={self.output_layouts})"
+        summed = ", summed_gradient=True" if self.summed_gradient else ""
+        return f"RowSplit(output_layouts={self.output_layouts}{summed})"
 
 
 def _local(output, copy: bool):

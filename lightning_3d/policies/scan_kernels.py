@@ -10,9 +10,11 @@ output's shape) without following features inside it, and records one attention 
 * gated delta rule ``(query, key, value, g, beta)``, each ``(batch, tokens, heads, ...)``: head h reads the
   value head h with its ``g`` and ``beta``, and the query and key head ``h // (value heads / key heads)``;
 * Mamba-2's scan ``(module, x, B, C, dt)``: head h reads its ``head_dim`` features of x and its ``dt``, and the
-  B (key-like) and C (query-like) features of its group.
+  B (key-like) and C (query-like) features of its group;
+* Mamba-1's selective scan ``(module, x, dt, B, C, gate)``, x ``(batch, channels, tokens)``: each channel is a
+  head of one feature, which reads its x, dt and gate, and the B and C every channel shares.
 
-Each head's output carries its value features, as ``attn @ v`` does. The split then follows from the heads as
+Each head's output carries its value features, as ``attn @ v`` does (with Mamba-1's gate, applied in the scan). The split then follows from the heads as
 for attention, and is checked by tracing each rank's block the same way.
 """
 
@@ -33,10 +35,25 @@ def kernel_name(module: nn.Module) -> str | None:
 
 
 def scan_heads(name: str, module: nn.Module, args: tuple, kwargs: dict, shadow_of: Callable[[Tensor], Shadow | None],
-               features: Callable) -> tuple[list[Features], list[Features], list[Features], Tensor] | None:
-    """Per head, the (query, key, value) features the kernel ``name`` reads, and the input whose shadow its
-    output carries (its values); None when an input has no features to follow."""
+               features: Callable) -> tuple[list[Features], list[Features], list[Features], Callable] | None:
+    """Per head, the (query, key, value) features the kernel ``name`` reads, and the shadow of its output (a
+    function of the output: the values' features at each head's place); None when an input has no features to
+    follow."""
     return _EVENTS[name](module, args, kwargs, shadow_of, features)
+
+
+def _carried(shadows: list[Shadow], positions: int) -> Callable[[Tensor], Shadow]:
+    """The shadow of an output shaped as the values (``shadows``: theirs, and a gate's), whose dimension
+    ``positions`` (the tokens) the scan mixes: each place holds the features of the values' first position."""
+    def shadow(out: Tensor) -> Shadow:
+        first = [slice(None)] * out.dim()
+        first[positions] = slice(0, 1)
+        merged: Shadow = {}
+        for source in shadows:
+            for name, slots in source.items():
+                merged.setdefault(name, []).extend(s[tuple(first)].expand(out.shape).clone() for s in slots)
+        return merged
+    return shadow
 
 
 def _argument(args: tuple, kwargs: dict, index: int, name: str):
@@ -67,7 +84,7 @@ def _gated_delta_rule(module, args, kwargs, shadow_of, features):
          for h in range(heads)]
     k = [_at(sk, (0, 0, h // group), features) for h in range(heads)]
     v = [_at(sv, (0, 0, h), features) for h in range(heads)]
-    return q, k, v, value
+    return q, k, v, _carried([sv], 1)
 
 
 def _mamba2_scan(module, args, kwargs, shadow_of, features):
@@ -89,7 +106,20 @@ def _mamba2_scan(module, args, kwargs, shadow_of, features):
     k = [group_of(sb, h) for h in range(heads)]
     v = [_merged(_at(sx, (0, 0, slice(h * width, (h + 1) * width)), features), *([_at(sdt, (0, 0, h), features)] if sdt else []))
          for h in range(heads)]
-    return q, k, v, x
+    return q, k, v, _carried([sx], 1)
+
+
+def _mamba_scan(module, args, kwargs, shadow_of, features):
+    names = ("module", "hidden_states", "time_step", "B", "C", "gate")
+    _, x, dt, b, c, gate = (_argument(args, kwargs, i, n) for i, n in enumerate(names))
+    sx, sb, sc = shadow_of(x), shadow_of(b), shadow_of(c)
+    if not (sx and sb and sc) or x.dim() != 3 or b.dim() != 3:
+        return None
+    per_channel = [s for s in (shadow_of(dt), shadow_of(gate)) if s]
+    q = [_at(sc, (0, 0, slice(None)), features)] * x.shape[1]
+    k = [_at(sb, (0, 0, slice(None)), features)] * x.shape[1]
+    v = [_merged(*(_at(s, (0, h, 0), features) for s in [sx, *per_channel])) for h in range(x.shape[1])]
+    return q, k, v, _carried([sx, *per_channel], 2)
 
 
 _EVENTS = {
@@ -97,4 +127,5 @@ _EVENTS = {
     "recurrent_gated_delta_rule": _gated_delta_rule,
     "fused_recurrent_gated_delta_rule": _gated_delta_rule,
     "mamba2_scan_forward": _mamba2_scan,
+    "mamba_scan_forward": _mamba_scan,
 }

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies import head_inputs
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
+from lightning_3d.policies.reductions import across_ranks
 
 _MAX_FIXES = 4
 """The most attributes one region's fix may change (the search is over subsets of the candidates)."""
@@ -112,7 +113,7 @@ def _local_sizes(whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
 
 
 def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
-    event = attention_events(whole, [*region.columns, *region.feeders])[0]
+    event = attention_events(whole, [*region.columns, *region.feeders, *region.inner_rows])[0]
     return {len({frozenset(sorted((n, tuple(sorted(f))) for n, f in head.items())) for head in event.k})}
 
 
@@ -155,7 +156,7 @@ def find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
         return ""
     local = _rank_trace(block, args, kwargs, whole, region, region.fixes, 0, tp)
     for module in inside:
-        shape, mine = whole.weighted_inputs[module][1], local.weighted_inputs.get(module, (None, ()))[1]
+        shape, mine = _module_input(whole, module)[1], _module_input(local, module)[1]
         split = [d for d, (a, b) in enumerate(zip(shape, mine)) if a != b]
         if len(shape) != len(mine) or len(split) != 1 or mine[split[0]] * tp != shape[split[0]]:
             return (f"{module} ({type(block.get_submodule(module)).__name__}) holds weights and runs on the split"
@@ -165,10 +166,22 @@ def find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
 
 
 def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
-    """The modules with weights of their own that read only the region's columns (not depthwise convolutions:
-    their weights split with their channels)."""
-    return [m for m, (reads, _) in whole.weighted_inputs.items()
-            if reads and reads <= set(region.columns) and m not in whole.depthwise]
+    """The modules that read only the region's columns and either hold weights of their own (not depthwise
+    convolutions: their weights split with their channels) or, without weights, keep the features in place
+    while reducing over features of several ranks (a norm without an affine part), outermost only."""
+    columns = set(region.columns)
+    cut = {m for r in across_ranks(whole.reductions, region.owned, len(next(iter(region.owned.values()))))
+           for m in r.stack}
+    found = [m for m, (reads, _) in whole.weighted_inputs.items()
+             if reads and reads <= columns and m not in whole.depthwise]
+    found += [m for m, (reads, _) in whole.plain_inputs.items()
+              if reads and reads <= columns and m in whole.features_in_place and m in cut]
+    return [m for m in found if not any(o != m and m.startswith(o + ".") for o in found)]
+
+
+def _module_input(trace: BlockTrace, module: str) -> tuple:
+    """(provenance, shape) of ``module``'s input in ``trace``."""
+    return trace.weighted_inputs.get(module) or trace.plain_inputs.get(module) or (None, ())
 
 
 def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int,
@@ -185,7 +198,8 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     features = {name: owned[rank] for name, owned in region.owned.items()}
     for name, index in features.items():
         _keep_outputs(local.get_submodule(name), len(index))
-    _keep_inputs(local.get_submodule(region.row), whole.sizes[region.row][0] // tp)
+    for row in [region.row, *region.inner_rows]:
+        _keep_inputs(local.get_submodule(row), whole.sizes[row][0] // tp)
     for holder, names in region.head_weights.items():
         for name in names:
             owner, _, leaf = f"{holder}.{name}".strip(".").rpartition(".")
@@ -226,10 +240,10 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         if trace.depthwise.get(module) != [channels[c] for c in FusedParts(0, parts, tp, kept).held_by(rank)]:
             return f"{module}'s channels would hold other features"
     if region.heads:
-        event = attention_events(whole, [*region.columns, *region.feeders])[0]
+        event = attention_events(whole, [*region.columns, *region.feeders, *region.inner_rows])[0]
         per_rank = region.heads // tp
         heads = slice(rank * per_rank, (rank + 1) * per_rank)
-        local_events = attention_events(trace, [*region.columns, *region.feeders])
+        local_events = attention_events(trace, [*region.columns, *region.feeders, *region.inner_rows])
         if len(local_events) != 1:
             return "the attention product is not found once"
         got_event = local_events[0]

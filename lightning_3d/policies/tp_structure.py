@@ -34,9 +34,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.common import join_fqn
 from lightning_3d.fused_parts import FusedParts
-from lightning_3d.policies.block_trace import STREAM, BlockTrace, _features, trace_block
+from lightning_3d.policies.block_trace import STREAM, BlockTrace, _features, is_projection, trace_block
 from lightning_3d.policies.experts import ExpertsLayout, experts_layout, is_experts
+from lightning_3d.policies.feature_weights import split_with_features
+from lightning_3d.policies.reductions import across_ranks
 from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes
 
 
@@ -80,6 +83,13 @@ class Region:
     divide by tp. Every rank computes their whole output: split by output features and gathered, or whole.
     Inside such a region all computes on local tensors, whose gradients are each rank's share, summed once
     where the hidden states enter (``HiddenStates(partial_gradient=True)``)."""
+    inner_rows: list[str] = field(default_factory=list)
+    """Projections inside the region that read only its columns and whose output all its heads read (Mamba's
+    ``x_proj``: every channel's step size, and the B and C all channels share): split by their inputs, their
+    outputs summed over tp, both ways -- each rank's gradient of them is its own channels' share."""
+    on_inner_rows: list[str] = field(default_factory=list)
+    """Modules with weights on an inner row's output (Jamba's norms of B, C and the step size): whole on every
+    rank, their gradients summed over tp."""
     on_feeders: list[str] = field(default_factory=list)
     """The other modules with weights inside such a region (MLA's ``q_a_layernorm`` on a feeder's output, a
     sparse-attention indexer): whole on every rank, their gradients summed over tp."""
@@ -116,14 +126,9 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         reads = whole.reads[row]
         if row not in whole.exits or not reads or STREAM in reads:
             continue
-        feeders, why = _feeders(whole, reads)
-        columns = [c for c in whole.order if c in reads and c not in feeders]
-        if why:
-            _leave(split, [*feeders, *columns, row], why)
-            continue
-        region, why = _region(whole, columns, row, tp, feeders)
+        region, feeders, columns, inner, why = _read_region(whole, reads, row, tp)
         if region is None:
-            _leave(split, [*feeders, *columns, row], why)
+            _leave(split, [*feeders, *columns, *inner, row], why)
             continue
         region.input_module = _input_module(whole, [c for c in whole.order if c in feeders or c in columns
                                                     and whole.reads[c] == frozenset({STREAM})], only_columns=not feeders)
@@ -134,18 +139,24 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
                 continue
             region.feeders = {f: whole.sizes[f][1] % tp == 0 for f in feeders}
         region.changed_in_place = whole.changed_in_place & {row, *columns}
-        region.head_weights = _head_weights(block, region)
+        region.head_weights = _head_weights(block, whole, region)
+        event = next(iter(attention_events(whole, [*columns, *feeders, *inner])), None)
+        for holder, names in split_with_features(block, whole, row, event, region.heads, tp).items():
+            held = region.head_weights.setdefault(holder, [])
+            held += [n for n in names if n not in held]
         why = _channel_weights(block, whole, region, tp)
         if why:
             _leave(split, [*feeders, *columns, row], why)
             continue
         why = (find_fixes(block, args, kwargs, whole, region, tp) or find_inner(block, args, kwargs, whole, region, tp)
-               or _find_whole_inside(block, region))
+               or _find_whole_inside(block, region) or _reductions_cut(whole, region, tp))
         if why:
-            _leave(split, [*region.feeders, *columns, row], why)
+            _leave(split, [*region.feeders, *columns, *inner, row], why)
             continue
+        region.on_inner_rows = [m for m, (reads_of, _) in whole.weighted_inputs.items()
+                                if inner and reads_of and reads_of <= set(inner)]
         split.regions.append(region)
-        claimed.update([row, *columns, *region.feeders])
+        claimed.update([row, *columns, *region.feeders, *inner])
     for name, module in block.named_modules():
         if is_experts(module):
             layout, why = experts_layout(module, tp)
@@ -181,12 +192,41 @@ def _feeders(trace: BlockTrace, reads: frozenset[str]) -> tuple[list[str], str]:
     return [f for f in trace.order if f in feeders], ""
 
 
+def _read_region(trace: BlockTrace, reads: frozenset[str], row: str, tp: int):
+    """(region or None, feeders, columns, inner rows, why not) of the projections ``row`` reads: its columns
+    with the low-rank projections feeding them (MLA), else with the projections inside that read only them
+    (Mamba's ``x_proj``)."""
+    tried = []
+    for inner in ([], _inner_rows(trace, reads)):
+        if tried and not inner:
+            break
+        feeders, why = _feeders(trace, reads - set(inner))
+        columns = [c for c in trace.order if c in reads and c not in feeders and c not in inner]
+        region = None
+        if not why:
+            region, why = _region(trace, columns, row, tp, feeders, inner)
+        if region is not None:
+            return region, feeders, columns, inner, ""
+        tried.append((feeders, columns, inner, why))
+    return None, *tried[0]
+
+
+def _inner_rows(trace: BlockTrace, reads: frozenset[str]) -> list[str]:
+    """The projections a row reads that read only the row's columns and do not exit (Mamba's ``x_proj``, from
+    every channel to the step sizes and the B and C all channels share)."""
+    columns = {c for c in reads if trace.reads[c] == frozenset({STREAM})}
+    return [p for p in trace.order if p in reads and p not in columns and p not in trace.exits
+            and trace.reads[p] and trace.reads[p] <= columns]
+
+
 def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
-            feeders: list[str] = ()) -> tuple[Region | None, str]:
+            feeders: list[str] = (), inner: list[str] = ()) -> tuple[Region | None, str]:
     width = trace.sizes[row][0]
     if width % tp:
         return None, f"{row}'s {width} inputs do not divide by tensor_parallel_size={tp}"
-    events = attention_events(trace, [*columns, *feeders])
+    if inner and (feeders or not attention_events(trace, [*columns, *inner])):
+        return None, f"{', '.join(inner)} read{'s' if len(inner) == 1 else ''} the columns' outputs outside an attention or scan"
+    events = attention_events(trace, [*columns, *feeders, *inner])
     if len(events) > 1:
         return None, "it holds more than one attention product"
     owned: dict[str, list[set[int]]] = {c: [set() for _ in range(tp)] for c in columns}
@@ -200,7 +240,7 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
             rank = h // (heads // tp)
             for side in (event.q[h], event.k[h], event.v[h]):
                 for name, feats in side.items():
-                    if name not in feeders:  # a feeder's features (MLA's shared rotary key) reach every head
+                    if name not in feeders and name not in inner:  # (MLA's shared rotary key; Mamba's B and C)
                         owned[name][rank] |= feats
         # What else reaches the row with the heads' outputs is this rank's too: a gate on each head's output
         # (gated attention: its own projection, or fused with q), read off the row's input positions.
@@ -231,7 +271,26 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
                           " slice, or one chunk of each of a fused projection's parts, or a part every rank keeps)")
         region.parts[name], region.whole[name] = parts
         region.owned[name] = [torch.tensor(sorted(s)) for s in sets]
+    for name in inner:
+        why = _inner_row_split(trace, name, owned, tp)
+        if why:
+            return None, why
+    region.inner_rows = list(inner)
     return region, ""
+
+
+def _inner_row_split(trace: BlockTrace, name: str, owned: dict[str, list[set[int]]], tp: int) -> str:
+    """Why the inner row ``name`` does not split by its inputs as the columns' features it reads do: rank r's
+    slice of its inputs must hold features rank r keeps."""
+    width = trace.sizes[name][0]
+    if width % tp:
+        return f"{name}'s {width} inputs do not divide by tensor_parallel_size={tp}"
+    for column, slots in trace.row_inputs.get(name, {}).items():
+        for rank in range(tp):
+            part = slice(rank * width // tp, (rank + 1) * width // tp)
+            if column not in owned or not set(_features(s[part] for s in slots)) <= owned[column][rank]:
+                return f"{name} reads at each rank's inputs features another rank keeps"
+    return "" if trace.row_inputs.get(name) else f"{name}'s inputs could not be followed to the columns"
 
 
 def _parts(owned: list[list[int]], out: int, tp: int,
@@ -290,18 +349,34 @@ def _find_whole_inside(block: nn.Module, region: Region) -> str:
     return ""
 
 
+def _reductions_cut(whole: BlockTrace, region: Region, tp: int) -> str:
+    """Why not, when code outside the region's inner modules reduces over features several ranks hold."""
+    for reduction in across_ranks(whole.reductions, region.owned, tp):
+        if not any(_inside(m, inner) for m in reduction.stack for inner in region.inner):
+            where = reduction.stack[-1] if reduction.stack else "the block"
+            return (f"{where} reduces over features of {', '.join(reduction.features)} that the split puts on"
+                    " different ranks (a norm or sum over all of them, not in a module of its own): each rank"
+                    " would reduce its share only")
+    return ""
+
+
 def _inside(fqn: str, module: str) -> bool:
     return fqn == module or fqn.startswith(module + ".")
 
 
-def _head_weights(block: nn.Module, region: Region) -> dict[str, list[str]]:
-    """The one-dimensional weights, of one value per head, of the modules holding an attention region."""
+def _head_weights(block: nn.Module, whole: BlockTrace, region: Region) -> dict[str, list[str]]:
+    """The weights of one value (or row) per head of the modules holding an attention region: their own, and
+    those of a projection they hold but never call, whose weight they read per head (Mamba's ``dt_proj``)."""
     if not region.heads:
         return {}
     found = {}
     for holder in sorted({prefix for name in [region.row, *region.columns] for prefix in prefixes(name)}):
-        names = [n for n, p in block.get_submodule(holder).named_parameters(recurse=False)
-                 if p.dim() == 1 and p.shape[0] == region.heads]
+        module = block.get_submodule(holder)
+        names = [n for n, p in module.named_parameters(recurse=False) if p.dim() and p.shape[0] == region.heads]
+        for child, sub in module.named_children():
+            if (is_projection(sub) and join_fqn(holder, child) not in whole.sizes
+                    and sub.weight.shape[0] == region.heads):
+                names += [f"{child}.{n}" for n, _ in sub.named_parameters()]
         if names:
             found[holder] = names
     return found

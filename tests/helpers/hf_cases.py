@@ -152,6 +152,11 @@ AUTO_TP_MODELS = {
                          layer_types=["linear_attention"] * 3 + ["full_attention"], linear_key_head_dim=8,
                          linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=4,
                          max_position_embeddings=64),
+    # Mamba-1 layers (Jamba's, beside attention; one expert: dense MLPs): each channel a head with its x, z,
+    # dt_proj row, A_log and D; x_proj split by its inputs, its outputs (step sizes, B, C) summed over tp both
+    # ways, and the norms on them whole with gradients summed over tp.
+    "jamba": dict(_HF_SIZES, model_type="jamba", num_key_value_heads=2, intermediate_size=64, num_experts=1,
+                  mamba_d_state=8, mamba_dt_rank=4, max_position_embeddings=64, attention_dropout=0.0),
     # Multi-head latent attention (DeepSeek-V3's, its MLPs dense): the low-rank q_a_proj and kv_a_proj_with_mqa
     # split and gathered, their norms whole with gradients summed over tp, q_b_proj and kv_b_proj split by heads;
     # the rotary key, one for all heads, reaches every rank's heads whole.
