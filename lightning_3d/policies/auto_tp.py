@@ -110,6 +110,9 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
                 covered[block] += [f"{fqn}.{name}" for name in names]
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner,
                                                                   *region.inner_rows, *region.on_inner_rows)]
+        for name in split.gathered:  # used whole: split by outputs, gathered (per position under SP)
+            tp_plan[join_fqn(block, name)] = ColumnSplit(input_layouts=between, output_layouts=between)
+            covered[block].append(join_fqn(block, name))
         for name, layout in split.experts.items():
             tp_plan[join_fqn(block, name)] = ExpertsSplit(layout)
             covered[block].append(join_fqn(block, name))
@@ -243,20 +246,39 @@ def _shares(root: nn.Module, blocks: list[str], tp_plan: dict[str, ParallelStyle
     sharded = by_design = total = 0
     for block in blocks:
         for fqn, module in root.get_submodule(block).named_modules():
-            style = tp_plan.get(join_fqn(block, fqn))
-            for name, param in module.named_parameters(recurse=False):
-                total += param.numel()
-                if isinstance(style, ColumnSplit) and any(style.whole):  # its whole parts are on every rank
-                    split = sum(size for size, whole in zip(style.parts, style.whole) if not whole)
-                    sharded += param.numel() * split // sum(style.parts)
-                    by_design += param.numel() - param.numel() * split // sum(style.parts)
-                elif isinstance(style, SummedGradients) and is_projection(module):  # a low-rank feeder
-                    by_design += param.numel()
-                elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
-                        or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")
-                        or _split_from_above(tp_plan, join_fqn(block, fqn), name)):
-                    sharded += param.numel()
+            mine, designed, held = _module_shares(tp_plan, join_fqn(block, fqn), module)
+            sharded, by_design, total = sharded + mine, by_design + designed, total + held
     return sharded, by_design, total
+
+
+def _module_shares(tp_plan: dict[str, ParallelStyle], fqn: str, module: nn.Module) -> tuple[int, int, int]:
+    """As :func:`_shares`, for the own parameters of the module ``fqn``."""
+    style = tp_plan.get(fqn)
+    sharded = by_design = total = 0
+    for name, param in module.named_parameters(recurse=False):
+        total += param.numel()
+        if isinstance(style, ColumnSplit) and any(style.whole):  # its whole parts are on every rank
+            split = sum(size for size, whole in zip(style.parts, style.whole) if not whole)
+            sharded += param.numel() * split // sum(style.parts)
+            by_design += param.numel() - param.numel() * split // sum(style.parts)
+        elif isinstance(style, SummedGradients) and is_projection(module):  # a low-rank feeder
+            by_design += param.numel()
+        elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
+                or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")
+                or _split_from_above(tp_plan, fqn, name)):
+            sharded += param.numel()
+    return sharded, by_design, total
+
+
+def _whole_modules(root: nn.Module, block: str, tp_plan: dict[str, ParallelStyle]) -> list[tuple[str, str, int]]:
+    """(FQN relative to ``block``, class name, elements) of the modules of ``block``, not norms, whose own
+    weights the plan leaves whole on every rank, largest first."""
+    found = []
+    for fqn, module in root.get_submodule(block).named_modules():
+        sharded, by_design, total = _module_shares(tp_plan, join_fqn(block, fqn), module)
+        if total - sharded - by_design and not _is_norm(module):
+            found.append((fqn or "<block>", type(module).__name__, total - sharded - by_design))
+    return sorted(found, key=lambda m: -m[2])
 
 
 def _split_from_above(tp_plan: dict[str, ParallelStyle], module: str, name: str) -> bool:
@@ -279,8 +301,9 @@ def _judge(root: nn.Module, firsts: list[str], splits: dict[str, BlockSplit], tp
     whole = 1 - (sharded + by_design) / total if total else 0.0
     if whole > MAX_REPLICATED and not options.allow_replicated:
         # The message shows a block with something left whole (blocks of several kinds: dense and MoE layers).
-        shown = next((b for b in blocks if splits[b].left or splits[b].problem), blocks[0])
-        raise PolicyError(_refusal(root, [shown, *blocks], splits[shown], whole, options.tp))
+        shown = next((b for b in blocks if splits[b].left or splits[b].problem),
+                     max(blocks, key=lambda b: sum(m[2] for m in _whole_modules(root, b, tp_plan))))
+        raise PolicyError(_refusal(root, [shown, *blocks], splits[shown], whole, options.tp, tp_plan))
     model = _model_name(root, blocks)
     per_block = ". ".join(f"Per block{f' of {parent_fqn(first)}' if len(firsts) > 1 else ''}:"
                           f" {_split_said(splits[first])}" for first in firsts)
@@ -300,7 +323,8 @@ def _split_said(first: BlockSplit) -> str:
                                    for m, ns in r.head_weights.items() for n in ns)
                          + "".join(f", the block's {k[1]} cut to each rank's heads" for k in r.head_inputs)
                          for r in first.regions]
-                        + [f"{e} (each expert's intermediate features)" for e in first.experts])
+                        + [f"{e} (each expert's intermediate features)" for e in first.experts]
+                        + [f"{g} (split, its output gathered)" for g in first.gathered])
     left = f"; left whole in every block: {', '.join(first.left)}" if first.left else ""
     return f"{regions or 'nothing'}{left}"
 
@@ -347,7 +371,8 @@ def _model_name(root: nn.Module, blocks: list[str]) -> str:
     return type(root.get_submodule(_model_prefix(blocks))).__name__
 
 
-def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int) -> str:
+def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int,
+             tp_plan: dict[str, ParallelStyle]) -> str:
     block = blocks[0] if blocks else "(no repeated blocks found)"  # the block shown
     experts = expert_banks(root.get_submodule(blocks[0])) if blocks and not split.experts else []
     if experts:
@@ -368,7 +393,10 @@ def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float
         by_reason: dict[str, list[str]] = {}
         for name, why in split.left.items():
             by_reason.setdefault(why, []).append(name)
-        reasons = "\n".join(f"  {', '.join(names)}: {why}" for why, names in by_reason.items()) or "  (none)"
+        reasons = "\n".join(f"  {', '.join(names)}: {why}" for why, names in by_reason.items())
+        if not reasons:  # no projection was left: weights in modules of other kinds
+            reasons = "\n".join(f"  {fqn} ({kind}, {count:,} weights): a module that is no projection policy='auto'"
+                                 " splits, outside every region" for fqn, kind, count in _whole_modules(root, block, tp_plan)[:4])
     pattern = ".".join(["*" if a.isdigit() else a for a in block.split(".")])
     return (
         f"policy='auto' would leave {whole:.0%} of the block parameters of {_model_name(root, blocks)} whole on every"

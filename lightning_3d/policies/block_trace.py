@@ -65,6 +65,9 @@ _VIEWS = {
     aten.unbind.int, aten.chunk.default, aten.unflatten.int,
 }
 """Of the moves, those whose outputs are views of their input: a copy into such a view writes its base."""
+_SELECTS = {aten.topk.default, aten.sort.default, aten.sort.stable, aten.argmax.default, aten.argmin.default,
+            aten.max.dim, aten.min.dim, aten.kthvalue.default, aten.argsort.default, aten.argsort.stable}
+"""Ops that choose among values (a router picking experts)."""
 _ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
 """Ops that join an output to the residual stream: a sum, or a difference (nGPT's step towards the update,
 ``h + rate * (out - h)``)."""
@@ -115,7 +118,8 @@ class BlockTrace:
     row_inputs: dict[str, Shadow] = field(default_factory=dict)
     """Projection -> the shadow of its input's last dimension (position -> features), at one token."""
     row_weights: dict[str, Shadow] = field(default_factory=dict)
-    """Projection -> as ``row_inputs``, the elements of the weights traced apart at each input position."""
+    """Projection -> the elements of the weights traced apart at each of its input positions (last dimension),
+    at every token (rows)."""
     attention: list[HeadEvent] = field(default_factory=list)
     input_id: dict[str, list[str]] = field(default_factory=dict)
     """Projection -> the modules (outermost first) whose forward received exactly its input tensor."""
@@ -127,6 +131,8 @@ class BlockTrace:
     """Module with weights of its own, not a projection (a norm) -> the provenance and shape of its input."""
     plain_inputs: dict[str, tuple[frozenset[str], tuple[int, ...]]] = field(default_factory=dict)
     """As ``weighted_inputs``, for the modules without weights (a norm without an affine part)."""
+    selects: set[str] = field(default_factory=set)
+    """Projections whose outputs choose among values (top-k, sort, argmax: a router's logits)."""
     reductions: list[Reduction] = field(default_factory=list)
     """The reductions over traced features (:mod:`~lightning_3d.policies.reductions`)."""
     depthwise: dict[str, list[dict[str, frozenset[int]]]] = field(default_factory=dict)
@@ -253,8 +259,14 @@ class _Recorder(TorchDispatchMode):
         t.input_id[fqn] = list(self.input_seen.get(id(x), []))[:-1]
         self.projection_inputs[fqn] = id(x)
         shadow = self.shadow.get(id(x))
-        if shadow:
-            t.row_inputs[fqn] = {name: [s.reshape(-1, s.shape[-1])[0] for s in slots] for name, slots in shadow.items()}
+        if shadow:  # features at one token; weights' elements at every token (a recurrence's decay enters late)
+            features = {name: slots for name, slots in shadow.items() if name not in self.tracked_names}
+            if features:
+                t.row_inputs[fqn] = {name: [s.reshape(-1, s.shape[-1])[0] for s in slots] for name, slots in features.items()}
+            weights = {name: [s.reshape(-1, s.shape[-1]) for s in slots] for name, slots in shadow.items()
+                       if name in self.tracked_names}
+            if weights:
+                t.row_weights[fqn] = weights
 
     def kernel_enter(self, module, args) -> None:
         if kernel_name(module):
@@ -295,6 +307,8 @@ class _Recorder(TorchDispatchMode):
             self.trace.changed_in_place.add(self.output_of[id(args[0])])
         provs = [self.prov[id(a)] for a in flat_in if id(a) in self.prov]
         union = frozenset().union(*provs) if provs else frozenset()
+        if func in _SELECTS:
+            self.trace.selects.update(union - {STREAM})
         if func in _ADDS and STREAM in union and len(provs) >= 2:
             # Added to the residual stream: the other side's projections exit into it.
             self.trace.exits.update(n for p in provs if STREAM not in p for n in p)

@@ -29,13 +29,9 @@ def tracked_weights(block: nn.Module, is_projection) -> dict[int, str]:
 
 
 def set_apart(trace, weights: set[str]) -> None:
-    """Move the ``weights``' elements out of ``trace``'s projection inputs and attention sides (which then hold
-    projection features only) into ``trace.row_weights`` and each event's ``weights``; drop them from the
-    convolutions' channels."""
-    for row, shadow in trace.row_inputs.items():
-        apart = {name: shadow.pop(name) for name in list(shadow) if name in weights}
-        if apart:
-            trace.row_weights[row] = apart
+    """Move the ``weights``' elements out of ``trace``'s attention sides (which then hold projection features
+    only) into each event's ``weights``; drop them from the convolutions' channels. (The trace records them
+    apart at projection inputs itself: ``row_weights``.)"""
     for event in trace.attention:
         heads = len(event.q)
         event.weights = [{} for _ in range(heads)]
@@ -63,7 +59,7 @@ def split_with_features(block: nn.Module, trace, row: str, event, heads: int | N
         for rank in range(tp):
             part = slice(rank * width // tp, (rank + 1) * width // tp)
             met.setdefault(name, [set() for _ in range(tp)])[rank] |= {
-                int(i) for s in slots for i in s[part].flatten().tolist() if i >= 0}
+                int(i) for s in slots for i in s[..., part].flatten().tolist() if i >= 0}
     found: dict[str, list[str]] = {}
     for fqn, shares in met.items():
         weight = block.get_parameter(fqn)

@@ -44,12 +44,16 @@ def is_linear(module: nn.Module) -> bool:
 class ColumnSplit(ColwiseParallel):
     """Column-wise for an ``nn.Linear`` or ``Conv1D``; ``parts=k``: its outputs are k equal fused parts and
     each rank keeps its slice of every one; ``parts=(n_1, ..., n_k)``: the fused parts' sizes, equal or not.
-    ``copy_output``: for a model that changes the output in place.
+    ``copy_output``: for a model that changes the output in place. ``output_layouts=Replicate()``: the output
+    gathered whole on every rank, for a projection whose output the block uses whole (its weight and work
+    still split; the gradient of the gathered output is whole on every rank, each keeps its slice).
 
-    Example (nanoGPT's fused attention input; Phi-3's with 4 query heads and 2 kv heads of 8 features)::
+    Example (nanoGPT's fused attention input; Phi-3's with 4 query heads and 2 kv heads of 8 features; RWKV's
+    gate on its MLP's output)::
 
         {"model.transformer.h.*.attn.c_attn": ColumnSplit(parts=3)}
         {"model.model.layers.*.self_attn.qkv_proj": ColumnSplit(parts=(32, 16, 16))}
+        {"model.rwkv.blocks.*.feed_forward.receptance": ColumnSplit(output_layouts=Replicate())}
     """
 
     def __init__(self, *, parts: int | tuple[int, ...] = 1, whole: tuple[bool, ...] = (), copy_output: bool = False,
@@ -73,6 +77,8 @@ class ColumnSplit(ColwiseParallel):
                 record(module, param, order)
 
     def _local_columns(self, mod, outputs, device_mesh):
+        if self.output_layouts != (Shard(-1),):  # used whole (or per position under sequence parallelism)
+            outputs = outputs.redistribute(placements=self.output_layouts)
         return _local(outputs, self.copy_output)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -87,7 +93,8 @@ class ColumnSplit(ColwiseParallel):
         whole = f", whole={self.whole}" if any(self.whole) else ""
         local = ", local_input=True" if self.local_input else ""
         gather = ", gather_output=True" if self.gather_output else ""
-        return f"ColumnSplit(parts={self.parts}{whole}{local}{gather}, input_layouts={self.input_layouts})"
+        output = f", output_layouts={self.output_layouts}" if self.output_layouts != (Shard(-1),) else ""
+        return f"ColumnSplit(parts={self.parts}{whole}{local}{gather}, input_layouts={self.input_layouts}{output})"
 
 
 class _LocalForward:

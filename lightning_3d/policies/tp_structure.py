@@ -109,6 +109,10 @@ class BlockSplit:
     regions: list[Region] = field(default_factory=list)
     experts: dict[str, ExpertsLayout] = field(default_factory=dict)
     """Experts module (:mod:`~lightning_3d.policies.experts`) -> where its intermediate features are."""
+    gathered: list[str] = field(default_factory=list)
+    """Projections outside every region that read the residual stream and whose output the block uses whole,
+    in no region's computation (RWKV's receptance gate on its MLP's output): split by output features, their
+    output gathered (:func:`_gathered`)."""
     left: dict[str, str] = field(default_factory=dict)
     """Projection (or experts module) left whole -> why."""
     problem: str | None = None
@@ -164,11 +168,31 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
                 split.left[name] = why
             else:
                 split.experts[name] = layout
+    split.gathered = _gathered(block, whole, claimed | set(split.left), tp)
     for name in whole.order:
-        if name not in claimed and name not in split.left:
+        if name not in claimed and name not in split.left and name not in split.gathered:
             split.left[name] = ("it reads the residual stream but no row projection of a region reads it"
                                 if whole.reads[name] == frozenset({STREAM}) else "it is in no attention or MLP region")
     return split
+
+
+def _gathered(block: nn.Module, trace: BlockTrace, taken: set[str], tp: int) -> list[str]:
+    """The projections outside every region (``taken``: those in regions, and those of regions that could not
+    be split) that can split by output features and gather their output whole: each reads the residual stream
+    alone (replicated on every rank), computes a projection only (its class's own forward is the plain one),
+    and feeds no projection of a region (so what reads its output computes the same on every rank, and its
+    gradient is whole there). Not a router: the experts it picks would be read off a gathered output at every
+    step, for a few features each."""
+    return [p for p in trace.order if p not in taken and trace.reads[p] == frozenset({STREAM})
+            and trace.sizes[p][1] % tp == 0 and p not in trace.selects and _plain(block.get_submodule(p))
+            and not any(p in trace.reads[q] for q in taken)]
+
+
+def _plain(projection: nn.Module) -> bool:
+    """An ``nn.Linear`` or ``Conv1D`` whose forward is its class's own (a subclass may return more: a router's
+    choice)."""
+    own = type(projection).forward
+    return own is nn.Linear.forward or (type(projection).__name__ == "Conv1D" and "Conv1D" in own.__qualname__)
 
 
 def _leave(split: BlockSplit, names: list[str], why: str) -> None:
