@@ -35,7 +35,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama", "modernbert-decoder",
         "moshi", "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe",
         "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rwkv", "qwen4_exp_text", "recurrent_gemma",
+        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "recurrent_gemma",
         "rwkv", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
         "trocr", "vaultgemma", "xglm", "youtu",
         "xlstm",  # its block returns, besides the activation, a tensor that is not contiguous (gloo sends none such)
