@@ -43,7 +43,7 @@ from lightning_3d.policies.auto_pipeline import tied_parameters
 from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_inputs import block_inputs, required_positionals
 from lightning_3d.policies.block_trace import is_projection, meta_copy, projection_sizes
-from lightning_3d.policies.experts import ExpertsSplit
+from lightning_3d.policies.experts import ExpertsSplit, is_experts, is_stacked_experts, stacked_matrices
 from lightning_3d.policies.head_inputs import HeadInputs
 from lightning_3d.policies.head_weights import HeadWeights
 from lightning_3d.policies.hidden_states import HiddenStates
@@ -344,22 +344,12 @@ def expert_banks(block: nn.Module) -> list[str]:
     same-class modules holding projections (experts written as an ``nn.ModuleList`` of MLPs)."""
     found = []
     for prefix, module in block.named_modules():
-        found += [f"{join_fqn(prefix, name)} {tuple(p.shape)}" for name, p in _expert_matrices(module)]
+        found += [f"{join_fqn(prefix, name)} {tuple(p.shape)}" for name, p in stacked_matrices(module)]
     for name, module in block.named_modules():
         if (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
                 and any(is_projection(m) for m in module[0].modules())):
             found.append(f"{name} ({len(module)} x {type(module[0]).__name__})")
     return found
-
-
-def _expert_matrices(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``module``'s own 3-D parameters that are a stack of expert matrices: two or more of them with the same
-    number of experts first, one reading what another writes (``gate_up_proj`` (E, 2I, H) and ``down_proj``
-    (E, H, I)). A convolution's (C, 1, K) or a projection stored (hidden, heads, head_dim) is not."""
-    stacks = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and min(p.shape) > 1]
-    return [(n, p) for n, p in stacks
-            if any(q is not p and q.shape[0] == p.shape[0] and (q.shape[2] == p.shape[1] or p.shape[2] == q.shape[1])
-                   for _, q in stacks)]
 
 
 def _model_prefix(blocks: list[str]) -> str:
@@ -374,12 +364,18 @@ def _model_name(root: nn.Module, blocks: list[str]) -> str:
 def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float, tp: int,
              tp_plan: dict[str, ParallelStyle]) -> str:
     block = blocks[0] if blocks else "(no repeated blocks found)"  # the block shown
-    experts = expert_banks(root.get_submodule(blocks[0])) if blocks and not split.experts else []
+    modules = dict(root.get_submodule(blocks[0]).named_modules()) if blocks else {}
+    # Experts modules stood in for while the block is traced are not why it could not be: that is said below.
+    stood_in = any(is_experts(m) or is_stacked_experts(m) for m in modules.values())
+    experts = expert_banks(root.get_submodule(blocks[0])) if blocks and not split.experts and not (
+        split.problem and stood_in) else []
     if experts:
-        why = "; ".join(f"{name}: {reason}" for name, reason in split.left.items() if "expert" in reason) or (
+        why = "; ".join(f"{name}: {reason}" for name, reason in split.left.items()
+                        if (m := modules.get(name)) is not None and (is_experts(m) or is_stacked_experts(m))) or (
             "they are not a transformers experts module (stacked gate_up_proj / down_proj, the layout"
-            " use_experts_implementation describes), and which tokens reach an expert is decided by the router at"
-            " run time, so a trace on the meta device cannot follow them")
+            " use_experts_implementation describes) nor a module holding exactly a stacked up and down projection,"
+            " and which tokens reach an expert is decided by the router at run time, so a trace on the meta device"
+            " cannot follow them")
         return (
             f"policy='auto' does not split the mixture-of-experts blocks of {_model_name(root, blocks)} over tp: in"
             f" {block} (every block of its kind), {', '.join(experts)} hold the experts' weights, and {why}. Train it at"

@@ -17,6 +17,14 @@ weights (:class:`ExpertsSplit`), and the ranks' outputs are summed:
   (the router so gets one process's gradient);
 * the down projection's bias is added once, by tp rank 0, and its gradient summed over tp.
 
+A plain module that holds exactly a stacked up and a stacked down projection (two 3-D weights, experts first,
+as Llama 4's and some remote-code experts are written, with no flags) is split the same way once its layout is
+known: :func:`experts_layouts` tries each layout its shapes allow ([gate | up] halves, interleaved pairs, up only;
+which dimension holds the intermediate features) on random weights of the module's shapes, with a few
+intermediate features, and keeps the one where the sum over tp ranks of the module's own forward, each on its
+slice, is the forward on all of them. A forward that is not linear in its intermediate features (a norm on each
+expert's output) matches none and is left whole, named.
+
 Each expert stays whole on the expert dimension, so expert parallelism can later split that dimension instead.
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -32,9 +41,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_3d.policies.local_tensors import gradient_summed, shadowed
+from lightning_3d.policies.meta_values import MetaValues
 
 FLAGS = ("has_gate", "is_transposed", "is_concatenated", "has_bias")
 """The attributes transformers' ``use_experts_implementation`` sets on an experts module."""
+MAX_CHECK_BYTES = 256 << 20
+"""The most memory the check of a plain stacked-experts module's layout may take (its random weights): the
+check runs at plan time on every rank."""
+FEATURES_CHECKED = 2
+"""Intermediate features per tp rank in that check: enough to tell halves from interleaved pairs."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,8 @@ class ExpertsLayout:
     down_dim: int
     """The dimension of ``down_proj`` that holds the intermediate features (2, or 1 when transposed)."""
     bias: bool
+    down: str = "down_proj"
+    """The down projection's name."""
 
     @property
     def intermediate(self) -> str:
@@ -84,6 +101,145 @@ def experts_layout(module: nn.Module, tp: int) -> tuple[ExpertsLayout | None, st
     return layout, ""
 
 
+def stacked_matrices(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s own 3-D parameters that are a stack of expert matrices: two or more of them with the same
+    number of experts first, one reading what another writes (``gate_up_proj`` (E, 2I, H) and ``down_proj``
+    (E, H, I)). A convolution's (C, 1, K) or a projection stored (hidden, heads, head_dim) is not."""
+    stacks = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and min(p.shape) > 1]
+    return [(n, p) for n, p in stacks
+            if any(q is not p and q.shape[0] == p.shape[0] and (q.shape[2] == p.shape[1] or p.shape[2] == q.shape[1])
+                   for _, q in stacks)]
+
+
+def is_stacked_experts(module: nn.Module) -> bool:
+    """A module whose own parameters are exactly a stacked up and a stacked down projection
+    (:func:`stacked_matrices`), and whose forward is not transformers' dispatch to an experts implementation
+    (the flags, if it has them, may describe its weights but not what its own forward does with them)."""
+    dispatched = is_experts(module) and hasattr(type(module).forward, "__wrapped__")
+    return (not dispatched and len(stacked_matrices(module)) == 2
+            and len(list(module.parameters(recurse=False))) == 2)
+
+
+def experts_layouts(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> dict[str, tuple[ExpertsLayout | None, str]]:
+    """Every experts module in ``block`` (a meta copy, called on ``args``/``kwargs``) -> how it splits over ``tp``
+    ranks, or None and why it does not. A plain stacked one is checked on random weights (module docstring)."""
+    stacked = {name: module for name, module in block.named_modules() if is_stacked_experts(module)}
+    found = {name: experts_layout(module, tp) for name, module in block.named_modules()
+             if is_experts(module) and name not in stacked}
+    if stacked:
+        calls: dict[nn.Module, tuple[tuple, dict]] = {}
+        try:  # the block on meta, for the arguments each experts module is called with
+            with torch.no_grad(), torch.device("meta"), MetaValues(), experts_stood_in(block, calls):
+                block(*args, **kwargs)
+        except Exception:  # noqa: BLE001 -- the block's trace says why it does not run; the modules not reached say so
+            pass
+        for name, module in stacked.items():
+            found[name] = _stacked_layout(module, calls.get(module), tp)
+    return found
+
+
+def _stacked_layout(module: nn.Module, call: tuple[tuple, dict] | None, tp: int) -> tuple[ExpertsLayout | None, str]:
+    kind = f"the experts module {type(module).__name__}"
+    if any(any(True for _ in child.parameters()) for child in module.children()):
+        return None, f"{kind} runs a module with weights (a norm) on what tp would see in pieces"
+    if call is None:
+        return None, f"{kind} was not reached when the block ran on the meta device, so its layout was not checked"
+    (a, first), (b, second) = module.named_parameters(recurse=False)
+    said = f"{a} {tuple(first.shape)} and {b} {tuple(second.shape)}"
+    candidates = [layout for up, down in ((a, b), (b, a)) for layout in _candidates(module, up, down)]
+    if not candidates:
+        return None, f"{kind}'s {said} agree on no hidden and intermediate size (up (E, kI, H) or (E, H, kI), k = 1 or 2)"
+    for layout in candidates:
+        intermediate = getattr(module, layout.down).shape[layout.down_dim]
+        if intermediate % tp:
+            continue
+        size = _check_bytes(module, layout, tp)
+        if size > MAX_CHECK_BYTES:
+            return None, (
+                f"checking the layout of {kind} ({said}) would take {size / 2**20:,.0f} MiB of random weights (more than"
+                f" {MAX_CHECK_BYTES >> 20} MiB); if its forward is linear in the intermediate features, write the line in a"
+                f" policy of your own: ExpertsSplit(ExpertsLayout(up='{layout.up}', up_dim={layout.up_dim},"
+                f" halves=<True for [gate | up] halves>, down_dim={layout.down_dim}, bias=False, down='{layout.down}'))")
+        if _sums_over_ranks(module, layout, call, tp):
+            return layout, ""
+    sizes = {getattr(module, c.down).shape[c.down_dim] for c in candidates}
+    if all(size % tp for size in sizes):
+        return None, (f"each expert's {'/'.join(map(str, sorted(sizes)))} intermediate features of {kind} do not"
+                      f" divide by tensor_parallel_size={tp}")
+    return None, (f"{kind}.forward is not the sum of its forwards on each tp rank's slice of the intermediate features"
+                  f" in any layout of {said} (checked on random weights): it does more than a linear map on them,"
+                  " which tp would see in pieces")
+
+
+def _candidates(module: nn.Module, up: str, down: str) -> list[ExpertsLayout]:
+    """The layouts with ``up`` and ``down`` as the up and the down projection that their shapes allow."""
+    up_shape, down_shape = getattr(module, up).shape, getattr(module, down).shape
+    found = []
+    for up_dim in (1, 2):
+        for down_dim in (1, 2):
+            hidden_agrees = up_shape[3 - up_dim] == down_shape[3 - down_dim]
+            gated = up_shape[up_dim] == 2 * down_shape[down_dim]
+            if hidden_agrees and (gated or up_shape[up_dim] == down_shape[down_dim]):
+                found += [ExpertsLayout(up=up, up_dim=up_dim, halves=halves, down_dim=down_dim, bias=False, down=down)
+                          for halves in ((True, False) if gated else (False,))]
+    return found
+
+
+def _check_shapes(module: nn.Module, layout: ExpertsLayout, tp: int) -> tuple[list[int], list[int]]:
+    """The shapes of the random up and down weights of the check: the module's, with FEATURES_CHECKED
+    intermediate features per rank."""
+    up, down = list(getattr(module, layout.up).shape), list(getattr(module, layout.down).shape)
+    factor = up[layout.up_dim] // down[layout.down_dim]  # 2 with a gate
+    up[layout.up_dim], down[layout.down_dim] = factor * FEATURES_CHECKED * tp, FEATURES_CHECKED * tp
+    return up, down
+
+
+def _check_bytes(module: nn.Module, layout: ExpertsLayout, tp: int) -> int:
+    up, down = _check_shapes(module, layout, tp)
+    return 2 * 8 * (torch.Size(up).numel() + torch.Size(down).numel())  # float64, whole and sliced
+
+
+def _sums_over_ranks(module: nn.Module, layout: ExpertsLayout, call: tuple[tuple, dict], tp: int) -> bool:
+    """Whether ``module``'s forward on random weights of ``layout`` is the sum of its forwards on each rank's
+    slice of them (of gate and up alike, and the matching inputs of down)."""
+    generator = torch.Generator().manual_seed(0)  # every rank draws the same, and so decides the same
+    up_shape, down_shape = _check_shapes(module, layout, tp)
+    up, down = (torch.randn(shape, dtype=torch.float64, generator=generator) for shape in (up_shape, down_shape))
+    experts = up.shape[0]
+
+    def random(value):  # an input of the traced call's shape: routing indices among the experts
+        if not isinstance(value, Tensor):
+            return value
+        if value.is_floating_point():
+            return torch.randn(value.shape, dtype=torch.float64, generator=generator)
+        high = 2 if value.dtype == torch.bool else experts
+        return torch.randint(0, high, value.shape, generator=generator).to(value.dtype)
+
+    args, kwargs = [random(a) for a in call[0]], {k: random(v) for k, v in call[1].items()}
+
+    def forward(up: Tensor, down: Tensor):
+        with torch.no_grad(), shadowed(module, {layout.up: up, layout.down: down}):
+            return module(*args, **kwargs)
+
+    try:
+        whole = forward(up, down)
+        shares = [forward(_rank_slice(up, layout.up_dim, layout.halves, tp, rank), down.chunk(tp, layout.down_dim)[rank])
+                  for rank in range(tp)]
+    except Exception:  # noqa: BLE001 -- a forward that cannot run on this layout's slices is not linear in it
+        return False
+    if not isinstance(whole, Tensor) or not all(isinstance(s, Tensor) and s.shape == whole.shape for s in shares):
+        return False
+    scale = whole.abs().max()
+    return bool(scale > 0) and torch.allclose(sum(shares), whole, rtol=1e-5, atol=1e-5 * float(scale))
+
+
+def _rank_slice(up: Tensor, dim: int, halves: bool, tp: int, rank: int) -> Tensor:
+    """``rank``'s slice of the up projection: of each half ([gate | up]) or of the whole (interleaved, up only)."""
+    if halves:
+        return torch.cat([half.chunk(tp, dim)[rank] for half in up.chunk(2, dim)], dim)
+    return up.chunk(tp, dim)[rank]
+
+
 class ExpertsSplit(ParallelStyle):
     """Splits an experts module's intermediate features over tp (see the module docstring).
 
@@ -106,8 +262,8 @@ class ExpertsSplit(ParallelStyle):
             return
         up_split = _StridedShard(self.layout.up_dim, split_factor=2) if self.layout.halves else Shard(self.layout.up_dim)
         bias_split = _StridedShard(1, split_factor=2) if self.layout.halves else Shard(1)
-        for param, placement in ((self.layout.up, up_split), ("down_proj", Shard(self.layout.down_dim)),
-                                 (f"{self.layout.up}_bias", bias_split), ("down_proj_bias", Replicate())):
+        for param, placement in ((self.layout.up, up_split), (self.layout.down, Shard(self.layout.down_dim)),
+                                 (f"{self.layout.up}_bias", bias_split), (f"{self.layout.down}_bias", Replicate())):
             tensor = getattr(module, param, None)
             if isinstance(tensor, nn.Parameter) and not isinstance(tensor, DTensor):
                 sharded = distribute_tensor(tensor, mesh, [placement], src_data_rank=self.src_data_rank)
@@ -123,12 +279,17 @@ class _SplitForward:
     def __init__(self, module: nn.Module, forward, mesh: DeviceMesh) -> None:
         self.module, self.forward, self.mesh = module, forward, mesh
 
-    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args, **kwargs) -> Tensor:
-        hidden_states, top_k_weights = gradient_summed(hidden_states, self.mesh), gradient_summed(top_k_weights, self.mesh)
+    def __call__(self, *args, **kwargs) -> Tensor:
+        # Every rank's share reads the hidden states and the routing weights: their gradients are summed over tp.
+        args = [self._read_by_every_rank(a) for a in args]
+        kwargs = {k: self._read_by_every_rank(v) for k, v in kwargs.items()}
         with _local_weights(self.module, self.mesh):
-            share = self.forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            share = self.forward(*args, **kwargs)
         return DTensor.from_local(share, self.mesh, [Partial()], run_check=False).redistribute(
             placements=[Replicate()]).to_local()
+
+    def _read_by_every_rank(self, value):
+        return gradient_summed(value, self.mesh) if isinstance(value, Tensor) and value.is_floating_point() else value
 
 
 def _local_weights(module: nn.Module, mesh: DeviceMesh):
@@ -146,12 +307,13 @@ def _local_weights(module: nn.Module, mesh: DeviceMesh):
 
 
 @contextlib.contextmanager
-def experts_stood_in(block: nn.Module):
+def experts_stood_in(block: nn.Module, calls: dict[nn.Module, tuple[tuple, dict]] | None = None):
     """While a block runs without data (traced on the meta device, checked on fake tensors), its experts modules
-    run :func:`_stand_in`: routing reads values, and grouped matmuls have no fake kernel for every dtype."""
-    experts = {m: m.__dict__.get("forward") for m in block.modules() if is_experts(m)}
+    (transformers' and plain stacked ones) run :class:`_StandIn`: routing reads values, and grouped matmuls have
+    no fake kernel for every dtype. ``calls``, if given, receives each one's first arguments."""
+    experts = {m: m.__dict__.get("forward") for m in block.modules() if is_experts(m) or is_stacked_experts(m)}
     for module in experts:
-        module.forward = _stand_in
+        module.forward = _StandIn(module, calls)
     try:
         yield
     finally:
@@ -161,6 +323,19 @@ def experts_stood_in(block: nn.Module):
                 module.forward = own
 
 
-def _stand_in(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args, **kwargs) -> Tensor:
-    """Reads the hidden states and the routing weights, as the experts do, and returns their output's shape."""
-    return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
+class _StandIn:
+    """Reads every floating-point input, as the experts do (the hidden states, the routing weights), and returns
+    a tensor of the first one's shape, as their output has."""
+
+    def __init__(self, module: nn.Module, calls: dict | None) -> None:
+        self.module, self.calls = module, calls
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        if self.calls is not None:
+            self.calls.setdefault(self.module, (args, kwargs))
+        read = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.is_floating_point()]
+        out = read[0]
+        for other in read[1:]:  # per token where it has the tokens' shape (top_k_weights)
+            per_token = other.shape[:-1] == out.shape[:-1]
+            out = out * (other.sum(-1, keepdim=True) if per_token else other.sum()).to(out.dtype)
+        return out

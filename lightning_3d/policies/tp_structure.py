@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from lightning_3d.common import join_fqn
 from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies.block_trace import STREAM, BlockTrace, _features, is_projection, trace_block
-from lightning_3d.policies.experts import ExpertsLayout, experts_layout, is_experts
+from lightning_3d.policies.experts import ExpertsLayout, experts_layouts
 from lightning_3d.policies.feature_weights import split_with_features
 from lightning_3d.policies.reductions import across_ranks
 from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes
@@ -161,13 +161,11 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
                                 if inner and reads_of and reads_of <= set(inner)]
         split.regions.append(region)
         claimed.update([row, *columns, *region.feeders, *inner])
-    for name, module in block.named_modules():
-        if is_experts(module):
-            layout, why = experts_layout(module, tp)
-            if layout is None:
-                split.left[name] = why
-            else:
-                split.experts[name] = layout
+    for name, (layout, why) in experts_layouts(block, args, kwargs, tp).items():
+        if layout is None:
+            split.left[name] = why
+        else:
+            split.experts[name] = layout
     split.gathered = _gathered(block, whole, claimed | set(split.left), tp)
     for name in whole.order:
         if name not in claimed and name not in split.left and name not in split.gathered:
