@@ -36,7 +36,7 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
     """Set ``region.fixes`` to the smallest set of divided attributes under which every rank's shrunk block
     traces as the whole one does on that rank; the reason when none does."""
     candidates = _candidates(block, whole, region, tp)
-    failures = []
+    first, failures = "", {}  # the try as it is; per way of cutting the inputs, its last try
     # Inputs of one slice per head are cut only when no set of attributes does without them; a narrowed
     # input costs an all-gather per region: tried only when neither does.
     per_head = head_inputs.candidates(args, kwargs, region.heads) if region.heads else []
@@ -48,7 +48,10 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
                 fixes = _as_fixes(chosen, tp)
                 why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
                 if why:
-                    failures.append(why)
+                    if first:
+                        failures[region.narrow_input, tuple(cut)] = f"{_attempt(chosen, region)}: {why}"
+                    else:
+                        first = f"as it is: {why}"
                     continue
                 for rank in range(1, tp):
                     why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
@@ -58,9 +61,18 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
                 return ""
     region.narrow_input, region.head_inputs = False, []
     ints = {f"{m or '<block>'}.{a}": v for m, a, v, _ in candidates}
-    tried = f"; with {', '.join(ints)} divided: {failures[-1]}" if len(failures) > 1 else ""
-    return (f"split over tp it does not compute what one process does (as it is: {failures[0]}{tried}); the"
-            f" integer attributes tried: {ints or 'none'}")
+    return (f"split over tp it does not compute what one process does ({'; '.join([first, *failures.values()])});"
+            f" the integer attributes tried: {ints or 'none'}")
+
+
+def _attempt(chosen, region: Region) -> str:
+    """How one try of :func:`find_fixes` shrank the block, in words."""
+    names = [f"{holder or '<block>'}.{attribute}" for holder, attribute, _, _ in chosen]
+    said = [f"with {', '.join(names)} divided"] if names else []
+    if region.narrow_input:
+        said.append(f"{region.input_module or '<block>'} given each rank's hidden features")
+    said += [f"the block's {where} cut to each rank's heads" for _, where in region.head_inputs]
+    return ", ".join(said) or "as it is"
 
 
 def _subsets(candidates: list[tuple[str, str, int, int]]):
@@ -263,13 +275,17 @@ def _pass_through(x, *args, **kwargs):
 
 
 def _resize_input(factor: float):
-    """A forward pre-hook that gives the module its first tensor argument ``factor`` times as wide (on meta)."""
+    """A forward pre-hook that gives the module its hidden states ``factor`` times as wide (on meta): its first
+    positional argument, else its first tensor passed by keyword (``hidden_states=...``), as
+    :class:`~lightning_3d.policies.hidden_states.HiddenStates` converts them on the ranks."""
+    def resized(x: Tensor) -> Tensor:
+        return torch.empty(*x.shape[:-1], int(x.shape[-1] * factor), dtype=x.dtype, device="meta")
+
     def hook(_module, args, kwargs):
-        if args and isinstance(args[0], Tensor):
-            x = args[0]
-            return (torch.empty(*x.shape[:-1], int(x.shape[-1] * factor), dtype=x.dtype, device="meta"),
-                    *args[1:]), kwargs
-        return None
+        if args:
+            return ((resized(args[0]), *args[1:]), kwargs) if isinstance(args[0], Tensor) else None
+        name = next((k for k, v in kwargs.items() if isinstance(v, Tensor)), None)
+        return None if name is None else (args, {**kwargs, name: resized(kwargs[name])})
     return hook
 
 

@@ -171,6 +171,10 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         if name not in claimed and name not in split.left and name not in split.gathered:
             split.left[name] = ("it reads the residual stream but no row projection of a region reads it"
                                 if whole.reads[name] == frozenset({STREAM}) else "it is in no attention or MLP region")
+    for name, module in block.named_modules():  # a cross-attention called without encoder states
+        if is_projection(module) and name not in whole.sizes:
+            split.left.setdefault(name, "it does not run in the block's forward as the model calls it (traced on"
+                                  " the block's captured inputs): no split of it can be checked")
     return split
 
 
