@@ -310,8 +310,10 @@ class _Recorder(TorchDispatchMode):
         if func in _SELECTS:
             self.trace.selects.update(union - {STREAM})
         if func in _ADDS and STREAM in union and len(provs) >= 2:
-            # Added to the residual stream: the other side's projections exit into it.
-            self.trace.exits.update(n for p in provs if STREAM not in p for n in p)
+            # Added to the residual stream: the other side's projections exit into it -- also when that side is
+            # scaled by something the stream gives (a hyper-connection's ``post * out + residual``).
+            pure = any(p == frozenset({STREAM}) for p in provs)
+            self.trace.exits.update(n for p in provs if pure or STREAM not in p for n in p - {STREAM})
             union = frozenset({STREAM})
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
         for o in outs:

@@ -124,7 +124,12 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
     whole = trace_block(block, args, kwargs)
     if whole.problem:
         return BlockSplit(problem=whole.problem)
-    split = BlockSplit()
+    on_stream = _on_stream(whole)
+    if on_stream:  # what they compute is replicated as the stream is: what reads them reads the stream
+        whole.reads = {p: (r - on_stream) | {STREAM} if r & on_stream and p not in on_stream else r
+                       for p, r in whole.reads.items()}
+    split = BlockSplit(left={p: "it computes from the residual stream what scales it, the same on every rank"
+                             for p in on_stream})
     claimed: set[str] = set()
     for row in whole.order:
         reads = whole.reads[row]
@@ -160,7 +165,7 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         region.on_inner_rows = [m for m, (reads_of, _) in whole.weighted_inputs.items()
                                 if inner and reads_of and reads_of <= set(inner)]
         split.regions.append(region)
-        claimed.update([row, *columns, *region.feeders, *inner])
+        claimed.update([row, *columns, *region.feeders, *inner, *region.on_feeders, *region.on_inner_rows])
     for name, (layout, why) in experts_layouts(block, args, kwargs, tp).items():
         if layout is None:
             split.left[name] = why
@@ -187,7 +192,7 @@ def _gathered(block: nn.Module, trace: BlockTrace, taken: set[str], tp: int) -> 
     step, for a few features each."""
     return [p for p in trace.order if p not in taken and trace.reads[p] == frozenset({STREAM})
             and trace.sizes[p][1] % tp == 0 and p not in trace.selects and _plain(block.get_submodule(p))
-            and not any(p in trace.reads[q] for q in taken)]
+            and not any(p in trace.reads.get(q, ()) for q in taken)]
 
 
 def _plain(projection: nn.Module) -> bool:
@@ -195,6 +200,20 @@ def _plain(projection: nn.Module) -> bool:
     choice)."""
     own = type(projection).forward
     return own is nn.Linear.forward or (type(projection).__name__ == "Conv1D" and "Conv1D" in own.__qualname__)
+
+
+def _on_stream(trace: BlockTrace) -> set[str]:
+    """The projections whose output reaches other projections only mixed with the residual stream (AXK2's
+    norm, scaled by a small MLP of the stream), and those that feed only them: each stays whole and computes
+    the same on every rank, so what reads it reads the stream."""
+    found: set[str] = set()
+    while True:  # and the projections that feed only those (the small MLP's first layer)
+        more = {p for p in trace.order if p not in found and p not in trace.exits
+                and (readers := [q for q in trace.order if p in trace.reads[q]])
+                and all(STREAM in trace.reads[q] or q in found for q in readers)}
+        if not more:
+            return found
+        found |= more
 
 
 def _leave(split: BlockSplit, names: list[str], why: str) -> None:

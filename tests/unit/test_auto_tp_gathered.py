@@ -45,3 +45,25 @@ def test_a_gate_after_the_row_projection_is_split_and_its_output_gathered():
 def test_a_projection_whose_output_picks_among_its_features_is_not_gathered():
     _, found = _plan(routed=True)
     assert "model.layers.0.gate" not in found.tp_plan
+
+
+class _ModulatedNormBlock(nn.Module):
+    """An MLP on the hidden states normed and scaled by a small MLP of them (AXK2's norm): the scale's
+    projections stay whole, the MLP reads them mixed with the stream, and splits as usual."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.fc1, self.fc2 = nn.Linear(16, 4), nn.Linear(4, 16)
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.norm(x) * (1 + self.fc2(torch.relu(self.fc1(x))))
+        return x + self.down(torch.relu(self.up(h)))
+
+
+def test_an_mlp_reading_the_stream_scaled_by_whole_projections_of_it_is_split():
+    root = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList(_ModulatedNormBlock() for _ in range(2))})})
+    found = AutoPolicy().plan(root, PlanOptions(tp=2, allow_replicated=True))
+    assert isinstance(found.tp_plan["model.layers.0.up"], ColumnSplit)
+    assert "model.layers.0.fc2" not in found.tp_plan  # whole: it computes what every rank computes
