@@ -3,7 +3,7 @@
 Some attention and mixing modules apply, beside their projections, a weight of their own to each output
 feature of one: nGPT's per-feature query scale (``sqk``) and gate scale, RWKV's ``time_decay`` and
 ``time_first`` on each key channel. At tp, rank r computes its share of those features, so it keeps those
-features' values of the weight (``Shard(0)``, :class:`~lightning_3d.policies.head_weights.HeadWeights`).
+features' values of the weight (``Shard`` along :func:`split_dim`, :class:`~lightning_3d.policies.head_weights.HeadWeights`).
 
 No shape is guessed at: the block trace (:mod:`~lightning_3d.policies.block_trace`) follows each element of the
 own weights of the modules that hold projections as it follows projection features, and records them apart
@@ -69,9 +69,17 @@ def split_with_features(block: nn.Module, trace, row: str, event, heads: int | N
     return found
 
 
+def split_dim(weight: Tensor) -> int:
+    """The dimension along which a weight of one value per head or feature splits: its first of more than one
+    element (Kimi's ``A_log``, shaped ``(1, 1, heads, 1)`` to broadcast, splits along its heads), where rank r's
+    slice holds the r-th run of its elements in memory order."""
+    return next((d for d, size in enumerate(weight.shape) if size > 1), 0)
+
+
 def _sliced(weight: Tensor, shares: list[set[int]], tp: int) -> bool:
-    """Whether rank r's elements of ``weight`` (flat indices) are exactly its r-th slice along dim 0."""
-    if not weight.dim() or weight.shape[0] % tp:
+    """Whether rank r's elements of ``weight`` (flat indices) are exactly its r-th slice along
+    :func:`split_dim`."""
+    if not weight.dim() or weight.shape[split_dim(weight)] % tp:
         return False
     size = weight.numel() // tp
     return all(share == set(range(r * size, (r + 1) * size)) for r, share in enumerate(shares))

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_3d.fused_parts import FusedParts, distribute_parameter, record
+from lightning_3d.policies.feature_weights import split_dim
 from lightning_3d.policies.local_tensors import local_parts, shadowed
 
 
@@ -59,7 +60,7 @@ class HeadWeights(ParallelStyle):
             if len(parts) > 1 and len(set(parts)) == 1 and not any(whole):  # [q | k | v]: this rank's chunk of each
                 placement, order = _StridedShard(0, split_factor=len(parts)), None
             else:  # unequal parts, or parts every rank keeps whole (Mamba-2's B and C of one group): in rank order
-                placement = Shard(0)
+                placement = Shard(split_dim(getattr(owner, leaf)) if len(parts) <= 1 else 0)
                 order = FusedParts(0, parts, device_mesh.size(), whole) if len(parts) > 1 else None
             if distribute_parameter(owner, leaf, device_mesh, placement, self.src_data_rank, order) and order:
                 record(owner, leaf, order)

@@ -29,8 +29,10 @@ Features = dict[str, frozenset[int]]
 
 
 def kernel_name(module: nn.Module) -> str | None:
-    """The scan kernel ``module`` is (a transformers kernel function), or None."""
+    """The scan kernel ``module`` is (a transformers kernel function, or an mLSTM backend module), or None."""
     name = getattr(module, "kernel_layer_name", None)
+    if name is None and type(module).__name__ in _BACKENDS:
+        name = type(module).__name__
     return name if name in _EVENTS else None
 
 
@@ -122,10 +124,31 @@ def _mamba_scan(module, args, kwargs, shadow_of, features):
     return q, k, v, _carried([sx, *per_channel], 2)
 
 
+def _mlstm(module, args, kwargs, shadow_of, features):
+    names = ("query", "key", "value", "igate", "fgate")
+    query, key, value, igate, fgate = (_argument(args, kwargs, i, n) for i, n in enumerate(names))
+    sq, sk, sv = shadow_of(query), shadow_of(key), shadow_of(value)
+    if not (sq and sk and sv) or value.dim() != 4 or key.shape[1] != value.shape[1]:
+        return None
+    gates = [s for s in (shadow_of(igate), shadow_of(fgate)) if s]
+    heads = value.shape[1]
+    q = [_merged(_at(sq, (0, h, 0), features), *(_at(s, (0, h, 0), features) for s in gates)) for h in range(heads)]
+    k = [_at(sk, (0, h, 0), features) for h in range(heads)]
+    v = [_at(sv, (0, h, 0), features) for h in range(heads)]
+    return q, k, v, _carried([sv], 2)
+
+
+_BACKENDS = ("xLSTMBackend", "mLSTMBackend")
+"""The mLSTM backends (transformers' and the ``xlstm`` package's), modules that run the mLSTM kernels."""
+
 _EVENTS = {
     "chunk_gated_delta_rule": _gated_delta_rule,
     "recurrent_gated_delta_rule": _gated_delta_rule,
     "fused_recurrent_gated_delta_rule": _gated_delta_rule,
+    "chunk_kda": _gated_delta_rule,
+    "fused_recurrent_kda": _gated_delta_rule,
     "mamba2_scan_forward": _mamba2_scan,
     "mamba_scan_forward": _mamba_scan,
+    "xLSTMBackend": _mlstm,
+    "mLSTMBackend": _mlstm,
 }

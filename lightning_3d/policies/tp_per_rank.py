@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies import head_inputs
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
+from lightning_3d.policies.feature_weights import split_dim
 from lightning_3d.policies.reductions import across_ranks
 
 _MAX_FIXES = 4
@@ -217,10 +218,12 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             owner, _, leaf = f"{holder}.{name}".strip(".").rpartition(".")
             module = local.get_submodule(owner)
             weight = getattr(module, leaf)
-            count = (len(FusedParts(0, region.depthwise[owner][0], tp, region.depthwise[owner][1]).held_by(rank))
-                     if owner in region.depthwise
-                     else weight.shape[0] // tp)
-            module.register_parameter(leaf, nn.Parameter(meta_like(weight, (count, *weight.shape[1:]))))
+            dim = 0 if owner in region.depthwise else split_dim(weight)
+            shape = list(weight.shape)
+            shape[dim] = (len(FusedParts(0, region.depthwise[owner][0], tp, region.depthwise[owner][1]).held_by(rank))
+                          if owner in region.depthwise
+                          else weight.shape[dim] // tp)
+            module.register_parameter(leaf, nn.Parameter(meta_like(weight, shape)))
     for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)

@@ -378,7 +378,9 @@ def _input_module(trace: BlockTrace, columns: list[str], only_columns: bool = Tr
 def _find_whole_inside(block: nn.Module, region: Region) -> str:
     """In a region computed on local tensors (one with feeders), set ``region.on_feeders``: every other module
     with weights inside the region's input module (the feeders' norms; a sparse-attention indexer), each whole
-    on every rank with its gradients summed over tp. The reason when the input module holds weights itself."""
+    on every rank with its gradients summed over tp; not one whose weights all split with the heads (Kimi's
+    forget gate: ``A_log`` per head, ``dt_bias`` per feature). The reason when the input module holds weights
+    itself."""
     if not region.feeders:
         return ""
     styled = {*region.columns, region.row, *region.feeders, *region.inner}
@@ -390,7 +392,7 @@ def _find_whole_inside(block: nn.Module, region: Region) -> str:
     region.on_feeders = [name for name, module in block.named_modules()
                          if name != region.input_module and _inside(name, region.input_module)
                          and not any(_inside(name, s) for s in styled)
-                         and any(True for _ in module.parameters(recurse=False))]
+                         and any(n not in region.head_weights.get(name, []) for n, _ in module.named_parameters(recurse=False))]
     return ""
 
 
