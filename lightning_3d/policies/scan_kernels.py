@@ -9,6 +9,11 @@ output's shape) without following features inside it, and records one attention 
 
 * gated delta rule ``(query, key, value, g, beta)``, each ``(batch, tokens, heads, ...)``: head h reads the
   value head h with its ``g`` and ``beta``, and the query and key head ``h // (value heads / key heads)``;
+  Kimi Delta Attention (``chunk_kda``, ``fused_recurrent_kda``) takes the same inputs, its ``g`` one decay
+  per key feature of each head;
+* the mLSTM backend (a module, not a kernel function: transformers' ``xLSTMBackend``, the ``xlstm`` package's
+  ``mLSTMBackend``) ``(query, key, value, igate, fgate)``, each ``(batch, heads, tokens, ...)``: head h reads
+  its query, key and value head and its two gates;
 * Mamba-2's scan ``(module, x, B, C, dt)``: head h reads its ``head_dim`` features of x and its ``dt``, and the
   B (key-like) and C (query-like) features of its group;
 * Mamba-1's selective scan ``(module, x, dt, B, C, gate)``, x ``(batch, channels, tokens)``: each channel is a
