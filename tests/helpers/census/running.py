@@ -49,7 +49,7 @@ def case_for(model_type: str, layout: str) -> Case:
     """The census run of ``model_type`` under ``layout`` (a key of ``LAYOUTS``) with ``policy="auto"``."""
     kwargs = dict(LAYOUTS[layout], policy="auto", **WATCH)
     return Case(name=f"{model_type}@{layout}", module="hf", strategy_kwargs=kwargs, steps=STEPS,
-                model=tiny_config(model_type))
+                model=tiny_config(model_type), sanity_steps=0)
 
 
 def run_layout(model_types: list[str], layout: str, out_dir: Path) -> dict[str, Result | CaseError]:

@@ -57,6 +57,9 @@ class Case:
     model: dict = field(default_factory=lambda: dict(n_layer=2, n_embd=32, n_head=4, block_size=16))
     save_checkpoint: str | None = None
     """A path: after training, ``trainer.save_checkpoint`` writes the run's sharded checkpoint there."""
+    sanity_steps: int = 2
+    """Lightning's sanity check before training (its default 2 batches, as a user's run has it); the census
+    runs none: it judges training, and the parity suite judges the evaluation steps of every layout."""
 
 
 @dataclass

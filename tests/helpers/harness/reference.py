@@ -50,7 +50,8 @@ def reference_for(case: Case) -> Result:
     """The one-process run that ``case`` must match: same module, global batch, accumulation, steps (cached)."""
     key = (case.module, case.global_batch_size, case.accumulate_grad_batches, case.steps, repr(case.model),
            case.learning_rate,
-           case.gradient_clip_val, case.gradient_clip_algorithm, case.reference_weights, case.precision)
+           case.gradient_clip_val, case.gradient_clip_algorithm, case.reference_weights, case.precision,
+           case.sanity_steps)
     if key not in _REFERENCES:
         _REFERENCES[key] = run_reference(case)
     return _REFERENCES[key]

@@ -53,7 +53,7 @@ def trainer_for(case: Case, strategy, devices: int, recorder: LossRecorder) -> L
         # Lightning's sanity check (its default 2 batches) before training, as a user's run has it: an evaluation
         # step that changes what the next training step computes (FSDP2 left its gathered parameters registered
         # after a forward-only pipeline step, and dp x pp lost the first step's update) shows in every case.
-        num_sanity_val_steps=2,
+        num_sanity_val_steps=case.sanity_steps,
         limit_val_batches=2,
         callbacks=[GradNormMonitor(every_n_steps=1), ThroughputMonitor(every_n_steps=2), recorder],
     )
