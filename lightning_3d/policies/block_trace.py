@@ -140,6 +140,9 @@ class BlockTrace:
     ``conv1d``) -> per channel, the features of its input there."""
     features_in_place: set[str] = field(default_factory=set)
     """Of those, the modules whose output holds the features of their input at the same places (a norm)."""
+    moved_features: dict[str, tuple[Shadow, Shadow]] = field(default_factory=dict)
+    """Of those, the others whose output holds features (xLSTM's per-head norm, which flattens heads into
+    features) -> the shadows of their input and of their output."""
     problem: str | None = None
 
 
@@ -235,6 +238,8 @@ class _Recorder(TorchDispatchMode):
                         len(before[n]) == len(after[n]) and all(torch.equal(a, b) for a, b in zip(before[n], after[n]))
                         for n in before):
                     self.trace.features_in_place.add(fqn)
+                elif before and after:
+                    self.trace.moved_features[fqn] = (before, after)
             if is_projection(module) and isinstance(output, Tensor):
                 self.prov[id(output)] = frozenset({fqn})
                 self.output_of[id(output)] = fqn

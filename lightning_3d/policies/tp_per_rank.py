@@ -180,7 +180,7 @@ def find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
 
 def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
     """The modules that read only the region's columns and either hold weights of their own (not depthwise
-    convolutions: their weights split with their channels) or, without weights, keep the features in place
+    convolutions: their weights split with their channels) or, without weights, pass on their input's features
     while reducing over features of several ranks (a norm without an affine part), outermost only."""
     columns = set(region.columns)
     cut = {m for r in across_ranks(whole.reductions, region.owned, len(next(iter(region.owned.values()))))
@@ -188,7 +188,8 @@ def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
     found = [m for m, (reads, _) in whole.weighted_inputs.items()
              if reads and reads <= columns and m not in whole.depthwise]
     found += [m for m, (reads, _) in whole.plain_inputs.items()
-              if reads and reads <= columns and m in whole.features_in_place and m in cut]
+              if reads and reads <= columns and (m in whole.features_in_place or m in whole.moved_features)
+              and m in cut]
     return [m for m in found if not any(o != m and m.startswith(o + ".") for o in found)]
 
 
@@ -201,13 +202,18 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
                 tp: int) -> BlockTrace:
     """The trace of ``block`` as tp rank ``rank`` holds it: the region shrunk, ``fixes`` set.
 
-    A module inside the region that keeps its features in place (a norm) passes its input through here: on the
-    ranks it runs on DTensors (:class:`~lightning_3d.policies.projections.OnSplitFeatures`), which compute what
-    it computes on the whole input -- a norm over all of a split projection's features (OLMo 2's q_norm) too --
-    whereas its plain meta copy would meet this rank's share with whole weights."""
+    A module inside the region with weights, or reducing over several ranks' features, runs on the ranks on a
+    DTensor (:class:`~lightning_3d.policies.projections.OnSplitFeatures`), which computes what it computes on the
+    whole input -- a norm over all of a split projection's features (OLMo 2's q_norm) too -- whereas its plain
+    meta copy would meet this rank's share with whole weights. Here it passes its input through when it keeps
+    its features in place (a norm); else it runs on its whole input (:class:`_OnWholeInput`)."""
     local = meta_copy(block)
-    for module in set(_inner_modules(whole, region)) & whole.features_in_place:
-        local.get_submodule(module).forward = _pass_through
+    for module in _inner_modules(whole, region):
+        inner = local.get_submodule(module)
+        if module in whole.features_in_place:
+            inner.forward = _pass_through
+        elif module in whole.moved_features:
+            inner.forward = _OnWholeInput(inner.forward, module, whole, rank, tp)
     features = {name: owned[rank] for name, owned in region.owned.items()}
     for name, index in features.items():
         _keep_outputs(local.get_submodule(name), len(index))
@@ -275,6 +281,50 @@ def _pass_through(x, *args, **kwargs):
         if isinstance(other, Tensor) and other.shape == x.shape:
             x = x + other * 0
     return x
+
+
+class _OnWholeInput:
+    """The forward of an inner module whose output does not keep its input's shape (xLSTM's per-head norm,
+    which needs all heads and flattens them into features), as the ranks run it on a DTensor: this rank's share
+    of its input sits at its place in an input of the whole shape (the other ranks' places hold no features),
+    the module's own forward runs on that, and the output is cut back to this rank's share along the dimension
+    where the whole trace shows the features of each rank's share of the input land."""
+
+    def __init__(self, forward, module: str, whole: BlockTrace, rank: int, tp: int) -> None:
+        self.forward, self.module, self.rank, self.tp = forward, module, rank, tp
+        self.shape = _module_input(whole, module)[1]
+        self.before, self.after = whole.moved_features[module]
+
+    def __call__(self, x: Tensor, *args, **kwargs) -> Tensor:
+        split = [d for d, (a, b) in enumerate(zip(self.shape, x.shape)) if a != b]
+        if len(self.shape) != x.dim() or len(split) != 1 or x.shape[split[0]] * self.tp != self.shape[split[0]]:
+            raise ValueError(f"{self.module}'s input {list(x.shape)} is not its whole input {list(self.shape)}"
+                             " cut along one dimension")
+        dim, size = split[0], x.shape[split[0]]
+
+        def widened(t: Tensor) -> Tensor:  # (..., size, ...) -> (..., tp * size, ...), this rank's share in place
+            pad = [*t.shape[:dim], size * self.rank, *t.shape[dim + 1:]]
+            rest = [*t.shape[:dim], size * (self.tp - 1 - self.rank), *t.shape[dim + 1:]]
+            return torch.cat([t.new_zeros(pad), t, t.new_zeros(rest)], dim)
+        args = [widened(a) if isinstance(a, Tensor) and a.shape == x.shape else a for a in args]
+        out = self.forward(widened(x), *args, **kwargs)
+        lands = _output_dim(self.before, self.after, dim, self.tp)
+        if not isinstance(out, Tensor) or lands is None:
+            raise ValueError(f"{self.module}'s output holds the features of each rank's share of its input along"
+                             " no one dimension")
+        share = out.shape[lands] // self.tp
+        return out.narrow(lands, self.rank * share, share)
+
+
+def _output_dim(before, after, dim: int, tp: int) -> int | None:
+    """The dimension of a module's output (shadow ``after``) whose r-th of tp chunks holds the features of the
+    r-th chunk along ``dim`` of its input (shadow ``before``), for every r; None if none does."""
+    def chunk(shadow, d: int, rank: int) -> dict[str, frozenset[int]]:
+        return {name: frozenset(i for s in slots for i in s.tensor_split(tp, d)[rank].flatten().tolist() if i >= 0)
+                for name, slots in shadow.items() if name in before}
+    sizes = next(iter(after.values()))[0].shape
+    return next((d for d in range(len(sizes)) if sizes[d] % tp == 0
+                 and all(chunk(after, d, r) == chunk(before, dim, r) for r in range(tp))), None)
 
 
 def _resize_input(factor: float):

@@ -20,7 +20,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "moshi", "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe",
         "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rwkv", "sarvam_mla", "sarvam_moe", "seed_oss",
-        "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu"
+        "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "xlstm", "youtu"
     },
     "pp2": {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba",
