@@ -338,13 +338,17 @@ def _parts_said(sizes: tuple[int, ...], whole: tuple[bool, ...]) -> str:
     return "|".join(f"{size}{' (whole on every rank)' if whole and whole[i] else ''}" for i, size in enumerate(sizes))
 
 
-def expert_banks(block: nn.Module) -> list[str]:
+def expert_banks(block: nn.Module, split: BlockSplit | None = None) -> list[str]:
     """The mixture-of-experts weights in ``block``, as "FQN (shape)": parameters with an expert dimension
     (transformers' ``experts.gate_up_proj`` of shape (experts, 2 x intermediate, hidden)), and lists of
-    same-class modules holding projections (experts written as an ``nn.ModuleList`` of MLPs)."""
+    same-class modules holding projections (experts written as an ``nn.ModuleList`` of MLPs). Not the stacks
+    ``split`` splits with a region's heads (RG-LRU's per-head gates)."""
+    with_heads = {join_fqn(holder, name) for region in (split.regions if split else ())
+                  for holder, names in region.head_weights.items() for name in names}
     found = []
     for prefix, module in block.named_modules():
-        found += [f"{join_fqn(prefix, name)} {tuple(p.shape)}" for name, p in stacked_matrices(module)]
+        found += [f"{join_fqn(prefix, name)} {tuple(p.shape)}" for name, p in stacked_matrices(module)
+                  if join_fqn(prefix, name) not in with_heads]
     for name, module in block.named_modules():
         if (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
                 and any(is_projection(m) for m in module[0].modules())):
@@ -367,7 +371,7 @@ def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float
     modules = dict(root.get_submodule(blocks[0]).named_modules()) if blocks else {}
     # Experts modules stood in for while the block is traced are not why it could not be: that is said below.
     stood_in = any(is_experts(m) or is_stacked_experts(m) for m in modules.values())
-    experts = expert_banks(root.get_submodule(blocks[0])) if blocks and not split.experts and not (
+    experts = expert_banks(root.get_submodule(blocks[0]), split) if blocks and not split.experts and not (
         split.problem and stood_in) else []
     if experts:
         why = "; ".join(f"{name}: {reason}" for name, reason in split.left.items()

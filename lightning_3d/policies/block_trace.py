@@ -34,7 +34,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_3d.policies.experts import experts_stood_in
+from lightning_3d.common import join_fqn
+from lightning_3d.policies.experts import experts_stood_in, is_experts, is_stacked_experts
 from lightning_3d.policies.feature_weights import set_apart, tracked_weights
 from lightning_3d.policies.meta_values import MetaValues
 from lightning_3d.policies.reductions import Reduction, reduced_dims, reduced_together
@@ -201,7 +202,8 @@ class _Recorder(TorchDispatchMode):
         self.input_seen: dict[int, list[str]] = {}  # tensor id -> the modules whose first input it was
         self.view_of: dict[int, tuple] = {}  # a view's id -> (its base, the op, its args, kwargs, which output)
         self.param_owner = {id(p): fqn for fqn, module in block.named_modules() for p in module.parameters(recurse=False)}
-        self.tracked = tracked_weights(block, is_projection)  # weights whose elements are followed as features
+        # weights whose elements are followed as features
+        self.tracked = {**tracked_weights(block, is_projection), **_matrix_stacks(block)}
         self.tracked_names = set(self.tracked.values())
         self.in_sdpa = False
         self.in_kernel = 0  # inside a scan kernel (scan_kernels): its output is recorded whole, as one product
@@ -253,7 +255,8 @@ class _Recorder(TorchDispatchMode):
     def _note_input(self, fqn: str, module: nn.Module, x: Tensor) -> None:
         self.input_seen.setdefault(id(x), []).append(fqn)
         if not is_projection(module):
-            weighted = any(True for _ in module.parameters(recurse=False))
+            # weights followed element by element are no module's opaque weights (RG-LRU's are its heads')
+            weighted = any(id(p) not in self.tracked for p in module.parameters(recurse=False))
             inputs = self.trace.weighted_inputs if weighted else self.trace.plain_inputs
             inputs[fqn] = (self.prov.get(id(x), frozenset()), tuple(x.shape))
             return
@@ -462,6 +465,26 @@ class _Recorder(TorchDispatchMode):
             self.trace.attention[-1].v = _per_head(sb, lambda s, n: s[n, 0, :])
             o = outs[0]
             self.shadow[id(o)] = {name: [s[:, :1, :].expand(o.shape).clone() for s in slots] for name, slots in sb.items()}
+        elif self._has_features(sa) and sb and set(sb) <= self.tracked_names and a.shape[0] == b.shape[0]:
+            self._batched_projection(func, args, outs[0], sa, sb)
+
+    def _batched_projection(self, func, args, out: Tensor, sa: Shadow, sb: Shadow) -> None:
+        """Features ``a`` (G, N, K) times a traced weight ``b`` (G, K, M), batched over the same leading dim (a
+        block-diagonal per-head projection, RG-LRU's gates): output (g, n, m) carries the features of ``a`` at
+        (g, n, every k) and the weight's elements (g, every k, m); baddbmm's added term (a per-head bias) its own."""
+        contraction = args[1].shape[2] if func is aten.baddbmm.default else args[0].shape[2]
+        shadow: Shadow = {}
+        for name, slots in sa.items():
+            shadow.setdefault(name, []).extend(s[:, :, k:k + 1].expand(out.shape).clone() for s in slots
+                                               for k in range(contraction))
+        for name, slots in sb.items():
+            shadow.setdefault(name, []).extend(s[:, k:k + 1, :].expand(out.shape).clone() for s in slots
+                                               for k in range(contraction))
+        added = self.shadow.get(id(args[0])) if func is aten.baddbmm.default else None
+        for name, slots in (added or {}).items():
+            shadow.setdefault(name, []).extend(_broadcast(s, out.shape) for s in slots)
+        if all(s is not None for slots in shadow.values() for s in slots):
+            self.shadow[id(out)] = shadow
 
     def _has_features(self, shadow: Shadow | None) -> bool:
         """Whether ``shadow`` holds projection features, not only weights' elements."""
@@ -520,6 +543,17 @@ class _FunctionLevel(TorchFunctionMode):
             self.recorder.shadow[id(out)] = {name: [s[index] for s in slots] for name, slots in shadow.items()}
             self.recorder.keep.append(out)
         return out
+
+
+def _matrix_stacks(block: nn.Module) -> dict[int, str]:
+    """Tensor id -> FQN of the own weights of the modules, holding no projection, that hold a stack of matrices
+    (a weight of 3 dimensions or more, several first): a per-head block-diagonal projection and its biases
+    (RG-LRU's gates). Not a convolution's filters, nor experts (stood in for while the block is traced)."""
+    return {id(p): join_fqn(fqn, name) for fqn, module in block.named_modules()
+            if not isinstance(module, nn.modules.conv._ConvNd) and not is_experts(module)
+            and not is_stacked_experts(module) and not any(is_projection(m) for m in module.modules())
+            and any(p.dim() >= 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
+            for name, p in module.named_parameters(recurse=False)}
 
 
 def _per_head(shadow: Shadow, pick) -> list[dict[str, frozenset[int]]]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.common import join_fqn
 from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies import head_inputs
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
@@ -94,9 +95,10 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
     region's projections (and their ``config``), whose value is a size the split changes: one it divides, or
     the sum of consecutive parts of a fused output or of a convolution's channels, some of which every rank
     keeps whole (Mamba-2's ``conv_dim``: x, B and C, with B and C of one group whole on every rank)."""
-    local = _local_sizes(whole, region, tp)
+    local = _local_sizes(block, whole, region, tp)
     holders = sorted({prefix for name in [region.row, *region.columns] for prefix in prefixes(name)}
-                     | {m for m in region.depthwise if m in whole.weighted_inputs})  # a convolution that ran itself
+                     | {m for m in region.depthwise if m in whole.weighted_inputs}  # a convolution that ran itself
+                     | {owner for owner, _ in _split_weights(block, region)})  # RG-LRU: heads of its split gates
     found: list[tuple[str, str, int, int]] = []
     for holder in holders:
         module = block.get_submodule(holder)
@@ -108,7 +110,7 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
     return found
 
 
-def _local_sizes(whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
+def _local_sizes(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
     """Size -> its value on each rank, for the sizes the split changes (see :func:`_candidates`)."""
     sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
     if region.heads:
@@ -122,7 +124,23 @@ def _local_sizes(whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
                 mine = sum(size if keep else size // tp for size, keep in zip(parts[i:j], kept[i:j]))
                 if total != mine:
                     local.setdefault(total, mine)
+    for owner, weight in _split_weights(block, region):  # its heads or features, a size the module may reshape by
+        size = weight.shape[split_dim(weight)]
+        if size % tp == 0:
+            local.setdefault(size, size // tp)
     return local
+
+
+def _split_weights(block: nn.Module, region: Region) -> list[tuple[str, Tensor]]:
+    """(owner, weight) of the weights split with the region's features, not a convolution's (its channels are
+    the parts above)."""
+    found = []
+    for holder, names in region.head_weights.items():
+        for name in names:
+            owner, _, leaf = join_fqn(holder, name).rpartition(".")
+            if owner not in region.depthwise:
+                found.append((owner, getattr(block.get_submodule(owner), leaf)))
+    return found
 
 
 def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:

@@ -19,7 +19,8 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "modernbert-decoder",
         "moshi", "mpt", "nanochat", "nemotron", "nemotron_h", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe",
         "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rwkv", "sarvam_mla", "sarvam_moe", "seed_oss",
+        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+        "recurrent_gemma", "rwkv", "sarvam_mla", "sarvam_moe", "seed_oss",
         "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "xlstm", "youtu"
     },
     "pp2": {
