@@ -103,10 +103,11 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
             tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
             for holder, names in region.head_weights.items():
                 fqn = join_fqn(block, holder)
-                convolutions = {n: region.depthwise[m] for n in names
-                                if (m := join_fqn(holder, parent_fqn(n))) in region.depthwise}
-                tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn), parts={n: p for n, (p, _) in convolutions.items()},
-                                           whole={n: w for n, (_, w) in convolutions.items()})
+                cuts = {n: region.depthwise[m] for n in names
+                        if (m := join_fqn(holder, parent_fqn(n))) in region.depthwise}
+                cuts.update(region.weight_parts.get(holder, {}))
+                tp_plan[fqn] = HeadWeights(names, inner=tp_plan.get(fqn), parts={n: p for n, (p, _) in cuts.items()},
+                                           whole={n: w for n, (_, w) in cuts.items()})
                 covered[block] += [f"{fqn}.{name}" for name in names]
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner,
                                                                   *region.inner_rows, *region.on_inner_rows)]

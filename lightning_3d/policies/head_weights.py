@@ -6,6 +6,9 @@ per-head gate bias. At tp, rank r computes heads ``[r H/tp, (r+1) H/tp)``, so it
 (``Shard(0)``), and the module's forward, written for one device, sees them as a plain local tensor of H/tp
 values (:func:`shadowed`). Each rank's gradient of them is its own heads' only: nothing to sum.
 
+A non-persistent buffer of one value per feature (Falcon-H1's ``mup_vector``) is named here too: it stays
+whole, and the module reads this rank's features' values of it (:func:`_buffer_reader`).
+
 The same holds for a depthwise convolution on a region's split features (LFM2's short convolution, Mamba's
 ``conv1d``): one filter per channel, rank r keeps the filters of its channels. Its weights are named from the
 module holding the region (``conv.weight``): the model may read them there without calling the convolution.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -57,6 +61,9 @@ class HeadWeights(ParallelStyle):
             path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(path)
             parts, whole = self.parts.get(name, ()), self.whole.get(name, ())
+            if leaf in dict(owner.named_buffers(recurse=False)):
+                owners.setdefault(path, (owner, []))[1].append((leaf, _buffer_reader(owner, leaf, parts, whole, device_mesh)))
+                continue
             if len(parts) > 1 and len(set(parts)) == 1 and not any(whole):  # [q | k | v]: this rank's chunk of each
                 placement, order = _StridedShard(0, split_factor=len(parts)), None
             else:  # unequal parts, or parts every rank keeps whole (Mamba-2's B and C of one group): in rank order
@@ -64,13 +71,14 @@ class HeadWeights(ParallelStyle):
                 order = FusedParts(0, parts, device_mesh.size(), whole) if len(parts) > 1 else None
             if distribute_parameter(owner, leaf, device_mesh, placement, self.src_data_rank, order) and order:
                 record(owner, leaf, order)
-            owners.setdefault(path, (owner, []))[1].append((leaf, order))
+            owners.setdefault(path, (owner, []))[1].append(
+                (leaf, lambda owner=owner, leaf=leaf, order=order: local_parts(getattr(owner, leaf), order, device_mesh)))
         forward = module.forward
 
         def local_forward(*args, **kwargs):
             with contextlib.ExitStack() as stack:
                 for owner, leaves in owners.values():
-                    local = {leaf: local_parts(getattr(owner, leaf), order, device_mesh) for leaf, order in leaves}
+                    local = {leaf: read() for leaf, read in leaves}
                     stack.enter_context(shadowed(owner, local))
                 return forward(*args, **kwargs)
 
@@ -80,3 +88,18 @@ class HeadWeights(ParallelStyle):
     def __repr__(self) -> str:
         parts = f", parts={self.parts}" if self.parts else ""
         return f"HeadWeights({self.names}{parts}" + (f", inner={self.inner!r})" if self.inner is not None else ")")
+
+
+def _buffer_reader(owner: nn.Module, leaf: str, parts: tuple[int, ...], whole: tuple[bool, ...], mesh: DeviceMesh):
+    """What reads this rank's values of the buffer ``owner.leaf``, kept whole (single-device values, however it
+    is initialized later): those at the positions of this rank's features along :func:`split_dim`, in the order
+    its features are laid out (its chunk of each of ``parts``, a ``whole`` part entire)."""
+    buffer = getattr(owner, leaf)
+    dim = split_dim(buffer)
+    held = FusedParts(dim, parts or (buffer.shape[dim],), mesh.size(), whole).held_by(mesh.get_local_rank())
+    positions = torch.tensor(held, dtype=torch.long)
+
+    def read() -> Tensor:
+        buffer = getattr(owner, leaf)
+        return buffer.index_select(dim, positions.to(buffer.device))
+    return read

@@ -243,11 +243,13 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             module = local.get_submodule(owner)
             weight = getattr(module, leaf)
             dim = 0 if owner in region.depthwise else split_dim(weight)
+            parts = region.depthwise.get(owner) or region.weight_parts.get(holder, {}).get(name)
             shape = list(weight.shape)
-            shape[dim] = (len(FusedParts(0, region.depthwise[owner][0], tp, region.depthwise[owner][1]).held_by(rank))
-                          if owner in region.depthwise
-                          else weight.shape[dim] // tp)
-            module.register_parameter(leaf, nn.Parameter(meta_like(weight, shape)))
+            shape[dim] = len(FusedParts(dim, parts[0], tp, parts[1]).held_by(rank)) if parts else weight.shape[dim] // tp
+            if isinstance(weight, nn.Parameter):
+                module.register_parameter(leaf, nn.Parameter(meta_like(weight, shape)))
+            else:  # a buffer of one value per feature
+                module.register_buffer(leaf, meta_like(weight, shape), persistent=False)
     for holder, attributes in attribute_values(local, fixes).items():
         for attribute, value in attributes.items():
             setattr(local.get_submodule(holder), attribute, value)

@@ -72,6 +72,11 @@ class Region:
     head_weights: dict[str, list[str]] = field(default_factory=dict)
     """Module holding the region -> its own weights of one value per head (attention sinks), split with the
     heads (:mod:`~lightning_3d.policies.head_weights`)."""
+    weight_parts: dict[str, dict[str, tuple[tuple[int, ...], tuple[bool, ...]]]] = field(default_factory=dict)
+    """Module holding the region -> its own weights and buffers of one value per feature that split with the
+    features (in ``head_weights``) -> the sizes of the parts along their split dimension, of which each rank
+    keeps one chunk each, and which of them every rank keeps whole
+    (:mod:`~lightning_3d.policies.feature_weights`)."""
     depthwise: dict[str, tuple[tuple[int, ...], tuple[bool, ...]]] = field(default_factory=dict)
     """Depthwise convolution on the columns' outputs (a short convolution, Mamba's ``conv1d``) -> the sizes of
     the parts of its channels, of which each rank keeps one chunk each, and which of them every rank keeps
@@ -150,9 +155,10 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         region.changed_in_place = whole.changed_in_place & {row, *columns}
         region.head_weights = _head_weights(block, whole, region)
         event = next(iter(attention_events(whole, [*columns, *feeders, *inner])), None)
-        for holder, names in split_with_features(block, whole, row, event, region.heads, tp).items():
+        for holder, cuts in split_with_features(block, whole, row, event, region.heads, tp, _parts).items():
             held = region.head_weights.setdefault(holder, [])
-            held += [n for n in names if n not in held]
+            held += [n for n in cuts if n not in held]
+            region.weight_parts.setdefault(holder, {}).update(cuts)
         why = _channel_weights(block, whole, region, tp)
         if why:
             _leave(split, [*feeders, *columns, row], why)
