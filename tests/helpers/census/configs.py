@@ -101,6 +101,10 @@ OVERRIDES: dict[str, dict] = {
     # the audio encoder's convolutions have widths of their own
     "phi4_multimodal": dict(audio_config=dict(nemo_conv_channels=WIDTH, ext_pw_out_channel=WIDTH,
                                               depthwise_separable_out_channel=WIDTH)),
+    # µP multipliers as trained models set them (Falcon-H1's config defaults are all 1): distinct per part of
+    # in_proj's [z | x | B | C | dt], so a split that takes another rank's multipliers shows
+    "falcon_h1": dict(ssm_multipliers=[0.35, 0.25, 0.5, 0.7, 0.18], mlp_multipliers=[0.6, 0.4],
+                      attention_in_multiplier=0.9, key_multiplier=0.8),
     "zamba": dict(attention_hidden_size=2 * WIDTH, layers_block_type=["linear_attention", "hybrid"] * 2),
     "zamba2": dict(attention_hidden_size=2 * WIDTH, hybrid_layer_ids=[1, 3],
                    layers_block_type=["linear_attention", "hybrid"] * 2),
