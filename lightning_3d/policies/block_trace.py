@@ -545,12 +545,15 @@ class _FunctionLevel(TorchFunctionMode):
         return out
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
 def _matrix_stacks(block: nn.Module) -> dict[int, str]:
     """Tensor id -> FQN of the own weights of the modules, holding no projection, that hold a stack of matrices
     (a weight of 3 dimensions or more, several first): a per-head block-diagonal projection and its biases
     (RG-LRU's gates). Not a convolution's filters, nor experts (stood in for while the block is traced)."""
     return {id(p): join_fqn(fqn, name) for fqn, module in block.named_modules()
-            if not isinstance(module, nn.modules.conv._ConvNd) and not is_experts(module)
+            if not isinstance(module, _CONVOLUTIONS) and not is_experts(module)
             and not is_stacked_experts(module) and not any(is_projection(m) for m in module.modules())
             and any(p.dim() >= 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
             for name, p in module.named_parameters(recurse=False)}

@@ -128,8 +128,8 @@ def _buffer_parts(buffer: Tensor, shares: list[set[int]], tp: int, cut: Cut) -> 
 
 
 def _non_persistent(module: nn.Module, name: str) -> bool:
-    # torch keeps the names of a module's non-persistent buffers in this private set, and no public accessor
-    return name in module._non_persistent_buffers_set
+    """Whether ``module``'s own buffer ``name`` stays out of its state dict (registered ``persistent=False``)."""
+    return name not in module.state_dict(keep_vars=True)
 
 
 def _sliced(weight: Tensor, shares: list[set[int]], tp: int) -> bool:
