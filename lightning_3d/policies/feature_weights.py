@@ -47,8 +47,10 @@ def tracked_weights(block: nn.Module, is_projection) -> dict[int, str]:
             continue
         found.update({id(p): join_fqn(holder, name) for name, p in module.named_parameters(recurse=False)})
         widest = sum(max(m.weight.shape) for m in projections)  # at least their output features together
-        found.update({id(b): join_fqn(holder, name) for name, b in module.named_buffers(recurse=False)
-                      if _non_persistent(module, name) and b.is_floating_point() and b.numel() <= widest})
+        buffers = dict(module.named_buffers(recurse=False))
+        saved = _own_saved(module) if buffers else set()  # registered persistent=False: not in the state dict
+        found.update({id(b): join_fqn(holder, name) for name, b in buffers.items()
+                      if name not in saved and b.is_floating_point() and b.numel() <= widest})
     return found
 
 
@@ -127,9 +129,9 @@ def _buffer_parts(buffer: Tensor, shares: list[set[int]], tp: int, cut: Cut) -> 
     return cut([sorted(held) for held in positions], size, tp, shared)
 
 
-def _non_persistent(module: nn.Module, name: str) -> bool:
-    """Whether ``module``'s own buffer ``name`` stays out of its state dict (registered ``persistent=False``)."""
-    return name not in module.state_dict(keep_vars=True)
+def _own_saved(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own tensors in its state dict (its persistent buffers among them)."""
+    return {name for name in module.state_dict(keep_vars=True) if "." not in name}
 
 
 def _sliced(weight: Tensor, shares: list[set[int]], tp: int) -> bool:
