@@ -97,9 +97,11 @@ def _buffer_reader(owner: nn.Module, leaf: str, parts: tuple[int, ...], whole: t
     buffer = getattr(owner, leaf)
     dim = split_dim(buffer)
     held = FusedParts(dim, parts or (buffer.shape[dim],), mesh.size(), whole).held_by(mesh.get_local_rank())
-    positions = torch.tensor(held, dtype=torch.long)
+    on_device = {}  # the positions copied to the buffer's device once, not on every step
 
     def read() -> Tensor:
         buffer = getattr(owner, leaf)
-        return buffer.index_select(dim, positions.to(buffer.device))
+        if buffer.device not in on_device:
+            on_device[buffer.device] = torch.tensor(held, dtype=torch.long, device=buffer.device)
+        return buffer.index_select(dim, on_device[buffer.device])
     return read
