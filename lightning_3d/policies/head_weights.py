@@ -97,11 +97,9 @@ def _buffer_reader(owner: nn.Module, leaf: str, parts: tuple[int, ...], whole: t
     buffer = getattr(owner, leaf)
     dim = split_dim(buffer)
     held = FusedParts(dim, parts or (buffer.shape[dim],), mesh.size(), whole).held_by(mesh.get_local_rank())
-    on_device = {}  # the positions copied to the buffer's device once, not on every step
+    positions = torch.tensor(held, dtype=torch.long)
 
     def read() -> Tensor:
         buffer = getattr(owner, leaf)
-        if buffer.device not in on_device:
-            on_device[buffer.device] = torch.tensor(held, dtype=torch.long, device=buffer.device)
-        return buffer.index_select(dim, on_device[buffer.device])
+        return buffer.index_select(dim, positions.to(buffer.device))
     return read
