@@ -82,17 +82,17 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
 
 def local_piece(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) -> tuple[Tensor, int]:
     """This rank's piece of a (possibly sharded) tensor -- a parameter, or ``of``'s gradient -- and how many
-    ranks hold that very piece (replicas over dp and tp; a tied weight's copies on the first and last
+    ranks hold that very piece (replicas over dp, cp and tp; a tied weight's copies on the first and last
     pipeline stages too): dividing by it counts every piece of the model once."""
     stage_copies = _STAGE_COPIES.get(tensor if of is None else of, 1)
     if not isinstance(tensor, DTensor):
-        return tensor, dims.dp * dims.tp * stage_copies
+        return tensor, dims.replicas * dims.tp * stage_copies
     if any(p.is_partial() for p in tensor.placements):
         raise RuntimeError("a pending (Partial) gradient has no local piece yet; reduce it first")
     # Every mesh dimension that is not Replicate splits the tensor; FSDP2 on a (dp, tp) mesh uses
     # _StridedShard for dp, which is not a Shard (is_shard() is False).
     distinct = math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-    return tensor.to_local(), dims.dp * dims.tp // distinct * stage_copies
+    return tensor.to_local(), dims.replicas * dims.tp // distinct * stage_copies
 
 
 def local_pieces(tensor: Tensor, dims: ParallelDims, of: Tensor | None = None) -> list[tuple[Tensor, int]]:

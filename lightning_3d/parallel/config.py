@@ -39,7 +39,11 @@ class ParallelConfig:
     pipeline_parallel_size: Union[int, Literal["auto"]] = 1
     """Ranks that hold consecutive groups of layers (the "pp" mesh dimension, outermost)."""
     data_parallel_size: Union[int, Literal["auto"]] = "auto"
-    """Model replicas or shards that see different data; "auto" takes world // (tp * pp)."""
+    """Model replicas or shards that see different data; "auto" takes world // (tp * pp * cp)."""
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (the "cp" mesh dimension, between "dp" and "tp"): each keeps two chunks of
+    every sequence from the first block to the last, and attention reads the keys and values of all of them
+    (``lightning_3d.parallel.context_parallel``)."""
     policy: Any = "auto"
     """How to parallelize the model: a registered name, a ``Policy`` instance or a dotted class path."""
     pipeline_schedule: str = "1f1b"
@@ -123,8 +127,11 @@ class ParallelConfig:
         if self.is_auto:
             _check_auto(self)
             return  # the rest is checked on the decided config (ParallelConfig.decided)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
+                     "context_parallel_size"):
             _require_positive_int(name, getattr(self, name))
+        if self.context_parallel_size > 1:
+            _check_context_parallel(self)
         if self.data_parallel_size != "auto":
             _require_positive_int("data_parallel_size", self.data_parallel_size)
         if self.num_microbatches is not None:
@@ -240,6 +247,16 @@ def _check_auto(config: ParallelConfig) -> None:
     if config.max_memory_per_device is not None:
         _require_positive_int("max_memory_per_device", config.max_memory_per_device)
     _require_positive_int("layout_check_steps", config.layout_check_steps)
+
+
+def _check_context_parallel(config: ParallelConfig) -> None:
+    """What context parallelism does not combine with yet, refused before any process talks to another."""
+    if config.pipeline_parallel_size > 1:
+        raise ParallelConfigError(
+            f"context_parallel_size={config.context_parallel_size} with pipeline_parallel_size="
+            f"{config.pipeline_parallel_size}: the pipeline engine does not split its micro-batches' sequences yet."
+            " Use context parallelism with tensor and data parallelism (pipeline_parallel_size=1), or"
+            " context_parallel_size=1.")
 
 
 def _check_reduce_per_microbatch(config: ParallelConfig) -> None:

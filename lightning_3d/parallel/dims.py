@@ -23,6 +23,14 @@ HSDP (``data_parallel_shard_size`` below dp) splits "dp" in two, shard fastest::
 and the two are flattened back into "dp" (``mesh["dp"]``), which every user of dp keeps reading: the data,
 the loss's mean, the checks. Only ZeRO reads the pair (FSDP2 on a 2D mesh: shards over "dp_shard", replicas
 over "dp_replicate").
+
+Context parallelism (``context_parallel_size`` above 1) adds "cp" between "dp" and "tp", as torchtitan places
+it: the ranks of a cp group see the same batch and hold the same weights, each a part of every sequence::
+
+    mesh dims   ("pp", "dp", "cp", "tp")      global_rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+Their gradients are reduced, and ZeRO shards, over "dp" and "cp" together (``mesh["dp_cp"]``, the pair
+flattened); the data and the loss's mean stay on "dp".
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from lightning_3d.parallel.group_cache import once_per_world
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 HSDP_MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 # Where the world size comes from, for error messages: Lightning's launcher starts num_nodes * devices
 # processes, but under torchrun or srun the launcher's count wins and Lightning's devices is not checked.
 _WORLD = "the processes started: num_nodes * devices, or the tasks torchrun / srun started"
@@ -47,6 +56,7 @@ class RankCoords(NamedTuple):
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,14 +78,20 @@ class ParallelDims:
     """Tensor-parallel size."""
     dp_shard: int = 0
     """Of dp, the ranks that shard the model among themselves (HSDP); 0 (the default) or dp: all of them."""
+    cp: int = 1
+    """Context-parallel size: ranks that split each sequence (same batch, same weights)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "cp"):
             value = getattr(self, name)
             if not is_positive_int(value):
                 raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}.")
         if self.dp_shard == 0:
             object.__setattr__(self, "dp_shard", self.dp)
+        if self.cp > 1 and self.hsdp:
+            raise ParallelConfigError(
+                f"context_parallel_size={self.cp} with data_parallel_shard_size={self.dp_shard} (HSDP): ZeRO shards over"
+                " dp x cp together, and HSDP's split of that is not supported. Leave data_parallel_shard_size='auto'.")
         if not is_positive_int(self.dp_shard) or self.dp % self.dp_shard:
             raise ParallelConfigError(
                 f"data_parallel_shard_size ({self.dp_shard}) must divide the data-parallel size ({self.dp}): the"
@@ -95,50 +111,58 @@ class ParallelDims:
     def from_config(cls, config: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve ``data_parallel_size="auto"`` and check the product against the world size (no collectives)."""
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-        model_parallel = tp * pp
+        cp = getattr(config, "context_parallel_size", 1)
+        model_parallel = tp * pp * cp
+        sizes = f"pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp})" + (
+            f" * context_parallel_size ({cp})" if cp > 1 else "")
         if config.data_parallel_size == "auto":
             if world_size % model_parallel != 0:
                 raise ParallelConfigError(
-                    f"pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp}) = {model_parallel} does not divide"
-                    f" the world size {world_size} ({_WORLD}), so no data-parallel size fits."
-                    f" Choose tp * pp among the divisors of {world_size}: {divisors(world_size)}."
+                    f"{sizes} = {model_parallel} does not divide the world size {world_size} ({_WORLD}), so no"
+                    f" data-parallel size fits. Choose their product among the divisors of {world_size}:"
+                    f" {divisors(world_size)}."
                 )
-            return cls(dp=world_size // model_parallel, pp=pp, tp=tp, dp_shard=_shard(config))
+            return cls(dp=world_size // model_parallel, pp=pp, tp=tp, cp=cp, dp_shard=_shard(config))
         dp = config.data_parallel_size
         if dp * model_parallel != world_size:
             fix = (
                 f" Set data_parallel_size='auto' (-> {world_size // model_parallel}),"
                 if world_size % model_parallel == 0
-                else f" Choose tp * pp among the divisors of {world_size}: {divisors(world_size)},"
+                else f" Choose the product among the divisors of {world_size}: {divisors(world_size)},"
             )
             raise ParallelConfigError(
-                f"data_parallel_size ({dp}) * pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp})"
-                f" = {dp * model_parallel}, but the world size is {world_size} ({_WORLD}).{fix}"
-                f" or launch {dp * model_parallel} processes."
+                f"data_parallel_size ({dp}) * {sizes} = {dp * model_parallel}, but the world size is {world_size}"
+                f" ({_WORLD}).{fix} or launch {dp * model_parallel} processes."
             )
-        return cls(dp=dp, pp=pp, tp=tp, dp_shard=_shard(config))
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, dp_shard=_shard(config))
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """Mesh shape in ``MESH_DIM_NAMES`` order."""
-        return (self.pp, self.dp, self.tp)
+    def replicas(self) -> int:
+        """Ranks that hold the same weights and reduce their gradients together: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in ``MESH_DIM_NAMES`` order (``CP_MESH_DIM_NAMES`` under context parallelism)."""
+        return (self.pp, self.dp, self.cp, self.tp) if self.cp > 1 else (self.pp, self.dp, self.tp)
 
     def coords(self, rank: int) -> RankCoords:
-        """The (dp, pp, tp) coordinates of a global rank."""
+        """The (dp, pp, tp, cp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return RankCoords(dp=dp_rank, pp=pp_rank, tp=tp_rank)
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return RankCoords(dp=dp_rank, pp=pp_rank, tp=tp_rank, cp=cp_rank)
 
     def rank(self, coords: RankCoords) -> int:
         """The global rank at given coordinates (inverse of :meth:`coords`)."""
-        return coords.tp + self.tp * (coords.dp + self.dp * coords.pp)
+        return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))
 
     def replica_and_shard(self, rank: int) -> tuple[int, int]:
         """Under HSDP, which replica a rank's dp index is in and its shard index there (dp_rank = replica *
@@ -148,8 +172,8 @@ class ParallelDims:
     def group_ranks(self, dim: str, rank: int) -> list[int]:
         """The global ranks that share a ``dim`` ("dp", "pp", "tp", or under HSDP "dp_replicate" or "dp_shard")
         group with ``rank``, in group order."""
-        if dim not in MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES:
-            raise ValueError(f"dim must be one of {MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES[1:3]}, got {dim!r}")
+        if dim not in MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES + ("cp",):
+            raise ValueError(f"dim must be one of {MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES[1:3] + ('cp',)}, got {dim!r}")
         here = self.coords(rank)
         if dim in ("dp_replicate", "dp_shard"):
             replica, shard = self.replica_and_shard(rank)
@@ -165,6 +189,10 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         def make():
+            if self.cp > 1:
+                mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=CP_MESH_DIM_NAMES)
+                mesh["dp", "cp"]._flatten("dp_cp")
+                return mesh
             if not self.hsdp:
                 return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
             mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
@@ -172,17 +200,22 @@ class ParallelDims:
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             return mesh
 
-        key = ("mesh", device_type, self.pp, self.dp, self.dp_replicate, self.dp_shard, self.tp, self.hsdp)
+        key = ("mesh", device_type, self.pp, self.dp, self.dp_replicate, self.dp_shard, self.tp, self.hsdp, self.cp)
         return once_per_world(key, make)
 
     def dp_mesh_for_zero(self, mesh):
-        """The mesh ZeRO shards over: "dp", or under HSDP the 2D ("dp_replicate", "dp_shard") mesh, on which
-        FSDP2 shards over the second and replicates over the first."""
-        return mesh["dp_replicate", "dp_shard"] if self.hsdp else mesh["dp"]
+        """The mesh ZeRO shards over: "dp" ("dp_cp" under context parallelism), or under HSDP the 2D
+        ("dp_replicate", "dp_shard") mesh, on which FSDP2 shards over the second and replicates over the first."""
+        return mesh["dp_replicate", "dp_shard"] if self.hsdp else self.replicas_mesh(mesh)
+
+    def replicas_mesh(self, mesh):
+        """The (1D) mesh of the ranks that hold the same weights: "dp", or "dp_cp" under context parallelism."""
+        return mesh["dp_cp"] if self.cp > 1 else mesh["dp"]
 
     def __str__(self) -> str:
         hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ""
-        return f"dp={self.dp}{hsdp} x pp={self.pp} x tp={self.tp} = {self.world_size} ranks"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp}{hsdp} x pp={self.pp}{cp} x tp={self.tp} = {self.world_size} ranks"
 
 
 def _shard(config: ParallelConfig) -> int:

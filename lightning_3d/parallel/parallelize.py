@@ -9,7 +9,7 @@ the pipeline engine.
 from __future__ import annotations
 
 import copy
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -26,6 +26,7 @@ from lightning_3d.parallel.activation_checkpointing import apply_activation_chec
 from lightning_3d.parallel.clip import mark_whole_parts
 from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.context_parallel import ContextParallel, apply_context_parallel, context_parallel_attention
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.parallel.loss import vocab_parallel_loss
@@ -145,6 +146,15 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     if config.sequence_parallel and not stages:  # (under pp the engine checks the inputs it captures)
         guard_sequence_lengths(module, plan.tp_plan, dims.tp)
 
+    # 2b. Context parallel: the blocks run on this rank's part of each sequence (its inputs cut, the last
+    #     block's output gathered), before activation checkpointing wraps them so a recomputed block cuts
+    #     its inputs again.
+    context = None
+    if dims.cp > 1:
+        context = ContextParallel(group=mesh["cp"].get_group(), cp=dims.cp, rank=coords.cp,
+                                  sequence_parallel=mesh["tp"].get_group() if config.sequence_parallel else None)
+        apply_context_parallel(list(held_modules(module, plan.blocks).values()), context)
+
     # 3. Tied weights (embedding and head) tied again where this rank holds both ends; the FQNs of the ends
     #    whose partner another stage holds.
     tied_copies = retie(module, plan.tied_parameters)
@@ -204,6 +214,8 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
 
     sharded_logits = dims.tp > 1 and config.vocab_parallel_loss
     loss_context = vocab_parallel_loss if sharded_logits else nullcontext
+    if context is not None:
+        loss_context = partial(_both, loss_context, partial(context_parallel_attention, context))
     step_result = whole if sharded_logits else None  # logits a step returns reach Lightning whole
     engine = None
     if stages:
@@ -266,19 +278,26 @@ def plan_model(policy: Policy, module: nn.Module, config: ParallelConfig, tp: in
 def shards_over_dp(config: ParallelConfig, dims: ParallelDims) -> bool:
     """Whether data parallel is FSDP2's ``fully_shard`` (ZeRO, HSDP): over dp > 1, or over one rank to offload
     (ZeRO-Offload on one GPU keeps parameters, gradients and optimizer state in host memory)."""
-    return config.zero_stage > 0 and (dims.dp > 1 or config.offload)
+    return config.zero_stage > 0 and (dims.replicas > 1 or config.offload)
 
 
 def _data_parallel(module: nn.Module, *, blocks: list[nn.Module], config: ParallelConfig, dims: ParallelDims,
                    mesh: DeviceMesh, device: torch.device, precision: Precision) -> nn.Module:
     # dp = 1 has nothing to replicate or shard over, unless offload asks FSDP2 to keep the state on the host.
-    if dims.dp == 1 and not shards_over_dp(config, dims):
+    # (Context-parallel ranks hold the same weights as data-parallel ones: both are reduced over, dp x cp.)
+    if dims.replicas == 1 and not shards_over_dp(config, dims):
         return module
     inner = [m for m in module.modules() if m is not module and any(m is b for b in blocks)]
-    dp_mesh = dims.dp_mesh_for_zero(mesh) if config.zero_stage > 0 else mesh["dp"]  # HSDP: (replicate, shard)
+    dp_mesh = dims.dp_mesh_for_zero(mesh) if config.zero_stage > 0 else dims.replicas_mesh(mesh)  # HSDP: (replicate, shard)
     return apply_data_parallel(module, inner, dp_mesh, device, pipeline_stage=dims.pp > 1,
                                zero_stage=config.zero_stage, mp_policy=mixed_precision_policy(precision, config.reduce_dtype),
                                offload_policy=offload_policy(config, device))
+
+
+@contextmanager
+def _both(first: Callable[[], AbstractContextManager], second: Callable[[], AbstractContextManager]):
+    with first(), second():
+        yield
 
 
 def _finish_grads(tp_sums_pending: bool, tied: TiedGradients | None, module: nn.Module) -> None:

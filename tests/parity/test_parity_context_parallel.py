@@ -1,0 +1,50 @@
+"""Context parallelism matches one process, step by step: the reference GPT, nanoGPT as written (it calls
+``F.scaled_dot_product_attention`` itself and adds learned positions) and a transformers Llama (rotary tables
+passed to every block, grouped-query attention through its "sdpa" interface), at cp2 and cp4, and composed
+with tensor (and sequence) parallelism, data parallelism and ZeRO-3.
+
+One launch per world size runs every case of that size."""
+
+import pytest
+
+from helpers.harness import Case, assert_parity, launch, reference_for
+from helpers.hf_cases import LLAMA
+
+pytestmark = pytest.mark.multiprocess
+
+NANOGPT = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
+
+
+def cp_case(name, cp, dp=1, tp=1, module="gpt", model=None, **strategy):
+    kwargs = dict(context_parallel_size=cp, tensor_parallel_size=tp, data_parallel_size=dp, **strategy)
+    extra = {"model": model} if model is not None else {}
+    return Case(name=name, dp=dp, module=module, strategy_kwargs=kwargs, steps=4, **extra)
+
+
+LLAMA_SDPA = dict(LLAMA, attn_implementation="sdpa", use_cache=False)
+WORLD_2 = [
+    cp_case("cp2", 2),
+    cp_case("cp2_nanogpt", 2, module="user_nanogpt", model=NANOGPT),
+    cp_case("cp2_llama", 2, module="hf", model=LLAMA_SDPA),
+]
+WORLD_4 = [
+    cp_case("cp4", 4),
+    cp_case("cp4_llama", 4, module="hf", model=LLAMA_SDPA),
+    cp_case("cp2_tp2_sp", 2, tp=2, sequence_parallel=True),
+    cp_case("cp2_tp2_llama", 2, tp=2, module="hf", model=LLAMA_SDPA),
+    cp_case("dp2_cp2", 2, dp=2),
+    cp_case("dp2_cp2_zero3", 2, dp=2, zero_stage=3),
+    cp_case("cp2_zero3_nanogpt", 2, dp=2, zero_stage=3, module="user_nanogpt", model=NANOGPT),
+]
+CASES = {c.name: c for c in WORLD_2 + WORLD_4}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity_cp")
+    return {**launch(WORLD_2, 2, out / "world2"), **launch(WORLD_4, 4, out / "world4")}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(name, results):
+    assert_parity(results[name], reference_for(CASES[name]))
