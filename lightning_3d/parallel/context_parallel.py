@@ -70,6 +70,10 @@ class ContextParallel:
     positions: Tensor | None = None
     order: Tensor | None = None
     """Chunk order: gathered chunks (rank-major, two per rank) -> sequence order."""
+    attention_calls: int = 0
+    """Attention products computed over the whole sequence so far (each block must compute one)."""
+    checked: set = field(default_factory=set)
+    """The blocks seen computing one."""
     _hooks: list = field(default_factory=list)
 
     def start(self, length: int, device: torch.device) -> None:
@@ -191,12 +195,18 @@ def _all_gather(x: Tensor, cp: ContextParallel) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------- the blocks
 
-def apply_context_parallel(blocks: list[nn.Module], cp: ContextParallel) -> None:
-    """Hooks on ``blocks`` (in order): each call's inputs along the sequence cut to this rank's part, the last
-    block's output gathered (module doc)."""
+def apply_context_parallel(blocks: dict[str, nn.Module], cp: ContextParallel) -> None:
+    """Hooks on ``blocks`` (by name, in order): each call's inputs along the sequence cut to this rank's part,
+    the last block's output gathered (module doc); at the first step, each block must have computed attention
+    over the whole sequence."""
+    names = {block: name for name, block in blocks.items()}
+    blocks = list(blocks.values())
     first, last = blocks[0], blocks[-1]
 
+    calls_before: dict[nn.Module, int] = {}
+
     def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        calls_before[module] = cp.attention_calls
         if module is not first:
             return _map_sequence(args, cp), _map_sequence(kwargs, cp)
         key = 0 if args else "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs), None)
@@ -217,8 +227,24 @@ def apply_context_parallel(blocks: list[nn.Module], cp: ContextParallel) -> None
             return (cp.gather_stream(output[0]), *output[1:])
         raise TypeError(f"context parallelism: the last block returned {type(output).__name__}, not hidden states")
 
+    def routed(module: nn.Module, args: tuple, output: Any) -> None:
+        """A block that computed no attention over the whole sequence mixed positions some other way, or not
+        at all: either way its result is not one process's (module doc)."""
+        if module in cp.checked:
+            return
+        if cp.attention_calls == calls_before[module]:
+            raise ValueError(
+                f"context parallelism: block {names[module]!r} ({type(module).__name__}) ran without calling"
+                " torch.nn.functional.scaled_dot_product_attention, so its attention, or whatever else mixes"
+                " positions in it (a hand-written softmax(q @ k.T), a convolution or a scan over the sequence),"
+                " would see only this rank's part of each sequence. Compute attention with"
+                " F.scaled_dot_product_attention (transformers models: attn_implementation='sdpa'), or train"
+                " with context_parallel_size=1.")
+        cp.checked.add(module)
+
     for block in blocks:
         cp._hooks.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        cp._hooks.append(block.register_forward_hook(routed))
     cp._hooks.append(last.register_forward_hook(after, with_kwargs=True))
 
 
@@ -253,6 +279,7 @@ def context_parallel_attention(cp: ContextParallel) -> Iterator[None]:
         if dropout_p:
             raise ValueError("context parallelism: attention dropout is not supported (dropout_p="
                              f"{dropout_p}); set the model's attention dropout to 0")
+        cp.attention_calls += 1
         return _attention(cp, query, key, value, attn_mask, is_causal, scale, enable_gqa, plain)
 
     F.scaled_dot_product_attention = attention

@@ -153,7 +153,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     if dims.cp > 1:
         context = ContextParallel(group=mesh["cp"].get_group(), cp=dims.cp, rank=coords.cp,
                                   sequence_parallel=mesh["tp"].get_group() if config.sequence_parallel else None)
-        apply_context_parallel(list(held_modules(module, plan.blocks).values()), context)
+        apply_context_parallel(held_modules(module, plan.blocks), context)
 
     # 3. Tied weights (embedding and head) tied again where this rank holds both ends; the FQNs of the ends
     #    whose partner another stage holds.

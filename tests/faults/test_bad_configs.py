@@ -38,6 +38,8 @@ EXPECTED = {
     "nccl_on_cpu": ("ParallelConfigError", ["process_group_backend='nccl' needs CUDA", "'gloo'"]),
     "unsupported_precision": ("ParallelConfigError", ["got '64-true'", "precision='bf16-mixed'"]),
     "manual_optimization_under_pipeline": ("ParallelConfigError", ["manual optimization", "pp=1"]),
+    "cp_with_pp": ("ParallelConfigError", ["context_parallel_size=2 with pipeline_parallel_size=2",
+                                           "does not split its micro-batches' sequences"]),
 }
 
 
@@ -68,6 +70,11 @@ EXPECTED_AFTER_SETUP = {
         " compute what one process does", "the integer attributes tried: {'attention.heads': 4}",
         "ColumnSplit(parts=", "allow_replicated=True"]),
     "float_token_ids": ("RuntimeError", ["Expected tensor for argument #1 'indices'", "Long, Int"]),
+    "cp_sequence_not_divisible": ("ParallelConfigError", ["context_parallel_size=2 cuts each sequence into 2 x 2 = 4",
+                                                          "the sequence length is 14", "divisible by 4"]),
+    "cp_hand_written_attention": ("ValueError", ["block 'model.layers.0' (HeadsBlock) ran without calling"
+                                                 " torch.nn.functional.scaled_dot_product_attention",
+                                                 "attn_implementation='sdpa'"]),
     "auto_with_a_fixed_tp_that_cannot_fit": ("NoLayoutFits", [
         "No layout of 2 ranks fits 0.0 MiB per rank", "tensor_parallel_size=2", "The smallest need is",
         "max_memory_per_device"]),

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -104,6 +105,24 @@ class HeadsLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
+
+
+class SoftmaxAttention(HeadsAttention):
+    """Attention written out by hand, as many models (and transformers' "eager") do it."""
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (w(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        scores = (q @ k.transpose(-2, -1)) / (C // self.heads) ** 0.5
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        return self.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class SoftmaxAttentionModel(GPTLightningModule):
+    def configure_model(self):
+        self.model = HeadsLM()
+        for layer in self.model.layers:
+            layer.attention = SoftmaxAttention()
 
 
 class HeadsModel(GPTLightningModule):
@@ -207,6 +226,11 @@ CASES = {
                                                                  policy=ForgetsTheHeadCount()),
                                                   HeadsModel(config=TINY), SyntheticDataModule(seq_len=16, batch_size=4)),
     "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
+    "cp_with_pp": lambda: (ThreeDStrategy(context_parallel_size=2, pipeline_parallel_size=2),
+                           GPTLightningModule(config=TINY)),
+    "cp_sequence_not_divisible": lambda: (ThreeDStrategy(context_parallel_size=2), GPTLightningModule(config=TINY),
+                                          SyntheticDataModule(seq_len=14, batch_size=2)),
+    "cp_hand_written_attention": lambda: (ThreeDStrategy(context_parallel_size=2), SoftmaxAttentionModel(config=TINY)),
     # layout="auto" decides after calibrating on every rank; rank 0's refusal reaches every rank alike.
     "auto_with_a_fixed_tp_that_cannot_fit": lambda: (
         ThreeDStrategy(tensor_parallel_size=2, zero_stage="auto", max_memory_per_device=1024),
