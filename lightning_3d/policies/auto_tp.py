@@ -95,8 +95,9 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
                                                                copy_output=column in changed,
                                                                **column_input)
             tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between, copy_output=region.row in changed)
-            for inner in region.inner_rows:  # its output stays in the region, whole on every rank
-                tp_plan[join_fqn(block, inner)] = RowSplit(output_layouts=Replicate(), summed_gradient=True)
+            for inner in region.inner_rows:  # its output stays in the region: whole, or each rank's heads' slice
+                tp_plan[join_fqn(block, inner)] = (RowSplit(output_layouts=Shard(-1)) if inner in region.owned
+                                                   else RowSplit(output_layouts=Replicate(), summed_gradient=True))
             tp_plan.update({join_fqn(block, m): SummedGradients() for m in region.on_inner_rows})
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
@@ -317,7 +318,9 @@ def _judge(root: nn.Module, firsts: list[str], splits: dict[str, BlockSplit], tp
 def _split_said(first: BlockSplit) -> str:
     """What ``first`` splits in each block of its kind, and what it leaves whole."""
     regions = "; ".join([_feeders_said(r) + f"{', '.join(r.columns)} -> {r.row}" + (f" ({r.heads} heads)" if r.heads else "")
-                         + "".join(f", {m} inside (split by its inputs, its outputs summed)" for m in r.inner_rows)
+                         + "".join(f", {m} inside (split by its inputs, its outputs summed"
+                                   + (", each rank keeping the slice its heads read)" if m in r.owned else ")")
+                                   for m in r.inner_rows)
                          + "".join(f", {c} fused {_parts_said(k, r.whole.get(c, ()))}"
                                    for c, k in r.parts.items() if len(k) > 1)
                          + "".join(f", {m or '<block>'}.{n} per {'channel' if '.' in n else 'head'}"

@@ -100,6 +100,10 @@ class HeadEvent:
     q: list[dict[str, frozenset[int]]] = field(default_factory=list)
     k: list[dict[str, frozenset[int]]] = field(default_factory=list)
     v: list[dict[str, frozenset[int]]] = field(default_factory=list)
+    scores: list[dict[str, frozenset[int]]] = field(default_factory=list)
+    """Per head, the features added to its scores besides ``q @ k.T`` (Doge's dynamic mask, from all its values
+    through ``dt_proj``, one value per key/value head; the ``attn_mask`` given to
+    ``scaled_dot_product_attention``): read with the head's scores as its q and k are."""
     weights: list[dict[str, frozenset[int]]] = field(default_factory=list)
     """Per head, the elements of the weights traced apart (:mod:`~lightning_3d.policies.feature_weights`) on
     any of its sides."""
@@ -206,6 +210,7 @@ class _Recorder(TorchDispatchMode):
         self.tracked = {**tracked_weights(block, is_projection), **_matrix_stacks(block)}
         self.tracked_names = set(self.tracked.values())
         self.in_sdpa = False
+        self.scores: dict[int, HeadEvent] = {}  # a tensor holding an attention product's scores -> the product
         self.in_kernel = 0  # inside a scan kernel (scan_kernels): its output is recorded whole, as one product
 
     # -- modules ---------------------------------------------------------------------------------------------
@@ -330,6 +335,9 @@ class _Recorder(TorchDispatchMode):
             self.keep.append(o)
         if self.in_kernel:
             return out
+        scored = next((self.scores[id(a)] for a in flat_in if id(a) in self.scores), None)
+        if scored is not None and (func in _MOVES or func in _KEEP_SHAPE or torch.Tag.pointwise in func.tags):
+            self.scores.update((id(o), scored) for o in outs)  # scaled, masked, softmaxed: still the scores
         if func in _VIEWS and isinstance(args[0], Tensor):
             for i, o in enumerate(outs):
                 self.view_of[id(o)] = (args[0], func, args, kwargs, i)
@@ -456,17 +464,26 @@ class _Recorder(TorchDispatchMode):
         a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])
         if a.dim() != 3 or b.dim() != 3:
             return
-        # Which product it is, from projection features alone (scores with a weight added are not values).
+        # Which product it is: the scores of an earlier one times values (the scores may carry features added to
+        # them: Doge's mask), else from projection features alone (scores with a weight added are not values).
         sa, sb = self.shadow.get(id(a)), self.shadow.get(id(b))
-        if self._has_features(sa) and self._has_features(sb):  # q @ k.T: features on both sides of the contraction
+        scored = self.scores.get(id(a))
+        if scored is not None and self._has_features(sb):
+            self._values(scored, sa, sb, outs[0])
+        elif self._has_features(sa) and self._has_features(sb):  # q @ k.T: features on both sides of the contraction
             self.trace.attention.append(HeadEvent(q=_per_head(sa, lambda s, n: s[n, 0, :]),
                                                   k=_per_head(sb, lambda s, n: s[n, :, 0])))
-        elif self._has_features(sb) and self.trace.attention:  # attn @ v: v's features leave with the heads
-            self.trace.attention[-1].v = _per_head(sb, lambda s, n: s[n, 0, :])
-            o = outs[0]
-            self.shadow[id(o)] = {name: [s[:, :1, :].expand(o.shape).clone() for s in slots] for name, slots in sb.items()}
+            self.scores[id(outs[0])] = self.trace.attention[-1]
+        elif self._has_features(sb) and self.trace.attention:  # attn @ v, its scores followed no further
+            self._values(self.trace.attention[-1], None, sb, outs[0])
         elif self._has_features(sa) and sb and set(sb) <= self.tracked_names and a.shape[0] == b.shape[0]:
             self._batched_projection(func, args, outs[0], sa, sb)
+
+    def _values(self, event: HeadEvent, sa: Shadow | None, sb: Shadow, o: Tensor) -> None:
+        """``attn @ v`` of ``event``: v's features leave with the heads; what the scores carry was added to them."""
+        event.v = _per_head(sb, lambda s, n: s[n, 0, :])
+        event.scores = _per_head(sa, lambda s, n: s[n]) if sa else []
+        self.shadow[id(o)] = {name: [s[:, :1, :].expand(o.shape).clone() for s in slots] for name, slots in sb.items()}
 
     def _batched_projection(self, func, args, out: Tensor, sa: Shadow, sb: Shadow) -> None:
         """Features ``a`` (G, N, K) times a traced weight ``b`` (G, K, M), batched over the same leading dim (a
@@ -501,9 +518,12 @@ class _Recorder(TorchDispatchMode):
         def by_head(shadow, pick):
             return [{name: _features(pick(s, h) for s in slots) for name, slots in shadow.items()}
                     for h in range(heads)]
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")  # added to the scores (Doge's)
+        sm = self.shadow.get(id(mask)) if isinstance(mask, Tensor) and mask.dim() == 4 else None
         self.trace.attention.append(HeadEvent(q=by_head(sq, lambda s, h: s[0, h, 0, :]),
                                               k=by_head(sk, lambda s, h: s[0, h // group, 0, :]),
-                                              v=by_head(sv, lambda s, h: s[0, h // group, 0, :])))
+                                              v=by_head(sv, lambda s, h: s[0, h // group, 0, :]),
+                                              scores=by_head(sm, lambda s, h: s[0, h % s.shape[1]]) if sm else []))
         index = torch.arange(heads, device="cpu") // group
         self.shadow[id(out)] = {name: [s[:, index, :1, :].expand(out.shape).clone() for s in slots]
                                 for name, slots in sv.items()}

@@ -61,7 +61,7 @@ def set_apart(trace, weights: set[str]) -> None:
     for event in trace.attention:
         heads = len(event.q)
         event.weights = [{} for _ in range(heads)]
-        for side in (event.q, event.k, event.v):
+        for side in (event.q, event.k, event.v, event.scores):
             for h, features in enumerate(side[:heads]):
                 for name in [n for n in features if n in weights]:
                     event.weights[h][name] = event.weights[h].get(name, frozenset()) | features.pop(name)

@@ -31,7 +31,7 @@ def attention_events(trace: BlockTrace, columns) -> list:
 
 
 def _channels(event) -> set[str]:
-    return {name for side in (event.q, event.k, event.v) for head in side for name in head}
+    return {name for side in (event.q, event.k, event.v, event.scores) for head in side for name in head}
 
 
 def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
@@ -288,7 +288,7 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         if len(local_events) != 1:
             return "the attention product is not found once"
         got_event = local_events[0]
-        for side in ("q", "k", "v"):
+        for side in ("q", "k", "v", "scores"):
             if getattr(got_event, side) != getattr(event, side)[heads]:
                 return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
     return ""

@@ -39,6 +39,7 @@ from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies.block_trace import STREAM, BlockTrace, _features, is_projection, trace_block
 from lightning_3d.policies.experts import ExpertsLayout, experts_layouts
 from lightning_3d.policies.feature_weights import split_with_features
+from lightning_3d.policies.inner_rows import head_slices
 from lightning_3d.policies.reductions import across_ranks
 from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes
 
@@ -56,7 +57,8 @@ class Region:
     whole: dict[str, tuple[bool, ...]] = field(default_factory=dict)
     """Column -> per part, whether every rank keeps it whole (k and v of fewer kv heads than tp ranks)."""
     owned: dict[str, list[Tensor]] = field(default_factory=dict)
-    """Column -> per tp rank, the output features it keeps (global indices, in order)."""
+    """Column (or inner row whose outputs split with the heads) -> per tp rank, the output features it keeps
+    (global indices, in order)."""
     input_module: str | None = None
     """The module whose first input is this region's hidden states and holds no other reader of them (it
     gathers them once for every column); None: each column gathers its own input."""
@@ -89,9 +91,11 @@ class Region:
     Inside such a region all computes on local tensors, whose gradients are each rank's share, summed once
     where the hidden states enter (``HiddenStates(partial_gradient=True)``)."""
     inner_rows: list[str] = field(default_factory=list)
-    """Projections inside the region that read only its columns and whose output all its heads read (Mamba's
-    ``x_proj``: every channel's step size, and the B and C all channels share): split by their inputs, their
-    outputs summed over tp, both ways -- each rank's gradient of them is its own channels' share."""
+    """Projections inside the region that read only its columns and feed its heads (Mamba's ``x_proj``: every
+    channel's step size, and the B and C all channels share): split by their inputs, their outputs summed over
+    tp, both ways -- each rank's gradient of them is its own channels' share. One in ``owned`` (Doge's
+    ``dt_proj``: each rank's heads read their own slice of its outputs) is reduce-scattered instead
+    (:mod:`~lightning_3d.policies.inner_rows`)."""
     on_inner_rows: list[str] = field(default_factory=list)
     """Modules with weights on an inner row's output (Jamba's norms of B, C and the step size): whole on every
     rank, their gradients summed over tp."""
@@ -230,7 +234,7 @@ def _leave(split: BlockSplit, names: list[str], why: str) -> None:
 def _feeders(trace: BlockTrace, reads: frozenset[str]) -> tuple[list[str], str]:
     """The low-rank projections behind a row's columns (MLA's ``q_a_proj`` and ``kv_a_proj_with_mqa``): the
     projections read by a column of the row, each of which reads the residual stream alone; and why not, when
-    a column reads something else."""
+    a column reads something else or one of them gives the heads their values."""
     feeders: list[str] = []
     for column in trace.order:
         if column not in reads or trace.reads[column] == frozenset({STREAM}):
@@ -240,6 +244,9 @@ def _feeders(trace: BlockTrace, reads: frozenset[str]) -> tuple[list[str], str]:
                 return feeders, "it reads projections that do not read the residual stream, nor projections that do"
             if source not in feeders:
                 feeders.append(source)
+    values = [f for f in feeders if any(f in head for event in trace.attention for head in event.v)]
+    if values:  # (Doge's v_proj, which dt_proj reads: an inner row)
+        return feeders, f"{', '.join(values)} give the heads their values: not low-rank projections feeding columns"
     return [f for f in trace.order if f in feeders], ""
 
 
@@ -326,6 +333,9 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
         why = _inner_row_split(trace, name, owned, tp)
         if why:
             return None, why
+        slices = head_slices(events[0], name, trace.sizes[name][1], heads, tp)
+        if slices is not None:  # rank r keeps its slice of the summed outputs
+            region.owned[name] = slices
     region.inner_rows = list(inner)
     return region, ""
 

@@ -6,7 +6,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bailing_hybrid", "bamba", "beam",
         "bert-generation",
         "biogpt", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2",
-        "deepseek_v3", "deepseek_v32", "dory", "dots1", "dots3_note_text", "emu3", "ernie4_5", "ernie4_5_moe",
+        "deepseek_v3", "deepseek_v32", "doge", "dory", "dots1", "dots3_note_text", "emu3", "ernie4_5", "ernie4_5_moe",
         "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "falcon_mamba", "flex_olmo", "flint", "fuyu",
         "gemma", "gemma2",
         "gemma3_text", "gemma4_text", "gemma4_unified_text", "git", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
