@@ -14,7 +14,8 @@ head-tail split of torchtitan and Megatron-LM)::
 
 Attention. While steps run (:func:`context_parallel_attention`), ``F.scaled_dot_product_attention`` is
 replaced, as torch's own ``context_parallel`` replaces it: the keys and values of every cp rank are gathered
-(their gradients reduce-scattered back), put in sequence order, and each chunk of this rank's queries attends
+(their gradients reduce-scattered back; recomputed in backward, so only this rank's part is kept between
+forward and backward), put in sequence order, and each chunk of this rank's queries attends
 to the keys up to its own end, causally aligned at the lower right; an explicit mask is cut to this rank's query
 rows. The result is exact: one process's attention, row by row.
 
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.errors import ParallelConfigError
 
@@ -280,7 +283,10 @@ def context_parallel_attention(cp: ContextParallel) -> Iterator[None]:
             raise ValueError("context parallelism: attention dropout is not supported (dropout_p="
                              f"{dropout_p}); set the model's attention dropout to 0")
         cp.attention_calls += 1
-        return _attention(cp, query, key, value, attn_mask, is_causal, scale, enable_gqa, plain)
+        # Recomputed in backward: what backward keeps is this rank's queries, keys and values, not the
+        # gathered keys and values nor the kernel's own saved tensors (the gather runs again there).
+        return checkpoint(partial(_attention, cp, mask=attn_mask, causal=is_causal, scale=scale, gqa=enable_gqa,
+                                  plain=plain), query, key, value, use_reentrant=False)
 
     F.scaled_dot_product_attention = attention
     try:
@@ -289,7 +295,7 @@ def context_parallel_attention(cp: ContextParallel) -> Iterator[None]:
         F.scaled_dot_product_attention = plain
 
 
-def _attention(cp: ContextParallel, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+def _attention(cp: ContextParallel, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, causal: bool,
                scale: float | None, gqa: bool, plain) -> Tensor:
     keys, values = cp.gather_chunks(k, -2), cp.gather_chunks(v, -2)
     options = dict(scale=scale, enable_gqa=gqa)
