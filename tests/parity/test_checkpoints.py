@@ -23,6 +23,7 @@ from lightning_3d.models import GPT, GPTConfig
 MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
 L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2)
 HSDP = dict(data_parallel_size=4, data_parallel_shard_size=2, tensor_parallel_size=2, zero_stage=3)
+CP8 = dict(data_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2)  # (dp, cp, tp) = (2, 2, 2)
 TP2 = dict(tensor_parallel_size=2, policy="auto")
 PHI3_GQA = dict(module="hf", model=AUTO_TP_MODELS["phi3_gqa"], steps=6)
 
@@ -37,7 +38,7 @@ def runs(tmp_path_factory):
     The checkpoint is written with zero_stage=0; (4, 1, 2) reads it with ZeRO-2, (2, 1, 1) with ZeRO-3, HSDP
     (4 = 2 replicas x 2 shards, 1, 2) with ZeRO-3; and (2, 2, 2) reads one that HSDP wrote."""
     root = tmp_path_factory.mktemp("ckpt")
-    dropout, plain, hsdp = root / "dropout", root / "plain", root / "hsdp"
+    dropout, plain, hsdp, cp = root / "dropout", root / "plain", root / "hsdp", root / "cp"
     phi3_single, phi3_tp2 = root / "phi3_single", root / "phi3_tp2"
     big = dict(MODEL, dropout=0.1)
     results = launch_jobs(8, [
@@ -53,10 +54,15 @@ def runs(tmp_path_factory):
         dict(name="to_hsdp", layout=HSDP, model=MODEL, steps=6, resume=_step3(plain)),
         dict(name="hsdp_through", layout=HSDP, model=MODEL, steps=6, save_every=3, ckpt_dir=str(hsdp)),
         dict(name="hsdp_to_2_2_2", layout=L222, model=MODEL, steps=6, resume=_step3(hsdp)),
+        # Context parallel: (dp, cp, tp) = (2, 2, 2) reads the plain checkpoint under ZeRO-3, and writes one
+        # that one process reads.
+        dict(name="to_cp", layout=dict(CP8, zero_stage=3), model=MODEL, steps=6, resume=_step3(plain)),
+        dict(name="cp_through", layout=CP8, model=MODEL, steps=6, save_every=3, ckpt_dir=str(cp)),
     ], root / "eight")
     results.update(launch_jobs(1, [
         dict(name="to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(plain)),
         dict(PHI3_GQA, name="phi3_gqa_single", layout={}, save_every=3, ckpt_dir=str(phi3_single)),
+        dict(name="cp_to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(cp)),
     ], root / "one"))
     results.update(launch_jobs(2, [
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
@@ -85,13 +91,23 @@ def test_resume_on_the_same_layout_continues_exactly_as_if_never_stopped(runs):
 
 
 @pytest.mark.multiprocess
+def test_dp2_cp2_tp2_trains_as_one_process(runs):
+    _, results = runs
+    reference = reference_for(Case(name="reference", model=MODEL, steps=6))
+    assert max(abs(a - b) for a, b in zip(reference.losses, results["cp_through"]["losses"])) <= 1e-5
+    for name, tensor in reference.params.items():
+        assert torch.allclose(results["cp_through"]["params"][name], tensor, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.multiprocess
 def test_the_same_seed_and_layout_give_bit_identical_losses(runs):
     _, results = runs
     assert results["plain_again"]["losses"] == results["plain_through"]["losses"]  # exactly, at (2, 2, 2)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("target", ["to_1_1_1", "to_2_1_1", "to_4_1_2", "to_1_2_4", "to_hsdp", "hsdp_to_2_2_2"])
+@pytest.mark.parametrize("target", ["to_1_1_1", "to_2_1_1", "to_4_1_2", "to_1_2_4", "to_hsdp", "hsdp_to_2_2_2",
+                                    "to_cp", "cp_to_1_1_1"])
 def test_a_checkpoint_of_2_2_2_reshards_to_another_layout_and_trains_on_as_one_process(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference", model=MODEL, steps=6))
