@@ -125,6 +125,11 @@ class ParallelConfig:
                 if getattr(self, name) == default and type(getattr(self, name)) is type(default):
                     setattr(self, name, "auto")
         if self.is_auto:
+            if self.context_parallel_size != 1:
+                raise ParallelConfigError(
+                    f"context_parallel_size={self.context_parallel_size} with {', '.join(self.auto_fields)} left to"
+                    " layout='auto': the launch-time decision does not model context parallelism yet. Fix those"
+                    " fields, or context_parallel_size=1.")
             _check_auto(self)
             return  # the rest is checked on the decided config (ParallelConfig.decided)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",

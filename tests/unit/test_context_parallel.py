@@ -63,3 +63,7 @@ def test_what_cp_does_not_combine_with_yet_is_refused_before_launch():
         ParallelDims(dp=4, pp=1, tp=1, cp=2, dp_shard=2)
     with pytest.raises(ParallelConfigError, match="positive integer"):
         ParallelConfig(context_parallel_size=0)
+    with pytest.raises(ParallelConfigError, match="does not model context parallelism"):
+        ParallelConfig(context_parallel_size=2, layout="auto")
+    with pytest.raises(ParallelConfigError, match="zero_stage left to"):
+        ParallelConfig(context_parallel_size=2, zero_stage="auto")
