@@ -102,6 +102,7 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
             for holder, values in attribute_values(root.get_submodule(block), region.fixes).items():
                 fixes.setdefault(join_fqn(block, holder), {}).update(values)
             tp_plan.update({join_fqn(block, m): OnSplitFeatures(dim=d) for m, d in region.inner.items()})
+            tp_plan.update({join_fqn(block, m): SummedGradients(shared_by_heads=True) for m in region.on_local})
             for holder, names in region.head_weights.items():
                 fqn = join_fqn(block, holder)
                 cuts = {n: region.depthwise[m] for n in names
@@ -111,7 +112,8 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
                                            whole={n: w for n, (_, w) in cuts.items()})
                 covered[block] += [f"{fqn}.{name}" for name in names]
             covered[block] += [join_fqn(block, name) for name in (*region.columns, region.row, *region.inner,
-                                                                  *region.inner_rows, *region.on_inner_rows)]
+                                                                  *region.inner_rows, *region.on_inner_rows,
+                                                                  *region.on_local)]
         for name in split.gathered:  # used whole: split by outputs, gathered (per position under SP)
             tp_plan[join_fqn(block, name)] = ColumnSplit(input_layouts=between, output_layouts=between)
             covered[block].append(join_fqn(block, name))
@@ -263,8 +265,8 @@ def _module_shares(tp_plan: dict[str, ParallelStyle], fqn: str, module: nn.Modul
             split = sum(size for size, whole in zip(style.parts, style.whole) if not whole)
             sharded += param.numel() * split // sum(style.parts)
             by_design += param.numel() - param.numel() * split // sum(style.parts)
-        elif isinstance(style, SummedGradients) and is_projection(module):  # a low-rank feeder
-            by_design += param.numel()
+        elif isinstance(style, SummedGradients) and (is_projection(module) or style.shared_by_heads):
+            by_design += param.numel()  # a low-rank feeder; a weight all heads apply
         elif (isinstance(style, ColumnSplit) or (isinstance(style, RowSplit) and name == "weight")
                 or (isinstance(style, ExpertsSplit) and name != "down_proj_bias")
                 or _split_from_above(tp_plan, fqn, name)):
@@ -310,7 +312,8 @@ def _judge(root: nn.Module, firsts: list[str], splits: dict[str, BlockSplit], tp
     per_block = ". ".join(f"Per block{f' of {parent_fqn(first)}' if len(firsts) > 1 else ''}:"
                           f" {_split_said(splits[first])}" for first in firsts)
     if by_design:
-        per_block += f"; kept whole on every rank by design (key/value heads fewer than the ranks, low-rank projections): {by_design / total:.1%}"
+        per_block += (f"; kept whole on every rank by design (key/value heads fewer than the ranks, low-rank"
+                      f" projections, weights all heads apply): {by_design / total:.1%}")
     rank_zero_info(f"policy='auto' splits {sharded / total if total else 0:.1%} of the block parameters of {model}"
                    f" over tp={options.tp}. {per_block}. Outside them: {vocabulary}.")
 

@@ -40,6 +40,7 @@ from lightning_3d.policies.feature_weights import set_apart, tracked_weights
 from lightning_3d.policies.meta_values import MetaValues
 from lightning_3d.policies.reductions import Reduction, reduced_dims, reduced_together
 from lightning_3d.policies.scan_kernels import kernel_name, scan_heads
+from lightning_3d.policies.score_terms import gathered, rows, weighed
 
 
 STREAM = "<stream>"
@@ -410,6 +411,12 @@ class _Recorder(TorchDispatchMode):
         elif func is aten.view_as_real.default:  # (..., n) -> (..., n, 2): both parts hold both features
             self.shadow[id(out)] = {name: [torch.stack([s, s], -1) for s in slots]
                                     for name, slots in self.shadow[id(args[0])].items()}
+        elif func is aten.gather.default and id(args[0]) in self.shadow:  # a bias gathered by distance
+            found = {name: gathered(slots, args[1], out.shape) for name, slots in self.shadow[id(args[0])].items()}
+            if all(slots is not None for slots in found.values()):
+                self.shadow[id(out)] = found
+        elif func is aten._softmax.default and id(args[0]) in self.scores:  # each weight reads its row's terms
+            self.shadow[id(out)] = {name: rows(slots, args[1]) for name, slots in self.shadow[id(args[0])].items()}
         elif func in _KEEP_SHAPE or torch.Tag.pointwise in func.tags:
             merged: Shadow = {}
             for o in outs[:1]:
@@ -462,6 +469,10 @@ class _Recorder(TorchDispatchMode):
 
     def _product(self, func, args, outs) -> None:
         a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])
+        if func is aten.mm.default and self._has_features(self.shadow.get(id(a))) and self._hand_weight(b) and not (
+                set(self.shadow[id(a)]) & self.trace.exits):  # (not the stream's: a router's logits)
+            self.shadow[id(outs[0])] = {name: weighed(slots, outs[0].shape) for name, slots in self.shadow[id(a)].items()}
+            return
         if a.dim() != 3 or b.dim() != 3:
             return
         # Which product it is: the scores of an earlier one times values (the scores may carry features added to
@@ -502,6 +513,12 @@ class _Recorder(TorchDispatchMode):
             shadow.setdefault(name, []).extend(_broadcast(s, out.shape) for s in slots)
         if all(s is not None for slots in shadow.values() for s in slots):
             self.shadow[id(out)] = shadow
+
+    def _hand_weight(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) a weight a module applies by hand (a relative bias's bank of
+        profiles): its own parameter, not a projection's, and not followed element by element."""
+        owner = self.param_owner.get(id(self._view_base(tensor)[0]))
+        return id(tensor) not in self.shadow and owner is not None and not is_projection(self.block.get_submodule(owner))
 
     def _has_features(self, shadow: Shadow | None) -> bool:
         """Whether ``shadow`` holds projection features, not only weights' elements."""

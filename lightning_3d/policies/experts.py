@@ -18,8 +18,9 @@ weights (:class:`ExpertsSplit`), and the ranks' outputs are summed:
 * the down projection's bias is added once, by tp rank 0, and its gradient summed over tp.
 
 A plain module that holds exactly a stacked up and a stacked down projection (two 3-D weights, experts first,
-as Llama 4's and some remote-code experts are written, with no flags) is split the same way once its layout is
-known: :func:`experts_layouts` tries each layout its shapes allow ([gate | up] halves, interleaved pairs, up only;
+as Llama 4's and some remote-code experts are written, with no flags), or a stacked gate, up and down (three, the
+gate shaped as the up: Inkling's shared experts), is split the same way once its layout is known:
+:func:`experts_layouts` tries each layout its shapes allow ([gate | up] halves, interleaved pairs, up only;
 which dimension holds the intermediate features) on random weights of the module's shapes, with a few
 intermediate features, and keeps the one where the sum over tp ranks of the module's own forward, each on its
 slice, is the forward on all of them. A forward that is not linear in its intermediate features (a norm on each
@@ -67,6 +68,8 @@ class ExpertsLayout:
     bias: bool
     down: str = "down_proj"
     """The down projection's name."""
+    gate: str | None = None
+    """A gate stacked apart from ``up``, of its shape (``gate_proj`` beside ``up_proj``), split as ``up`` is."""
 
     @property
     def intermediate(self) -> str:
@@ -116,8 +119,9 @@ def is_stacked_experts(module: nn.Module) -> bool:
     (:func:`stacked_matrices`), and whose forward is not transformers' dispatch to an experts implementation
     (the flags, if it has them, may describe its weights but not what its own forward does with them)."""
     dispatched = is_experts(module) and hasattr(type(module).forward, "__wrapped__")
-    return (not dispatched and len(stacked_matrices(module)) == 2
-            and len(list(module.parameters(recurse=False))) == 2)
+    stacks = stacked_matrices(module)
+    return (not dispatched and len(stacks) in (2, 3) and len(list(module.parameters(recurse=False))) == len(stacks)
+            and len({tuple(p.shape) for _, p in stacks}) < 3)  # (of three, a gate of the up's shape)
 
 
 def experts_layouts(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> dict[str, tuple[ExpertsLayout | None, str]]:
@@ -144,9 +148,10 @@ def _stacked_layout(module: nn.Module, call: tuple[tuple, dict] | None, tp: int)
         return None, f"{kind} runs a module with weights (a norm) on what tp would see in pieces"
     if call is None:
         return None, f"{kind} was not reached when the block ran on the meta device, so its layout was not checked"
-    (a, first), (b, second) = module.named_parameters(recurse=False)
-    said = f"{a} {tuple(first.shape)} and {b} {tuple(second.shape)}"
-    candidates = [layout for up, down in ((a, b), (b, a)) for layout in _candidates(module, up, down)]
+    own = dict(module.named_parameters(recurse=False))
+    said = " and ".join(f"{name} {tuple(p.shape)}" for name, p in own.items())
+    candidates = [layout for up in own for down in own if down != up
+                  for layout in _candidates(module, up, down, gate=next((g for g in own if g not in (up, down)), None))]
     if not candidates:
         return None, f"{kind}'s {said} agree on no hidden and intermediate size (up (E, kI, H) or (E, H, kI), k = 1 or 2)"
     for layout in candidates:
@@ -171,17 +176,21 @@ def _stacked_layout(module: nn.Module, call: tuple[tuple, dict] | None, tp: int)
                   " which tp would see in pieces")
 
 
-def _candidates(module: nn.Module, up: str, down: str) -> list[ExpertsLayout]:
-    """The layouts with ``up`` and ``down`` as the up and the down projection that their shapes allow."""
+def _candidates(module: nn.Module, up: str, down: str, gate: str | None = None) -> list[ExpertsLayout]:
+    """The layouts with ``up`` and ``down`` as the up and the down projection (and ``gate`` as a gate stacked
+    apart, of the up's shape) that their shapes allow."""
     up_shape, down_shape = getattr(module, up).shape, getattr(module, down).shape
+    if gate is not None and getattr(module, gate).shape != up_shape:
+        return []
     found = []
     for up_dim in (1, 2):
         for down_dim in (1, 2):
             hidden_agrees = up_shape[3 - up_dim] == down_shape[3 - down_dim]
             gated = up_shape[up_dim] == 2 * down_shape[down_dim]
             if hidden_agrees and (gated or up_shape[up_dim] == down_shape[down_dim]):
-                found += [ExpertsLayout(up=up, up_dim=up_dim, halves=halves, down_dim=down_dim, bias=False, down=down)
-                          for halves in ((True, False) if gated else (False,))]
+                found += [ExpertsLayout(up=up, up_dim=up_dim, halves=halves, down_dim=down_dim, bias=False, down=down,
+                                        gate=gate)
+                          for halves in ((True, False) if gated and gate is None else (False,))]
     return found
 
 
@@ -196,7 +205,8 @@ def _check_shapes(module: nn.Module, layout: ExpertsLayout, tp: int) -> tuple[li
 
 def _check_bytes(module: nn.Module, layout: ExpertsLayout, tp: int) -> int:
     up, down = _check_shapes(module, layout, tp)
-    return 2 * 8 * (torch.Size(up).numel() + torch.Size(down).numel())  # float64, whole and sliced
+    ups = 2 if layout.gate else 1
+    return 2 * 8 * (ups * torch.Size(up).numel() + torch.Size(down).numel())  # float64, whole and sliced
 
 
 def _sums_over_ranks(module: nn.Module, layout: ExpertsLayout, call: tuple[tuple, dict], tp: int) -> bool:
@@ -205,6 +215,7 @@ def _sums_over_ranks(module: nn.Module, layout: ExpertsLayout, call: tuple[tuple
     generator = torch.Generator().manual_seed(0)  # every rank draws the same, and so decides the same
     up_shape, down_shape = _check_shapes(module, layout, tp)
     up, down = (torch.randn(shape, dtype=torch.float64, generator=generator) for shape in (up_shape, down_shape))
+    gate = torch.randn(up_shape, dtype=torch.float64, generator=generator) if layout.gate else None
     experts = up.shape[0]
 
     def random(value):  # an input of the traced call's shape: routing indices among the experts
@@ -217,13 +228,15 @@ def _sums_over_ranks(module: nn.Module, layout: ExpertsLayout, call: tuple[tuple
 
     args, kwargs = [random(a) for a in call[0]], {k: random(v) for k, v in call[1].items()}
 
-    def forward(up: Tensor, down: Tensor):
-        with torch.no_grad(), shadowed(module, {layout.up: up, layout.down: down}):
+    def forward(up: Tensor, down: Tensor, gate: Tensor | None):
+        weights = {layout.up: up, layout.down: down, **({layout.gate: gate} if layout.gate else {})}
+        with torch.no_grad(), shadowed(module, weights):
             return module(*args, **kwargs)
 
     try:
-        whole = forward(up, down)
-        shares = [forward(_rank_slice(up, layout.up_dim, layout.halves, tp, rank), down.chunk(tp, layout.down_dim)[rank])
+        whole = forward(up, down, gate)
+        shares = [forward(_rank_slice(up, layout.up_dim, layout.halves, tp, rank), down.chunk(tp, layout.down_dim)[rank],
+                          None if gate is None else gate.chunk(tp, layout.up_dim)[rank])
                   for rank in range(tp)]
     except Exception:  # noqa: BLE001 -- a forward that cannot run on this layout's slices is not linear in it
         return False
@@ -262,9 +275,10 @@ class ExpertsSplit(ParallelStyle):
             return
         up_split = _StridedShard(self.layout.up_dim, split_factor=2) if self.layout.halves else Shard(self.layout.up_dim)
         bias_split = _StridedShard(1, split_factor=2) if self.layout.halves else Shard(1)
-        for param, placement in ((self.layout.up, up_split), (self.layout.down, Shard(self.layout.down_dim)),
+        for param, placement in ((self.layout.up, up_split), (self.layout.gate, up_split),
+                                 (self.layout.down, Shard(self.layout.down_dim)),
                                  (f"{self.layout.up}_bias", bias_split), (f"{self.layout.down}_bias", Replicate())):
-            tensor = getattr(module, param, None)
+            tensor = getattr(module, param, None) if param else None  # (no gate stacked apart)
             if isinstance(tensor, nn.Parameter) and not isinstance(tensor, DTensor):
                 sharded = distribute_tensor(tensor, mesh, [placement], src_data_rank=self.src_data_rank)
                 module.register_parameter(param, nn.Parameter(sharded, requires_grad=tensor.requires_grad))

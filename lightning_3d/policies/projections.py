@@ -137,10 +137,17 @@ class SummedGradients(ParallelStyle):
     is a share (MLA's ``q_a_layernorm``, on the gathered low-rank query): its weights' gradients are summed over
     tp in the backward pass.
 
+    ``shared_by_heads``: its weights are ones every head applies alike (a relative position bias's bank of
+    profiles), which a split by heads keeps whole on every rank by design.
+
     Example (DeepSeek-V3)::
 
         {"model.layers.*.self_attn.q_a_layernorm": SummedGradients()}
     """
+
+    def __init__(self, *, shared_by_heads: bool = False) -> None:
+        super().__init__()
+        self.shared_by_heads = shared_by_heads
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         forward, names = module.forward, [name for name, _ in module.named_parameters(recurse=False)]
@@ -154,7 +161,7 @@ class SummedGradients(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return "SummedGradients()"
+        return f"SummedGradients({'shared_by_heads=True' if self.shared_by_heads else ''})"
 
 
 class RowSplit(RowwiseParallel):

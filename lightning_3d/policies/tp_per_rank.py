@@ -181,12 +181,14 @@ def attribute_values(block: nn.Module, fixes: dict[str, dict[str, int]]) -> dict
 
 def find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
     """Set ``region.inner``: the modules with weights that read only the region's columns, each with the one
-    dimension of its input a rank holds 1/tp of; the reason when such a module's input is split otherwise."""
+    dimension of its input a rank holds 1/tp of; the reason when such a module's input is split otherwise. And
+    ``region.on_local``: those of them that compute each rank's share from its share alone."""
     inside = _inner_modules(whole, region)
     if not inside:
         return ""
+    region.on_local = _on_local(block, args, kwargs, whole, region, inside, tp)
     local = _rank_trace(block, args, kwargs, whole, region, region.fixes, 0, tp)
-    for module in inside:
+    for module in [m for m in inside if m not in region.on_local]:
         shape, mine = _module_input(whole, module)[1], _module_input(local, module)[1]
         split = [d for d, (a, b) in enumerate(zip(shape, mine)) if a != b]
         if len(shape) != len(mine) or len(split) != 1 or mine[split[0]] * tp != shape[split[0]]:
@@ -194,6 +196,21 @@ def find_inner(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
                     f" outputs, but its input {list(shape)} is not cut along one dimension on a tp rank ({list(mine)})")
         region.inner[module] = split[0]
     return ""
+
+
+def _on_local(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, inside: list[str], tp: int) -> list[str]:
+    """Of the modules ``inside`` the region that move their input's features to other places, those that compute
+    each rank's share of their output from its share of their input alone (a relative position bias: a bank of
+    profiles each head's states mix, gathered by distance): no reduction in them takes features several ranks
+    hold, and every rank's block, with them run as they are on its local share, traces right. On the ranks they
+    run so, whole, their gradients summed over tp (a DTensor would not carry them through ``gather`` by a plain
+    index); else none are."""
+    cut = {m for r in across_ranks(whole.reductions, region.owned, tp) for m in r.stack}
+    region.on_local = [m for m in inside if m in whole.moved_features and m not in cut]
+    right = region.on_local and not any(_check_rank(block, args, kwargs, whole, region, region.fixes, rank, tp)
+                                        for rank in range(tp))
+    found, region.on_local = (region.on_local if right else []), []
+    return found
 
 
 def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
@@ -226,7 +243,7 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
     meta copy would meet this rank's share with whole weights. Here it passes its input through when it keeps
     its features in place (a norm); else it runs on its whole input (:class:`_OnWholeInput`)."""
     local = meta_copy(block)
-    for module in _inner_modules(whole, region):
+    for module in [m for m in _inner_modules(whole, region) if m not in region.on_local]:
         inner = local.get_submodule(module)
         if module in whole.features_in_place:
             inner.forward = _pass_through

@@ -99,6 +99,10 @@ class Region:
     on_inner_rows: list[str] = field(default_factory=list)
     """Modules with weights on an inner row's output (Jamba's norms of B, C and the step size): whole on every
     rank, their gradients summed over tp."""
+    on_local: list[str] = field(default_factory=list)
+    """Modules with weights on the columns' split outputs that compute each rank's share from its share alone (a
+    relative position bias's bank of profiles, which every head's states mix): whole on every rank, run on its
+    local tensors, their gradients summed over tp (:func:`~lightning_3d.policies.tp_per_rank.find_inner`)."""
     on_feeders: list[str] = field(default_factory=list)
     """The other modules with weights inside such a region (MLA's ``q_a_layernorm`` on a feeder's output, a
     sparse-attention indexer): whole on every rank, their gradients summed over tp."""
@@ -292,11 +296,15 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
     if events:
         event = events[0]
         heads = len(event.q)
-        if heads % tp or len(event.v) != heads:
+        if heads % tp:
             return None, f"its {heads} heads do not divide by tensor_parallel_size={tp}"
+        if len(event.v) != heads:
+            return None, (f"the product of its {heads} heads' scores with their values was not found (values of"
+                          f" {len(event.v)} heads): what each head reads is not known")
         for h in range(heads):
             rank = h // (heads // tp)
-            for side in (event.q[h], event.k[h], event.v[h]):
+            # (and the terms added to its scores: a relative position bias, sinks, from projections of their own)
+            for side in (event.q[h], event.k[h], event.v[h], *event.scores[h:h + 1]):
                 for name, feats in side.items():
                     if name not in feeders and name not in inner:  # (MLA's shared rotary key; Mamba's B and C)
                         owned[name][rank] |= feats

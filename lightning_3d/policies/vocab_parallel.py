@@ -73,6 +73,11 @@ def vocab_parallel_styles(root: nn.Module, blocks: list[str], tp: int,
         return {}, (f"the embedding and head stay whole: the vocabulary ({vocab}) does not divide by"
                     f" tensor_parallel_size={tp} (pad it to {-(-vocab // tp) * tp})")
     embeddings = [fqn for fqn, m in outside if isinstance(m, nn.Embedding) and m.num_embeddings == vocab]
+    normed = next((fqn for fqn in embeddings if _holds_weighted_modules(root.get_submodule(fqn))), None)
+    if normed is not None:
+        return {}, (f"the embedding and head stay whole: {normed} ({type(root.get_submodule(normed)).__name__}) runs"
+                    " a module with weights of its own (a norm) on the rows it looks up, which a split over the"
+                    " vocabulary would run on each rank's partial lookups")
     styles: dict[str, ParallelStyle] = {fqn: VocabRows(input_layouts=Replicate(), output_layouts=Replicate())
                                         for fqn in embeddings}
     logits = dict(output_layouts=Shard(-1), use_local_output=False) if sharded_logits else dict(
@@ -81,6 +86,12 @@ def vocab_parallel_styles(root: nn.Module, blocks: list[str], tp: int,
     styles.update(_tied_partners(root, head, set(styles)))
     gathered = "the logits sharded for the loss" if sharded_logits else "the logits gathered"
     return styles, f"{', '.join([*embeddings, head])} split over the vocabulary ({vocab}; {gathered})"
+
+
+def _holds_weighted_modules(embedding: nn.Embedding) -> bool:
+    """Whether an embedding holds modules with weights (a norm on the rows it looks up: not linear in them, as a
+    scale is)."""
+    return any(True for child in embedding.children() for _ in child.parameters())
 
 
 def _tied_partners(root: nn.Module, head: str, styled: set[str]) -> dict[str, TiedRows]:

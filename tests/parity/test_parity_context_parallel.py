@@ -1,6 +1,6 @@
 """Context parallelism matches one process, step by step: the reference GPT, nanoGPT as written (it calls
 ``F.scaled_dot_product_attention`` itself and adds learned positions) and a transformers Llama (rotary tables
-passed to every block, grouped-query attention through its "sdpa" interface), at cp2 and cp4, and composed
+passed to every block, grouped-query attention through its "sdpa" interface, with a padding mask too), at cp2 and cp4, and composed
 with tensor (and sequence) parallelism, data parallelism and ZeRO-3.
 
 One launch per world size runs every case of that size."""
@@ -26,6 +26,8 @@ WORLD_2 = [
     cp_case("cp2", 2),
     cp_case("cp2_nanogpt", 2, module="user_nanogpt", model=NANOGPT),
     cp_case("cp2_llama", 2, module="hf", model=LLAMA_SDPA),
+    # a padding mask: transformers passes the attention an explicit mask, cut to each rank's query rows
+    cp_case("cp2_llama_padded", 2, module="hf_padded", model=LLAMA_SDPA),
 ]
 WORLD_4 = [
     cp_case("cp4", 4),

@@ -105,6 +105,11 @@ OVERRIDES: dict[str, dict] = {
     # in_proj's [z | x | B | C | dt], so a split that takes another rank's multipliers shows
     "falcon_h1": dict(ssm_multipliers=[0.35, 0.25, 0.5, 0.7, 0.18], mlp_multipliers=[0.6, 0.4],
                       attention_in_multiplier=0.9, key_multiplier=0.8),
+    # its relative-bias bank of profiles (d_rel x rel_extent, or x sliding_window_size in sliding layers) covers
+    # the census' distances at SEQ_LEN: the defaults' 1024 and 512 would make it half of the tiny block, which
+    # tp keeps whole (every head mixes it); on Inkling itself it is 0.03% of a block
+    **{name: dict(rel_extent=SEQ_LEN, sliding_window_size=SEQ_LEN)
+       for name in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
     "zamba": dict(attention_hidden_size=2 * WIDTH, layers_block_type=["linear_attention", "hybrid"] * 2),
     "zamba2": dict(attention_hidden_size=2 * WIDTH, hybrid_layer_ids=[1, 3],
                    layers_block_type=["linear_attention", "hybrid"] * 2),
