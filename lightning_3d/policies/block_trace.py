@@ -74,6 +74,10 @@ _ADDS = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor}
 """Ops that join an output to the residual stream: a sum, or a difference (nGPT's step towards the update,
 ``h + rate * (out - h)``)."""
 _PRODUCTS = {aten.bmm.default, aten.mm.default, aten.baddbmm.default}
+_FACTORIES = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+              aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
+"""Ops that read only their input's shape: nothing flows from its values (DeepSeek-V4's compressor returns
+``kv.new_zeros(...)`` when the sequence is shorter than its window)."""
 _SDPA = F.scaled_dot_product_attention
 
 
@@ -149,6 +153,12 @@ class BlockTrace:
     moved_features: dict[str, tuple[Shadow, Shadow]] = field(default_factory=dict)
     """Of those, the others whose output holds features (xLSTM's per-head norm, which flattens heads into
     features) -> the shadows of their input and of their output."""
+    stacks: dict[str, int] = field(default_factory=dict)
+    """Traced weight -> the number of matrices a batched product read it as (its heads, or its groups)."""
+    grouped: set[str] = field(default_factory=set)
+    """Projections whose own forward multiplies by their weight as a stack of matrices (a grouped, block-diagonal
+    projection: DeepSeek-V4's ``o_a_proj``, one matrix per group of heads): the features are followed through
+    them as through a traced weight, so they are not among the projections above."""
     problem: str | None = None
 
 
@@ -208,7 +218,8 @@ class _Recorder(TorchDispatchMode):
         self.view_of: dict[int, tuple] = {}  # a view's id -> (its base, the op, its args, kwargs, which output)
         self.param_owner = {id(p): fqn for fqn, module in block.named_modules() for p in module.parameters(recurse=False)}
         # weights whose elements are followed as features
-        self.tracked = {**tracked_weights(block, is_projection), **_matrix_stacks(block)}
+        self.own_forward = _own_forward_weights(block)  # (a grouped projection's, followed through)
+        self.tracked = {**tracked_weights(block, is_projection), **_matrix_stacks(block), **self.own_forward}
         self.tracked_names = set(self.tracked.values())
         self.in_sdpa = False
         self.scores: dict[int, HeadEvent] = {}  # a tensor holding an attention product's scores -> the product
@@ -248,7 +259,9 @@ class _Recorder(TorchDispatchMode):
                     self.trace.features_in_place.add(fqn)
                 elif before and after:
                     self.trace.moved_features[fqn] = (before, after)
-            if is_projection(module) and isinstance(output, Tensor):
+            if fqn in self.trace.grouped:  # its output keeps the features and provenance of its input
+                self._not_a_projection(fqn)
+            elif is_projection(module) and isinstance(output, Tensor):
                 self.prov[id(output)] = frozenset({fqn})
                 self.output_of[id(output)] = fqn
                 index = self.features.get(fqn)
@@ -257,6 +270,13 @@ class _Recorder(TorchDispatchMode):
                 self.shadow[id(output)] = {fqn: [index.expand(output.shape).clone()]}
                 self.keep.append(output)
         return hook
+
+    def _not_a_projection(self, fqn: str) -> None:
+        trace = self.trace
+        trace.order.remove(fqn)
+        for recorded in (trace.sizes, trace.reads, trace.input_id, trace.row_inputs, trace.row_weights,
+                         self.projection_inputs):
+            recorded.pop(fqn, None)
 
     def _note_input(self, fqn: str, module: nn.Module, x: Tensor) -> None:
         self.input_seen.setdefault(id(x), []).append(fqn)
@@ -331,7 +351,9 @@ class _Recorder(TorchDispatchMode):
             union = frozenset({STREAM})
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
         for o in outs:
-            if union and (o.is_floating_point() or o.is_complex()):  # no gradient flows through indices or masks
+            # No gradient flows through indices or masks, nor from a tensor whose shape alone is read (but a scan
+            # kernel's buffer, which it fills in place out of the trace's sight, carries what fills it).
+            if union and (o.is_floating_point() or o.is_complex()) and (func not in _FACTORIES or self.in_kernel):
                 self.prov[id(o)] = union
             self.keep.append(o)
         if self.in_kernel:
@@ -473,8 +495,8 @@ class _Recorder(TorchDispatchMode):
                 set(self.shadow[id(a)]) & self.trace.exits):  # (not the stream's: a router's logits)
             self.shadow[id(outs[0])] = {name: weighed(slots, outs[0].shape) for name, slots in self.shadow[id(a)].items()}
             return
-        if a.dim() != 3 or b.dim() != 3:
-            return
+        if a.dim() != 3 or b.dim() != 3 or not self.prov.get(id(a), frozenset()) - {STREAM}:
+            return  # (nor a product of what the stream alone gives: a hyper-connection mixing its streams)
         # Which product it is: the scores of an earlier one times values (the scores may carry features added to
         # them: Doge's mask), else from projection features alone (scores with a weight added are not values).
         sa, sb = self.shadow.get(id(a)), self.shadow.get(id(b))
@@ -500,7 +522,12 @@ class _Recorder(TorchDispatchMode):
         """Features ``a`` (G, N, K) times a traced weight ``b`` (G, K, M), batched over the same leading dim (a
         block-diagonal per-head projection, RG-LRU's gates): output (g, n, m) carries the features of ``a`` at
         (g, n, every k) and the weight's elements (g, every k, m); baddbmm's added term (a per-head bias) its own."""
-        contraction = args[1].shape[2] if func is aten.baddbmm.default else args[0].shape[2]
+        a = args[1] if func is aten.baddbmm.default else args[0]
+        contraction = a.shape[2]
+        for name in sb:
+            self.trace.stacks[name] = a.shape[0]
+            if name in self.own_forward.values() and name.rpartition(".")[0] == self.stack[-1]:  # while it runs
+                self.trace.grouped.add(self.stack[-1])
         shadow: Shadow = {}
         for name, slots in sa.items():
             shadow.setdefault(name, []).extend(s[:, :, k:k + 1].expand(out.shape).clone() for s in slots
@@ -594,6 +621,14 @@ def _matrix_stacks(block: nn.Module) -> dict[int, str]:
             and not is_stacked_experts(module) and not any(is_projection(m) for m in module.modules())
             and any(p.dim() >= 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
             for name, p in module.named_parameters(recurse=False)}
+
+
+def _own_forward_weights(block: nn.Module) -> dict[int, str]:
+    """Tensor id -> FQN of the weights of the ``nn.Linear`` subclasses with a forward of their own: one that
+    multiplies by its weight as a stack of matrices (DeepSeek-V4's grouped output projection) is then followed
+    through as a block-diagonal product, not as a projection (``BlockTrace.grouped``)."""
+    return {id(m.weight): join_fqn(fqn, "weight") for fqn, m in block.named_modules()
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward}
 
 
 def _per_head(shadow: Shadow, pick) -> list[dict[str, frozenset[int]]]:

@@ -19,6 +19,7 @@ from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies import head_inputs
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
 from lightning_3d.policies.feature_weights import split_dim
+from lightning_3d.policies.read_sizes import changes_trace
 from lightning_3d.policies.reductions import across_ranks
 
 _MAX_FIXES = 4
@@ -37,7 +38,9 @@ def _channels(event) -> set[str]:
 def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
     """Set ``region.fixes`` to the smallest set of divided attributes under which every rank's shrunk block
     traces as the whole one does on that rank; the reason when none does."""
-    candidates = _candidates(block, whole, region, tp)
+    candidates = [c for c in _candidates(block, whole, region, tp)
+                  if not c[1].startswith("config.")  # (a config size only if the block computes with it)
+                  or changes_trace(block, args, kwargs, whole, attribute_values(block, {c[0]: {c[1]: c[3]}}))]
     first, failures = "", {}  # the try as it is; per way of cutting the inputs, its last try
     # Inputs of one slice per head are cut only when no set of attributes does without them; a narrowed
     # input costs an all-gather per region: tried only when neither does.
@@ -96,7 +99,7 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
     the sum of consecutive parts of a fused output or of a convolution's channels, some of which every rank
     keeps whole (Mamba-2's ``conv_dim``: x, B and C, with B and C of one group whole on every rank)."""
     local = _local_sizes(block, whole, region, tp)
-    holders = sorted({prefix for name in [region.row, *region.columns] for prefix in prefixes(name)}
+    holders = sorted({prefix for name in [region.row, *split_columns(region)] for prefix in prefixes(name)}
                      | {m for m in region.depthwise if m in whole.weighted_inputs}  # a convolution that ran itself
                      | {owner for owner, _ in _split_weights(block, region)})  # RG-LRU: heads of its split gates
     found: list[tuple[str, str, int, int]] = []
@@ -112,7 +115,7 @@ def _candidates(block: nn.Module, whole: BlockTrace, region: Region, tp: int) ->
 
 def _local_sizes(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -> dict[int, int]:
     """Size -> its value on each rank, for the sizes the split changes (see :func:`_candidates`)."""
-    sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in region.columns)}
+    sizes = {whole.sizes[region.row][0], *(whole.sizes[c][1] for c in split_columns(region))}
     if region.heads:
         sizes |= {region.heads} | _kv_head_counts(region, whole)
     local = {s: s // tp for s in sizes if s and s % tp == 0}
@@ -128,6 +131,10 @@ def _local_sizes(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -
         size = weight.shape[split_dim(weight)]
         if size % tp == 0:
             local.setdefault(size, size // tp)
+    split = {join_fqn(holder, name) for holder, names in region.head_weights.items() for name in names}
+    for name, groups in whole.stacks.items():  # the groups of heads a batched product reads a split weight as
+        if name in split and groups % tp == 0:
+            local.setdefault(groups, groups // tp)
     return local
 
 
@@ -146,6 +153,13 @@ def _split_weights(block: nn.Module, region: Region) -> list[tuple[str, Tensor]]
 def _kv_head_counts(region: Region, whole: BlockTrace) -> set[int]:
     event = attention_events(whole, [*region.columns, *region.feeders, *region.inner_rows])[0]
     return {len({frozenset(sorted((n, tuple(sorted(f))) for n, f in head.items())) for head in event.k})}
+
+
+def split_columns(region: Region) -> list[str]:
+    """The columns of ``region`` that its split divides: not those every rank keeps whole, whose modules reshape
+    by no size the split changes (DeepSeek-V4's compressor of its one key/value head, whose window of 4 tokens
+    is no head count)."""
+    return [c for c in region.columns if not all(region.whole.get(c, (False,)))]
 
 
 def prefixes(fqn: str) -> list[str]:
@@ -216,12 +230,15 @@ def _on_local(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region,
 def _inner_modules(whole: BlockTrace, region: Region) -> list[str]:
     """The modules that read only the region's columns and either hold weights of their own (not depthwise
     convolutions: their weights split with their channels) or, without weights, pass on their input's features
-    while reducing over features of several ranks (a norm without an affine part), outermost only."""
+    while reducing over features of several ranks (a norm without an affine part), outermost only. Not one on
+    columns every rank keeps whole, in a region computed on local tensors (the norm of DeepSeek-V4's one
+    key/value head): it runs on its whole input there, its gradients summed (``Region.on_feeders``)."""
     columns = set(region.columns)
+    whole_columns = {c for c in columns if all(region.whole.get(c, (False,)))} if region.feeders else set()
     cut = {m for r in across_ranks(whole.reductions, region.owned, len(next(iter(region.owned.values()))))
            for m in r.stack}
     found = [m for m, (reads, _) in whole.weighted_inputs.items()
-             if reads and reads <= columns and m not in whole.depthwise]
+             if reads and reads <= columns and not reads <= whole_columns and m not in whole.depthwise]
     found += [m for m, (reads, _) in whole.plain_inputs.items()
               if reads and reads <= columns and (m in whole.features_in_place or m in whole.moved_features)
               and m in cut]

@@ -41,7 +41,7 @@ from lightning_3d.policies.experts import ExpertsLayout, experts_layouts
 from lightning_3d.policies.feature_weights import split_with_features
 from lightning_3d.policies.inner_rows import head_slices
 from lightning_3d.policies.reductions import across_ranks
-from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes
+from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes, split_columns
 
 
 @dataclass
@@ -191,7 +191,7 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
             split.left[name] = ("it reads the residual stream but no row projection of a region reads it"
                                 if whole.reads[name] == frozenset({STREAM}) else "it is in no attention or MLP region")
     for name, module in block.named_modules():  # a cross-attention called without encoder states
-        if is_projection(module) and name not in whole.sizes:
+        if is_projection(module) and name not in whole.sizes and name not in whole.grouped:
             split.left.setdefault(name, "it does not run in the block's forward as the model calls it (traced on"
                                   " the block's captured inputs): no split of it can be checked")
     return split
@@ -326,6 +326,8 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
     for name in columns:
         out = trace.sizes[name][1]
         sets = owned[name]
+        if not any(sets):  # it reaches the heads only past what moves features (a sum over a window): whole
+            sets[:] = [set(range(out)) for _ in range(tp)]
         holders = Counter(f for share in sets for f in share)
         shared = {f for f, count in holders.items() if count == tp}  # fewer kv heads than ranks: every rank's
         if set(holders) != set(range(out)) or any(count not in (1, tp) for count in holders.values()):
@@ -436,12 +438,13 @@ def _inside(fqn: str, module: str) -> bool:
 
 
 def _head_weights(block: nn.Module, whole: BlockTrace, region: Region) -> dict[str, list[str]]:
-    """The weights of one value (or row) per head of the modules holding an attention region: their own, and
+    """The weights of one value (or row) per head of the modules holding an attention region (its row and the
+    columns it splits, not one every rank keeps whole): their own, and
     those of a projection they hold but never call, whose weight they read per head (Mamba's ``dt_proj``)."""
     if not region.heads:
         return {}
     found = {}
-    for holder in sorted({prefix for name in [region.row, *region.columns] for prefix in prefixes(name)}):
+    for holder in sorted({prefix for name in [region.row, *split_columns(region)] for prefix in prefixes(name)}):
         module = block.get_submodule(holder)
         names = [n for n, p in module.named_parameters(recurse=False) if p.dim() and p.shape[0] == region.heads]
         for child, sub in module.named_children():

@@ -110,6 +110,12 @@ OVERRIDES: dict[str, dict] = {
     # tp keeps whole (every head mixes it); on Inkling itself it is 0.03% of a block
     **{name: dict(rel_extent=SEQ_LEN, sliding_window_size=SEQ_LEN)
        for name in ("inkling_text", "inkling2_text", "inkling2_loop_text")},
+    # 2 residual streams: its hyper-connections' mixing weights ((2 + n) * n x n * width, whole on every rank)
+    # grow as the square of the streams, and the default 4 would make them 22% of the tiny block (on V4-Flash
+    # itself they are under 0.1% of a block); heavily compressed windows of 8 tokens, not 128, so that the
+    # census's SEQ_LEN tokens reach that compressor
+    "deepseek_v4": dict(hc_mult=2, compress_rates={"compressed_sparse_attention": 4,
+                                                   "heavily_compressed_attention": 8}),
     "zamba": dict(attention_hidden_size=2 * WIDTH, layers_block_type=["linear_attention", "hybrid"] * 2),
     "zamba2": dict(attention_hidden_size=2 * WIDTH, hybrid_layer_ids=[1, 3],
                    layers_block_type=["linear_attention", "hybrid"] * 2),
