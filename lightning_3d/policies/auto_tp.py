@@ -92,6 +92,7 @@ def structural_tp_plan(root: nn.Module, block_lists: list[list[str]], options: P
             changed = region.changed_in_place
             for column in region.columns:
                 tp_plan[join_fqn(block, column)] = ColumnSplit(parts=region.parts[column], whole=region.whole[column],
+                                                               picked=region.picked.get(column),
                                                                copy_output=column in changed,
                                                                **column_input)
             tp_plan[join_fqn(block, region.row)] = RowSplit(output_layouts=between, copy_output=region.row in changed)

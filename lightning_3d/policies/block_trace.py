@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_3d.common import join_fqn
+from lightning_3d.policies.conv_channels import grouped_slots
 from lightning_3d.policies.experts import experts_stood_in, is_experts, is_stacked_experts
 from lightning_3d.policies.feature_weights import set_apart, tracked_weights
 from lightning_3d.policies.meta_values import MetaValues
@@ -146,8 +147,9 @@ class BlockTrace:
     reductions: list[Reduction] = field(default_factory=list)
     """The reductions over traced features (:mod:`~lightning_3d.policies.reductions`)."""
     depthwise: dict[str, list[dict[str, frozenset[int]]]] = field(default_factory=dict)
-    """Module whose weight a depthwise convolution used (one filter per channel: a short convolution, Mamba's
-    ``conv1d``) -> per channel, the features of its input there."""
+    """Module whose weight a convolution of grouped channels used (depthwise, one filter per channel: a short
+    convolution, Mamba's ``conv1d``; grouped, one group per head: ZAYA's) -> per output channel, the features of
+    its group's input channels (:mod:`~lightning_3d.policies.conv_channels`)."""
     features_in_place: set[str] = field(default_factory=set)
     """Of those, the modules whose output holds the features of their input at the same places (a norm)."""
     moved_features: dict[str, tuple[Shadow, Shadow]] = field(default_factory=dict)
@@ -426,7 +428,10 @@ class _Recorder(TorchDispatchMode):
         if func in _MOVES:
             self._move(func, args, kwargs, out, flat_in)
         elif func is aten.convolution.default:
-            self._depthwise(args, out)
+            self._grouped_convolution(args, out)
+        elif func is aten.constant_pad_nd.default:  # the padding holds no feature
+            self.shadow[id(out)] = {name: [aten.constant_pad_nd(s, args[1], -1) for s in slots]
+                                    for name, slots in self.shadow[id(args[0])].items()}
         elif func is aten.view_as_complex.default:  # (..., n, 2) -> (..., n): each number holds two features
             self.shadow[id(out)] = {name: [s[..., k] for s in slots for k in (0, 1)]
                                     for name, slots in self.shadow[id(args[0])].items()}
@@ -475,19 +480,25 @@ class _Recorder(TorchDispatchMode):
             if isinstance(piece, Tensor):
                 self.shadow[id(piece)] = {name: [tree_flatten(s)[0][i] for s in slots] for name, slots in result.items()}
 
-    def _depthwise(self, args, out: Tensor) -> None:
-        """A 1-d convolution of one filter per channel keeps each channel's features (over time it mixes the
-        positions, not the channels); any other convolution loses them."""
+    def _grouped_convolution(self, args, out: Tensor) -> None:
+        """A 1-d convolution of channels in groups (one filter per channel: depthwise) keeps each group's features
+        in its output channels (:mod:`~lightning_3d.policies.conv_channels`); one of a single group loses them."""
         x, weight, groups = args[0], args[1], args[8]
         shadow = self.shadow.get(id(x))
-        if not shadow or x.dim() != 3 or groups != x.shape[1] or tuple(weight.shape[:2]) != (groups, 1):
+        if not shadow or x.dim() != 3 or groups < 2 or weight.shape[1] * groups != x.shape[1]:
             return
-        self.shadow[id(out)] = {name: [s[:, :, :1].expand(out.shape).clone() for s in slots]
-                                for name, slots in shadow.items()}
+        moved: Shadow = {}
+        for name, slots in shadow.items():
+            for s in slots:
+                found = grouped_slots(s, groups, out.shape)
+                if found is None:
+                    return
+                moved.setdefault(name, []).extend(found)
+        self.shadow[id(out)] = moved
         owner = self.param_owner.get(id(self._view_base(weight)[0]))
         if owner is not None:
-            self.trace.depthwise[owner] = [{name: _features(s[0, c, :1] for s in slots) for name, slots in shadow.items()}
-                                           for c in range(groups)]
+            self.trace.depthwise[owner] = [{name: _features(s[0, c, :1] for s in slots) for name, slots in moved.items()}
+                                           for c in range(out.shape[1])]
 
     def _product(self, func, args, outs) -> None:
         a, b = (args[1], args[2]) if func is aten.baddbmm.default else (args[0], args[1])

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._pytree import tree_map
 
 from lightning_3d.fused_parts import ATTRIBUTE, FusedParts, distribute_parameter, record
 from lightning_3d.policies.local_tensors import gradient_summed, local_parts, shadowed
@@ -57,10 +58,11 @@ class ColumnSplit(ColwiseParallel):
     """
 
     def __init__(self, *, parts: int | tuple[int, ...] = 1, whole: tuple[bool, ...] = (), copy_output: bool = False,
-                 local_input: bool = False, gather_output: bool = False, **kwargs) -> None:
+                 local_input: bool = False, gather_output: bool = False,
+                 picked: tuple[tuple[int, ...], ...] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.parts, self.whole, self.copy_output = parts, tuple(whole), copy_output
-        self.local_input, self.gather_output = local_input, gather_output
+        self.local_input, self.gather_output, self.picked = local_input, gather_output, picked
 
     def _placement(self, dim: int) -> Placement:
         k = len(self.parts) if isinstance(self.parts, tuple) else self.parts
@@ -86,13 +88,15 @@ class ColumnSplit(ColwiseParallel):
         if not any(self.whole) and not self.local_input:
             return distribute_module(module, device_mesh, self._partition, prepare, self._local_columns)
         distribute_module(module, device_mesh, self._partition, None if self.local_input else prepare)
-        module.forward = _LocalForward(module, device_mesh, self.copy_output, self.local_input, self.gather_output)
+        picked = None if self.picked is None else torch.tensor(self.picked[device_mesh.get_local_rank()], dtype=torch.long)
+        module.forward = _LocalForward(module, device_mesh, self.copy_output, self.local_input, self.gather_output, picked)
         return module
 
     def __repr__(self) -> str:
         whole = f", whole={self.whole}" if any(self.whole) else ""
         local = ", local_input=True" if self.local_input else ""
         gather = ", gather_output=True" if self.gather_output else ""
+        gather += f", picked={self.picked}" if self.picked is not None else ""
         output = f", output_layouts={self.output_layouts}" if self.output_layouts != (Shard(-1),) else ""
         return f"ColumnSplit(parts={self.parts}{whole}{local}{gather}, input_layouts={self.input_layouts}{output})"
 
@@ -102,12 +106,14 @@ class _LocalForward:
     for regions computed on local tensors. The input's gradient is this rank's share: summed over tp here (as
     any column's), or, with ``local_input``, where the region's hidden states entered. The gradient of the
     whole parts' weights is a share too, summed here (the rest of the weight is this rank's own).
-    ``gather``: the output is gathered whole on every rank (MLA's low-rank ``q_a_proj``, normed whole next)."""
+    ``gather``: the output is gathered whole on every rank (MLA's low-rank ``q_a_proj``, normed whole next).
+    ``picked``: of a weight every rank keeps whole, the output features this rank computes (its slice of a
+    projection the heads cut unevenly; the others' rows get no gradient here)."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, copy_output: bool, local_input: bool = False,
-                 gather: bool = False) -> None:
+                 gather: bool = False, picked: torch.Tensor | None = None) -> None:
         self.module, self.mesh, self.copy_output = module, mesh, copy_output
-        self.local_input, self.gather = local_input, gather
+        self.local_input, self.gather, self.picked = local_input, gather, picked
 
     def __call__(self, x) -> torch.Tensor:
         if isinstance(x, DTensor):
@@ -116,6 +122,10 @@ class _LocalForward:
             x = gradient_summed(x, self.mesh)
         layouts = vars(self.module).get(ATTRIBUTE, {})
         weight, bias = (self._local(name, layouts) for name in ("weight", "bias"))
+        if self.picked is not None:
+            rows = self.picked.to(weight.device)
+            weight = weight.index_select(0 if is_linear(self.module) else 1, rows)
+            bias = None if bias is None else bias.index_select(0, rows)
         if is_linear(self.module):
             out = F.linear(x, weight, bias)
         else:  # Conv1D, as it computes: weight (in, out), bias added by the same kernel
@@ -222,15 +232,26 @@ class OnSplitFeatures(SequenceParallel):
     """
 
     def __init__(self, *, dim: int) -> None:
-        super().__init__(sequence_dim=dim, use_local_output=True)
+        super().__init__(sequence_dim=dim, use_local_output=False)  # each output made local after: tuples too
         self.dim = dim
 
     @staticmethod
     def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
-        """Every tensor input of the first one's shape is cut alike (a gated norm's ``gate``, beside its input)."""
+        """Every tensor input of the first one's dimensions is cut alike (a gated norm's ``gate``, beside its input;
+        the keys beside the queries, of fewer heads)."""
         first = inputs[0]
         return tuple(SequenceParallel._prepare_input_fn(sequence_sharding, mod, (x,), device_mesh)
-                     if isinstance(x, torch.Tensor) and x.shape == first.shape else x for x in inputs)
+                     if isinstance(x, torch.Tensor) and x.dim() == first.dim() else x for x in inputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(_local_outputs)
+        return module
 
     def __repr__(self) -> str:
         return f"OnSplitFeatures(dim={self.dim})"
+
+
+def _local_outputs(module: nn.Module, inputs, outputs):
+    """A forward hook: each DTensor output as this rank's local share (a norm of q and k returns both)."""
+    return tree_map(lambda o: o.to_local() if isinstance(o, DTensor) else o, outputs)

@@ -19,6 +19,7 @@ from lightning_3d.fused_parts import FusedParts
 from lightning_3d.policies import head_inputs
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, meta_like, trace_block
 from lightning_3d.policies.feature_weights import split_dim
+from lightning_3d.policies.split_inputs import SplitInputs
 from lightning_3d.policies.read_sizes import changes_trace
 from lightning_3d.policies.reductions import across_ranks
 
@@ -127,6 +128,10 @@ def _local_sizes(block: nn.Module, whole: BlockTrace, region: Region, tp: int) -
                 mine = sum(size if keep else size // tp for size, keep in zip(parts[i:j], kept[i:j]))
                 if total != mine:
                     local.setdefault(total, mine)
+    for module, (parts, kept) in region.depthwise.items():  # a grouped convolution's groups (one per head)
+        groups, held = getattr(block.get_submodule(module), "groups", None), len(FusedParts(0, parts, tp, kept).held_by(0))
+        if type(groups) is int and groups > 1 and groups * held % sum(parts) == 0:
+            local.setdefault(groups, groups * held // sum(parts))
     for owner, weight in _split_weights(block, region):  # its heads or features, a size the module may reshape by
         size = weight.shape[split_dim(weight)]
         if size % tp == 0:
@@ -266,6 +271,8 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
             inner.forward = _pass_through
         elif module in whole.moved_features:
             inner.forward = _OnWholeInput(inner.forward, module, whole, rank, tp)
+        else:  # it returns more than its input's features (ZAYA's norm of q and k: both)
+            inner.forward = SplitInputs(inner.forward, _module_input(whole, module)[1], rank, tp)
     features = {name: owned[rank] for name, owned in region.owned.items()}
     for name, index in features.items():
         _keep_outputs(local.get_submodule(name), len(index))

@@ -59,6 +59,10 @@ class Region:
     owned: dict[str, list[Tensor]] = field(default_factory=dict)
     """Column (or inner row whose outputs split with the heads) -> per tp rank, the output features it keeps
     (global indices, in order)."""
+    picked: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    """Column the heads cut into slices of unequal sizes, some empty (ZAYA's two value projections: the first
+    kv heads' values come from one, the others' from the other) -> per tp rank, its slice: no placement holds
+    that, so every rank keeps the weight whole (one whole part) and computes its slice's outputs only."""
     input_module: str | None = None
     """The module whose first input is this region's hidden states and holds no other reader of them (it
     gathers them once for every column); None: each column gathers its own input."""
@@ -334,11 +338,14 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
             kv = " (fewer key/value heads than tp ranks, but more than one?)" if heads else ""
             return None, f"the ranks' shares of {name}'s {out} outputs overlap or leave some out{kv}"
         parts = _parts([sorted(share) for share in sets], out, tp, shared if tp > 1 else set())
+        if parts is None and not shared and _uneven_slices(sets):
+            region.picked[name] = tuple(tuple(sorted(share)) for share in sets)
+            parts = (out,), (True,)
         if parts is None:
             return None, (f"each rank's share of {name}'s outputs is not its chunk of each of consecutive parts (one"
                           " slice, or one chunk of each of a fused projection's parts, or a part every rank keeps)")
         region.parts[name], region.whole[name] = parts
-        region.owned[name] = [torch.tensor(sorted(s)) for s in sets]
+        region.owned[name] = [torch.tensor(sorted(s), dtype=torch.long) for s in sets]
     for name in inner:
         why = _inner_row_split(trace, name, owned, tp)
         if why:
@@ -348,6 +355,12 @@ def _region(trace: BlockTrace, columns: list[str], row: str, tp: int,
             region.owned[name] = slices
     region.inner_rows = list(inner)
     return region, ""
+
+
+def _uneven_slices(shares: list[set[int]]) -> bool:
+    """Whether the ranks' shares are consecutive slices in rank order, some empty or of other sizes."""
+    flat = [f for share in shares for f in sorted(share)]
+    return flat == list(range(len(flat))) and len({len(share) for share in shares}) > 1
 
 
 def _inner_row_split(trace: BlockTrace, name: str, owned: dict[str, list[set[int]]], tp: int) -> str:

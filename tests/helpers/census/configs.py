@@ -95,7 +95,9 @@ OVERRIDES: dict[str, dict] = {
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
                            indexer_compress_ratio=2),
     # attention runs on the hidden states and the embeddings side by side; two hybrid layers share weights
-    "zaya": dict(num_experts_per_tok=1),  # the only routing it supports
+    # the only routing it supports; its router's width as ZAYA1's is to its hidden size (256 of 2048): the
+    # default 256, 8 times the tiny width, would make the router (whole on every rank) 90% of the block
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=WIDTH // 8),
     # the last 2 layers reuse the keys and values of earlier ones: a producer of each kind before them
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
     # the audio encoder's convolutions have widths of their own

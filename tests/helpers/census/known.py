@@ -24,6 +24,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
         "openai-gpt", "opt", "param2moe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
         "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
         "recurrent_gemma", "rwkv", "sarvam_mla", "sarvam_moe", "seed_oss",
+        "zaya",
         "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "xlstm", "youtu"
     },
     "pp2": {
