@@ -44,7 +44,7 @@ from lightning_3d.policies.base import Plan, PlanOptions, PolicyError
 from lightning_3d.policies.block_inputs import block_inputs, required_positionals
 from lightning_3d.policies.block_trace import is_projection, meta_copy, projection_sizes
 from lightning_3d.policies.experts import ExpertsSplit, is_experts, is_stacked_experts, stacked_matrices
-from lightning_3d.policies.head_inputs import HeadInputs
+from lightning_3d.policies.head_inputs import HeadInputs, in_words
 from lightning_3d.policies.head_weights import HeadWeights
 from lightning_3d.policies.hidden_states import HiddenStates
 from lightning_3d.policies.projections import ColumnSplit, OnSplitFeatures, RowSplit, SummedGradients
@@ -329,7 +329,7 @@ def _split_said(first: BlockSplit) -> str:
                                    for c, k in r.parts.items() if len(k) > 1)
                          + "".join(f", {m or '<block>'}.{n} per {'channel' if '.' in n else 'head'}"
                                    for m, ns in r.head_weights.items() for n in ns)
-                         + "".join(f", the block's {k[1]} cut to each rank's heads" for k in r.head_inputs)
+                         + "".join(f", the block's {in_words(k)} cut to each rank's heads" for k in r.head_inputs)
                          for r in first.regions]
                         + [f"{e} (each expert's intermediate features)" for e in first.experts]
                         + [f"{g} (split, its output gathered)" for g in first.gathered])

@@ -58,9 +58,9 @@ _MOVES = {
 }
 """Ops that only move values: applied to the shadows as they are."""
 _KEEP_SHAPE = {aten._to_copy.default, aten._softmax.default, aten.native_dropout.default,
-               aten.native_layer_norm.default, aten._fused_rms_norm.default}
+               aten.native_layer_norm.default, aten._fused_rms_norm.default, aten.masked_fill.Tensor}
 """Ops that keep each value in its place (a cast, dropout, a softmax over heads' rows, a norm over features:
-Persimmon's per-head LayerNorm of q and k)."""
+Persimmon's per-head LayerNorm of q and k; a masked fill of the scores with a value given as a tensor)."""
 _VIEWS = {
     aten.view.default, aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.slice.Tensor,
@@ -175,12 +175,17 @@ def meta_like(tensor: Tensor, shape) -> Tensor:
     return nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
 
 
-def trace_block(block: nn.Module, args: tuple, kwargs: dict,
-                features: dict[str, Tensor] | None = None) -> BlockTrace:
+def trace_block(block: nn.Module, args: tuple, kwargs: dict, features: dict[str, Tensor] | None = None,
+                inputs: dict[int, tuple[str, Tensor]] | None = None) -> BlockTrace:
     """Run ``block`` (on the meta device) on ``args``/``kwargs`` (its first tensor argument is the residual
     stream) and record what it computes. ``features``: projection FQN -> the global output feature of each of
-    its local output columns (a tp rank's share, when ``block`` is shrunk to one rank); default: all, in order."""
+    its local output columns (a tp rank's share, when ``block`` is shrunk to one rank); default: all, in order.
+    ``inputs``: tensor id of an input -> a name and the index of each of its elements, followed as a weight's
+    elements are (apart from the projection features)."""
     recorder = _Recorder(block, features or {})
+    for key, (name, index) in (inputs or {}).items():
+        recorder.shadow[key] = {name: [index]}
+        recorder.tracked_names.add(name)
     hidden = next((a for a in [*args, *kwargs.values()] if isinstance(a, Tensor)), None)
     if hidden is None:
         return BlockTrace(problem="the block takes no tensor")
@@ -517,6 +522,10 @@ class _Recorder(TorchDispatchMode):
         elif self._has_features(sa) and self._has_features(sb):  # q @ k.T: features on both sides of the contraction
             self.trace.attention.append(HeadEvent(q=_per_head(sa, lambda s, n: s[n, 0, :]),
                                                   k=_per_head(sb, lambda s, n: s[n, :, 0])))
+            added = self.shadow.get(id(args[0])) if func is aten.baddbmm.default else None
+            terms = {name: [_broadcast(s, outs[0].shape) for s in slots] for name, slots in (added or {}).items()}
+            if terms and all(s is not None for slots in terms.values() for s in slots):
+                self.shadow[id(outs[0])] = terms  # baddbmm's added term joins the scores (BLOOM's ALiBi bias)
             self.scores[id(outs[0])] = self.trace.attention[-1]
         elif self._has_features(sb) and self.trace.attention:  # attn @ v, its scores followed no further
             self._values(self.trace.attention[-1], None, sb, outs[0])

@@ -50,9 +50,13 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
         region.narrow_input = narrow
         for cut in [[]] + [[key] for key in per_head]:
             region.head_inputs = cut
+            reference = whole
+            if cut:  # its elements followed in the whole block too: which reach each head's scores
+                whole_args, whole_kwargs, marked = head_inputs.traced(args, kwargs, cut, region.heads)
+                reference = trace_block(block, whole_args, whole_kwargs, inputs=marked)
             for chosen in _subsets(candidates):
                 fixes = _as_fixes(chosen, tp)
-                why = _check_rank(block, args, kwargs, whole, region, fixes, 0, tp)
+                why = _check_rank(block, args, kwargs, reference, region, fixes, 0, tp)
                 if why:
                     if first:
                         failures[region.narrow_input, tuple(cut)] = f"{_attempt(chosen, region)}: {why}"
@@ -60,7 +64,7 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
                         first = f"as it is: {why}"
                     continue
                 for rank in range(1, tp):
-                    why = _check_rank(block, args, kwargs, whole, region, fixes, rank, tp)
+                    why = _check_rank(block, args, kwargs, reference, region, fixes, rank, tp)
                     if why:
                         return f"rank {rank} of tp would compute otherwise: {why}"
                 region.fixes = fixes
@@ -77,7 +81,7 @@ def _attempt(chosen, region: Region) -> str:
     said = [f"with {', '.join(names)} divided"] if names else []
     if region.narrow_input:
         said.append(f"{region.input_module or '<block>'} given each rank's hidden features")
-    said += [f"the block's {where} cut to each rank's heads" for _, where in region.head_inputs]
+    said += [f"the block's {head_inputs.in_words(key)} cut to each rank's heads" for key in region.head_inputs]
     return ", ".join(said) or "as it is"
 
 
@@ -298,9 +302,10 @@ def _rank_trace(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         local.get_submodule(region.input_module).register_forward_pre_hook(_resize_input(1 / tp), with_kwargs=True)
         for column in region.columns:
             local.get_submodule(column).register_forward_pre_hook(_resize_input(tp), with_kwargs=True)
+    marked = {}
     if region.head_inputs:
-        args, kwargs = head_inputs.cut(args, kwargs, region.head_inputs, region.heads, rank, tp)
-    return trace_block(local, args, kwargs, features)
+        args, kwargs, marked = head_inputs.traced(args, kwargs, region.head_inputs, region.heads, rank, tp)
+    return trace_block(local, args, kwargs, features, inputs=marked)
 
 
 def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, fixes, rank: int, tp: int) -> str:
@@ -332,6 +337,21 @@ def _check_rank(block: nn.Module, args, kwargs, whole: BlockTrace, region: Regio
         for side in ("q", "k", "v", "scores"):
             if getattr(got_event, side) != getattr(event, side)[heads]:
                 return f"its heads would see other {side} features ({len(getattr(got_event, side))} heads)"
+        return _head_inputs_check(event, got_event, heads, region)
+    return ""
+
+
+def _head_inputs_check(event, got_event, heads: slice, region: Region) -> str:
+    """'' if this rank's heads (``got_event``) meet the elements of each input cut to them that the whole
+    block's heads ``heads`` (of ``event``) meet, added to their scores (set apart by the trace with the weights'
+    elements: ``HeadEvent.weights``); else what differs."""
+    for key in region.head_inputs:
+        name = head_inputs.name(key)
+        if not event.weights or any(name not in elements for elements in event.weights):
+            return (f"the block's {head_inputs.in_words(key)} reaches not every attention head, so no cut of it to"
+                    " each rank's heads can be checked")
+        if [mine.get(name) for mine in got_event.weights] != [whole[name] for whole in event.weights[heads]]:
+            return f"its heads would add to their scores other elements of the block's {head_inputs.in_words(key)}"
     return ""
 
 

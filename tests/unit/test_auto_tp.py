@@ -262,7 +262,7 @@ def test_alibi_handed_to_every_block_is_cut_to_each_ranks_heads():
 
     found = plan(hf("bloom", n_head=4))
     style = found.tp_plan["model.transformer.h.0"]
-    assert isinstance(style, HeadInputs) and style.keys == [("kwarg", "alibi")] and style.heads == 4
+    assert isinstance(style, HeadInputs) and style.keys == [("kwarg", "alibi", 0)] and style.heads == 4
     alibi = torch.arange(2 * 4 * 3.0).reshape(2 * 4, 1, 3)  # batch 2: rows (b, h)
     _, kwargs = cut((), {"alibi": alibi}, style.keys, heads=4, rank=1, tp=2)
     assert kwargs["alibi"].flatten(1)[:, 0].tolist() == [6.0, 9.0, 18.0, 21.0]  # heads 2, 3 of each sample

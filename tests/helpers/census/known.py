@@ -5,6 +5,7 @@ KNOWN_TO_PASS: dict[str, set[str]] = {
     "tp2": {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bailing_hybrid", "bamba", "beam",
         "bert-generation",
+        "cpmant",
         "biogpt", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2",
         "deepseek_v3", "deepseek_v32",
         "deepseek_v4", "doge", "dory", "dots1", "dots3_note_text", "emu3", "ernie4_5", "ernie4_5_moe",
