@@ -94,7 +94,9 @@ class ContextParallel:
         return self.length // self.cp
 
     def split(self, x: Tensor, dim: int) -> Tensor:
-        return _Split.apply(x, dim, self)
+        part = _Split.apply(x, dim, self)
+        part.context_parallel_part = True  # a recomputed block (activation checkpointing) gets it again: not cut twice
+        return part
 
     def gather(self, x: Tensor, dim: int) -> Tensor:
         return _Gather.apply(x, dim, self)
@@ -104,7 +106,9 @@ class ContextParallel:
         slice of it) -> this rank's part (or this tp rank's slice of the part)."""
         if self.sequence_parallel is None:
             return self.split(x, 1)
-        return _tp_slice(self.split(_tp_gather(x, self.sequence_parallel), 1), self.sequence_parallel)
+        part = _tp_slice(self.split(_tp_gather(x, self.sequence_parallel), 1), self.sequence_parallel)
+        part.context_parallel_part = True
+        return part
 
     def gather_stream(self, x: Tensor) -> Tensor:
         """The inverse of :meth:`split_stream`, for the last block's output."""
@@ -217,9 +221,10 @@ def apply_context_parallel(blocks: dict[str, nn.Module], cp: ContextParallel) ->
         if not isinstance(hidden, Tensor) or hidden.dim() < 2:
             raise TypeError(f"context parallelism: the first block's input is not a (batch, sequence, ...)"
                             f" tensor but {type(hidden).__name__}")
-        slices = dist.get_world_size(cp.sequence_parallel) if cp.sequence_parallel is not None else 1
-        cp.start(hidden.shape[1] * slices, hidden.device)
-        hidden = cp.split_stream(hidden)
+        if not getattr(hidden, "context_parallel_part", False):  # (False: the block recomputed in backward)
+            slices = dist.get_world_size(cp.sequence_parallel) if cp.sequence_parallel is not None else 1
+            cp.start(hidden.shape[1] * slices, hidden.device)
+            hidden = cp.split_stream(hidden)
         args, kwargs = _map_sequence(args[1:], cp), _map_sequence({k: v for k, v in kwargs.items() if k != key}, cp)
         return ((hidden, *args), kwargs) if key == 0 else (args, {key: hidden, **kwargs})
 
@@ -255,7 +260,8 @@ def _map_sequence(value: Any, cp: ContextParallel) -> Any:
     """``value`` with every tensor that runs along the whole sequence (dim 1 of the sequence's length) cut to
     this rank's part; tuples, lists and dicts looked into (a rotary table comes as (cos, sin))."""
     if isinstance(value, Tensor):
-        return cp.split(value, 1) if value.dim() >= 2 and value.shape[1] == cp.length else value
+        whole = value.dim() >= 2 and value.shape[1] == cp.length and not getattr(value, "context_parallel_part", False)
+        return cp.split(value, 1) if whole else value
     if isinstance(value, tuple):
         return tuple(_map_sequence(v, cp) for v in value)
     if isinstance(value, list):

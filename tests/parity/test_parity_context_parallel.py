@@ -25,6 +25,7 @@ LLAMA_SDPA = dict(LLAMA, attn_implementation="sdpa", use_cache=False)
 WORLD_2 = [
     cp_case("cp2", 2),
     cp_case("cp2_nanogpt", 2, module="user_nanogpt", model=NANOGPT),
+    cp_case("cp2_full_recompute", 2, activation_checkpointing="full"),  # a recomputed block cuts its inputs again
     cp_case("cp2_llama", 2, module="hf", model=LLAMA_SDPA),
     # a padding mask: transformers passes the attention an explicit mask, cut to each rank's query rows
     cp_case("cp2_llama_padded", 2, module="hf_padded", model=LLAMA_SDPA),
