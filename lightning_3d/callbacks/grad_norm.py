@@ -71,7 +71,7 @@ class GradNormMonitor(L.Callback):
         for rank in ranks:
             norm = local_norms[rank]
             if median > 0 and norm > self.outlier_factor * median:
-                outlier = {"step": step, "rank": rank, "coords": dims.coords(rank)._asdict(), "norm": norm,
+                outlier = {"step": step, "rank": rank, "coords": dims.named_coords(rank), "norm": norm,
                            "stage_median": median}
                 self.outliers.append(outlier)
                 log.warning("lightning_3d: rank %d %s has a local gradient norm %.3g, %.1fx the median of its"

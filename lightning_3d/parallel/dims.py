@@ -160,6 +160,13 @@ class ParallelDims:
         pp_rank = rank // (self.tp * self.cp * self.dp)
         return RankCoords(dp=dp_rank, pp=pp_rank, tp=tp_rank, cp=cp_rank)
 
+    def named_coords(self, rank: int) -> dict[str, int]:
+        """A rank's coordinates by name, as reports show them: cp only where there is context parallelism."""
+        named = self.coords(rank)._asdict()
+        if self.cp == 1:
+            named.pop("cp")
+        return named
+
     def rank(self, coords: RankCoords) -> int:
         """The global rank at given coordinates (inverse of :meth:`coords`)."""
         return coords.tp + self.tp * (coords.cp + self.cp * (coords.dp + self.dp * coords.pp))

@@ -352,8 +352,7 @@ class ThreeDStrategy(ParallelStrategy):
     def _describe_rank(self, rank: int) -> str:
         if self._parallel_dims is None:  # layout="auto", not decided yet
             return f"rank {rank}"
-        c = self.parallel_dims.coords(rank)
-        return f"rank {rank} (dp={c.dp}, pp={c.pp}, tp={c.tp})"
+        return f"rank {rank} ({', '.join(f'{k}={v}' for k, v in self.parallel_dims.named_coords(rank).items())})"
 
     # ------------------------------------------------------------------ model
 
