@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_map
 
+from lightning_3d.common import local
 from lightning_3d.fused_parts import ATTRIBUTE, FusedParts, distribute_parameter, record
 from lightning_3d.policies.local_tensors import gradient_summed, local_parts, shadowed
 
@@ -254,4 +255,4 @@ class OnSplitFeatures(SequenceParallel):
 
 def _local_outputs(module: nn.Module, inputs, outputs):
     """A forward hook: each DTensor output as this rank's local share (a norm of q and k returns both)."""
-    return tree_map(lambda o: o.to_local() if isinstance(o, DTensor) else o, outputs)
+    return tree_map(local, outputs)
