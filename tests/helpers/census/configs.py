@@ -122,6 +122,11 @@ OVERRIDES: dict[str, dict] = {
     # census's SEQ_LEN tokens reach that compressor
     "deepseek_v4": dict(hc_mult=2, compress_rates={"compressed_sparse_attention": 4,
                                                    "heavily_compressed_attention": 8}),
+    # the same for HY-V4's hyper-connections (on HY-V4 itself, 4 streams of 2816, they are under 0.1% of a block)
+    "hy_v4": dict(hc_mult=2),
+    # the rank of its gated norms' MLP as AXK2's is to its width (16 of 2048): the default 16, half the tiny
+    # width, would make those MLPs (whole on every rank: they scale the stream) 12% of the tiny block
+    "axk2": dict(gated_norm_rank=2),
     "zamba": dict(attention_hidden_size=2 * WIDTH, layers_block_type=["linear_attention", "hybrid"] * 2),
     "zamba2": dict(attention_hidden_size=2 * WIDTH, hybrid_layer_ids=[1, 3],
                    layers_block_type=["linear_attention", "hybrid"] * 2),
