@@ -134,6 +134,8 @@ class BlockSplit:
     """Projection (or experts module) left whole -> why."""
     problem: str | None = None
     """Why the block could not be traced at all (then every projection is left whole)."""
+    routed: bool = False
+    """The block chooses among values by a projection's output (top-k, argmax: a router's logits)."""
 
 
 def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSplit:
@@ -146,7 +148,7 @@ def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSp
         whole.reads = {p: (r - on_stream) | {STREAM} if r & on_stream and p not in on_stream else r
                        for p, r in whole.reads.items()}
     split = BlockSplit(left={p: "it computes from the residual stream what scales it, the same on every rank"
-                             for p in on_stream})
+                             for p in on_stream}, routed=bool(whole.selects))
     claimed: set[str] = set()
     for row in whole.order:
         reads = whole.reads[row]

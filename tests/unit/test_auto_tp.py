@@ -406,3 +406,17 @@ def test_a_hybrid_models_layers_of_two_classes_are_its_blocks_each_kind_split():
                                                                               "OlmoHybridAttentionDecoderLayer"}
     sharded, total = sharded_share(root, found.blocks, found.tp_plan)
     assert sharded / total > 0.95
+
+
+
+def test_stacked_weights_without_a_router_are_not_called_experts():
+    """A refusal names the real cause: Zamba's multi-head Mamba holds one matrix per head, applied by hand, with
+    nothing routing among them: no mixture of experts (it was refused as one)."""
+    from helpers.census.configs import tiny_config
+
+    sizes = tiny_config("zamba")
+    sizes.pop("seq_len")
+    with pytest.raises(PolicyError) as refused:
+        plan(hf(sizes.pop("model_type"), **sizes))
+    assert "mixture-of-experts" not in str(refused.value), str(refused.value)
+    assert "would leave" in str(refused.value)
