@@ -380,9 +380,10 @@ def _refusal(root: nn.Module, blocks: list[str], split: BlockSplit, whole: float
     # Experts modules stood in for while the block is traced are not why it could not be: that is said below.
     stood_in = any(is_experts(m) or is_stacked_experts(m) for m in modules.values())
     # Stacked weights are a mixture of experts' only where the block routes among them (or holds a module of
-    # experts): Zamba's per-head Mamba weights and Zamba2's per-layer adapters are not.
+    # experts), or where the trace could not tell: Zamba's per-head Mamba weights and Zamba2's per-layer adapters
+    # are not.
     experts = expert_banks(root.get_submodule(blocks[0]), split) if blocks and not split.experts and not (
-        split.problem and stood_in) and (split.routed or stood_in) else []
+        split.problem and stood_in) and (split.routed or stood_in or split.problem) else []
     if experts:
         why = "; ".join(f"{name}: {reason}" for name, reason in split.left.items()
                         if (m := modules.get(name)) is not None and (is_experts(m) or is_stacked_experts(m))) or (

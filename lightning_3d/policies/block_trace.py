@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_3d.common import join_fqn
+from lightning_3d.common import join_fqn, parent_fqn
 from lightning_3d.policies.conv_channels import grouped_slots
 from lightning_3d.policies.experts import experts_stood_in, is_experts, is_stacked_experts
 from lightning_3d.policies.feature_weights import set_apart, tracked_weights
@@ -546,7 +546,7 @@ class _Recorder(TorchDispatchMode):
         contraction = a.shape[2]
         for name in sb:
             self.trace.stacks[name] = a.shape[0]
-            if name in self.own_forward.values() and name.rpartition(".")[0] == self.stack[-1]:  # while it runs
+            if name in self.own_forward.values() and parent_fqn(name) == self.stack[-1]:  # while it runs
                 self.trace.grouped.add(self.stack[-1])
         shadow: Shadow = {}
         for name, slots in sa.items():

@@ -71,7 +71,7 @@ def test_bytes_per_rank_of_our_runs_match_the_planner(measured, case):
     model, layout = ModelSpec.from_gpt_config(GPTConfig(**case.get("model", CONFIG))), layout_of(case)
     for rank, results in enumerate(measured):
         ours = results[case["name"]]
-        dp_rank, pp_rank, tp_rank = ours["coords"]
+        dp_rank, pp_rank, tp_rank = ours["coords"][:3]  # (dp, pp, tp, cp)
         predicted = estimate_memory(model, layout, FP32, pp_rank)
         for kind in ("parameters", "gradients", "optimizer_state", "activations"):
             print(f"{case['name']} rank {rank} (pp {pp_rank}) {kind}: measured {ours[kind]}, planner"
