@@ -77,7 +77,6 @@ class ContextParallel:
     """Attention products computed over the whole sequence so far (each block must compute one)."""
     checked: set = field(default_factory=set)
     """The blocks seen computing one."""
-    _hooks: list = field(default_factory=list)
 
     def start(self, length: int, device: torch.device) -> None:
         if length == self.length and self.positions is not None and self.positions.device == device:
@@ -138,10 +137,7 @@ class _AllGatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
         ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x, group=group)
-        return out.view(size, *x.shape)
+        return _all_gather(x, group, size)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -163,7 +159,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         cp = ctx.cp
-        stacked = _all_gather(grad, cp)
+        stacked = _all_gather(grad, cp.group, cp.cp)
         return _gather_in_order(grad, ctx.dim, cp, stacked) / cp.cp, None, None
 
 
@@ -173,7 +169,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, cp: ContextParallel) -> Tensor:
         ctx.dim, ctx.cp = dim, cp
-        return _gather_in_order(x, dim, cp, _all_gather(x, cp))
+        return _gather_in_order(x, dim, cp, _all_gather(x, cp.group, cp.cp))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -193,11 +189,12 @@ def _tp_slice(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return x.narrow(1, rank * part, part)
 
 
-def _all_gather(x: Tensor, cp: ContextParallel) -> Tensor:
+def _all_gather(x: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
+    """(size, *x.shape): every rank's ``x``, stacked in rank order."""
     x = x.contiguous()
-    out = x.new_empty((cp.cp * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=cp.group)
-    return out.view(cp.cp, *x.shape)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=group)
+    return out.view(size, *x.shape)
 
 
 # ---------------------------------------------------------------------------------------------- the blocks
@@ -251,9 +248,9 @@ def apply_context_parallel(blocks: dict[str, nn.Module], cp: ContextParallel) ->
         cp.checked.add(module)
 
     for block in blocks:
-        cp._hooks.append(block.register_forward_pre_hook(before, with_kwargs=True))
-        cp._hooks.append(block.register_forward_hook(routed))
-    cp._hooks.append(last.register_forward_hook(after, with_kwargs=True))
+        block.register_forward_pre_hook(before, with_kwargs=True)
+        block.register_forward_hook(routed)
+    last.register_forward_hook(after, with_kwargs=True)
 
 
 def _map_sequence(value: Any, cp: ContextParallel) -> Any:

@@ -8,7 +8,7 @@ One launch per world size runs every case of that size."""
 import pytest
 
 from helpers.harness import Case, assert_parity, launch, reference_for
-from helpers.hf_cases import LLAMA
+from helpers.hf_cases import AUTO_TP_MODELS, LLAMA
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,6 +29,8 @@ WORLD_2 = [
     cp_case("cp2_llama", 2, module="hf", model=LLAMA_SDPA),
     # a padding mask: transformers passes the attention an explicit mask, cut to each rank's query rows
     cp_case("cp2_llama_padded", 2, module="hf_padded", model=LLAMA_SDPA),
+    # another transformers model as trained: Phi-3's fused q|k|v with grouped-query attention, no cache
+    cp_case("cp2_phi3_gqa", 2, module="hf", model=dict(AUTO_TP_MODELS["phi3_gqa"], attn_implementation="sdpa")),
 ]
 WORLD_4 = [
     cp_case("cp4", 4),
