@@ -35,6 +35,29 @@ def pytest_configure(config):
     # (helpers/warning_filters.py).
     for line in warning_filters.pytest_filters():
         config.addinivalue_line("filterwarnings", line)
+    config.addinivalue_line("markers", "long_launch: a file whose launch takes minutes; its file starts first")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject.toml): one worker per CPU, 2 to 4 of them. Each launches ranks of its own, so more
+    workers would only queue more ranks on the same cores; 2 keep both cores busy while one worker waits on a
+    launch or runs a single-process test."""
+    return max(2, min(4, len(os.sched_getaffinity(0))))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``) each test file runs whole on one worker: a module's fixture
+    launches the ranks of all its tests once. The files sharing the Hugging Face launch (``shared_runs``) run
+    on one worker together, and files marked ``long_launch`` are handed out first, so that the workers end
+    at about the same time."""
+    late = set()
+    for item in items:
+        shared = "shared_runs" in item.fixturenames
+        item.add_marker(pytest.mark.xdist_group("shared_runs" if shared else item.path.relative_to(TESTS_DIR).as_posix()))
+        if not shared and item.get_closest_marker("long_launch") is None:
+            late.add(item.nodeid)
+    items.sort(key=lambda item: item.nodeid in late)  # stable: the files keep their order otherwise
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from helpers.workers.auto_layout_worker import USER_MODEL
 from lightning_3d.planner.calibration import SEPARATELY_TIMED
 
 # A limit is for a hang, not for a loaded machine: the shared launch takes minutes on 2 busy cores.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long_launch, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 # A limit for hangs, not for slowness: the census takes ~5 minutes on 2 idle cores (one launch per layout);
 # a hang inside a launch is stopped by the fault watch (helpers/census/running.py WATCH) well before this.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.long_launch, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,9 @@ def test_on_a_rank_it_gives_that_ranks_features_as_the_row_reads_them():
     expected = whole(x)
     rank = 1  # of a fake tp group of 2: DTensor runs its real code; this norm needs no collective
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    # A mesh unequal to other tests' rank-0 meshes in this process: DTensor caches local shapes and offsets per
+    # equal mesh, whatever rank made it.
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp_rank1",))
     local = found.tp_plan["model.layers.0.head_norm"]._apply(copy.deepcopy(whole), mesh)
     got = local(x.chunk(2, dim=2)[rank])
     torch.testing.assert_close(got, expected.chunk(2, dim=-1)[rank])  # the row's input features of this rank
