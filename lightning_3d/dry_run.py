@@ -144,6 +144,9 @@ def _settings(config: ParallelConfig, dims: ParallelDims) -> str:
                      " micro-batches")
     if config.sequence_parallel and dims.tp > 1:
         parts.append("sequence parallel")
+    if dims.cp > 1:
+        parts.append(f"context parallel: each sequence's blocks over {dims.cp} ranks, {2 * dims.cp} load-balanced"
+                     " chunks")
     parts.append(f"zero_stage={config.zero_stage}")
     if dims.hsdp:
         parts.append(f"HSDP: ZeRO over {dims.dp_shard} dp ranks, {dims.dp_replicate} replicas")
@@ -189,7 +192,7 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
     if dims.pp > 1 and batch is not None:
         split_batch(torch.empty(batch, device="meta"), m)  # the engine's check, at the first step of a run
     micro = max(1, (batch or 1) // m) if dims.pp > 1 else batch or 1
-    layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, micro_batch_size=micro, num_microbatches=m,
+    layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, micro_batch_size=micro, num_microbatches=m,
                     schedule=config.pipeline_schedule, virtual_stages=config.virtual_pipeline_size,
                     sequence_parallel=config.sequence_parallel, zero_stage=config.zero_stage,
                     recompute=config.activation_checkpointing, pipeline_reduce_grads=config.pipeline_reduce_grads,
@@ -233,7 +236,8 @@ def _hparam(datamodule: Any, name: str) -> Optional[int]:
 
 def _ranks(dims: ParallelDims, pp_rank: int) -> str:
     """The global ranks of one pipeline rank: a contiguous range, pp being the slowest mesh dimension."""
-    first, last = pp_rank * dims.dp * dims.tp, (pp_rank + 1) * dims.dp * dims.tp - 1
+    per_stage = dims.world_size // dims.pp
+    first, last = pp_rank * per_stage, (pp_rank + 1) * per_stage - 1
     return f"{first}" if first == last else f"{first}-{last}"
 
 

@@ -125,18 +125,11 @@ class ParallelConfig:
                 if getattr(self, name) == default and type(getattr(self, name)) is type(default):
                     setattr(self, name, "auto")
         if self.is_auto:
-            if self.context_parallel_size != 1:
-                raise ParallelConfigError(
-                    f"context_parallel_size={self.context_parallel_size} with {', '.join(self.auto_fields)} left to"
-                    " layout='auto': the launch-time decision does not model context parallelism yet. Fix those"
-                    " fields, or context_parallel_size=1.")
             _check_auto(self)
             return  # the rest is checked on the decided config (ParallelConfig.decided)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
                      "context_parallel_size"):
             _require_positive_int(name, getattr(self, name))
-        if self.context_parallel_size > 1:
-            _check_context_parallel(self)
         if self.data_parallel_size != "auto":
             _require_positive_int("data_parallel_size", self.data_parallel_size)
         if self.num_microbatches is not None:
@@ -252,16 +245,6 @@ def _check_auto(config: ParallelConfig) -> None:
     if config.max_memory_per_device is not None:
         _require_positive_int("max_memory_per_device", config.max_memory_per_device)
     _require_positive_int("layout_check_steps", config.layout_check_steps)
-
-
-def _check_context_parallel(config: ParallelConfig) -> None:
-    """What context parallelism does not combine with yet, refused before any process talks to another."""
-    if config.pipeline_parallel_size > 1:
-        raise ParallelConfigError(
-            f"context_parallel_size={config.context_parallel_size} with pipeline_parallel_size="
-            f"{config.pipeline_parallel_size}: the pipeline engine does not split its micro-batches' sequences yet."
-            " Use context parallelism with tensor and data parallelism (pipeline_parallel_size=1), or"
-            " context_parallel_size=1.")
 
 
 def _check_reduce_per_microbatch(config: ParallelConfig) -> None:

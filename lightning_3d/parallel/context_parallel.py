@@ -93,9 +93,7 @@ class ContextParallel:
         return self.length // self.cp
 
     def split(self, x: Tensor, dim: int) -> Tensor:
-        part = _Split.apply(x, dim, self)
-        part.context_parallel_part = True  # a recomputed block (activation checkpointing) gets it again: not cut twice
-        return part
+        return _Split.apply(x, dim, self)
 
     def gather(self, x: Tensor, dim: int) -> Tensor:
         return _Gather.apply(x, dim, self)
@@ -105,9 +103,7 @@ class ContextParallel:
         slice of it) -> this rank's part (or this tp rank's slice of the part)."""
         if self.sequence_parallel is None:
             return self.split(x, 1)
-        part = _tp_slice(self.split(_tp_gather(x, self.sequence_parallel), 1), self.sequence_parallel)
-        part.context_parallel_part = True
-        return part
+        return _tp_slice(self.split(_tp_gather(x, self.sequence_parallel), 1), self.sequence_parallel)
 
     def gather_stream(self, x: Tensor) -> Tensor:
         """The inverse of :meth:`split_stream`, for the last block's output."""
@@ -199,27 +195,30 @@ def _all_gather(x: Tensor, group: dist.ProcessGroup, size: int) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------- the blocks
 
-def apply_context_parallel(blocks: dict[str, nn.Module], cp: ContextParallel) -> None:
-    """Hooks on ``blocks`` (by name, in order): each call's inputs along the sequence cut to this rank's part,
-    the last block's output gathered (module doc); at the first step, each block must have computed attention
-    over the whole sequence."""
+def apply_context_parallel(blocks: dict[str, nn.Module], cp: ContextParallel, *, first: str, last: str,
+                           stage_starts: set[str] = frozenset()) -> None:
+    """Hooks on ``blocks`` (this rank's, by name): each call's inputs along the sequence cut to this rank's
+    part; the model's ``first`` block cuts the stream, its ``last`` gathers it (module doc). Under a pipeline
+    the stream travels between stages as this rank's part: the first block of a later stage (``stage_starts``)
+    receives it cut, and learns the sequence's length from it. At the first step, each block must have
+    computed attention over the whole sequence."""
     names = {block: name for name, block in blocks.items()}
-    blocks = list(blocks.values())
-    first, last = blocks[0], blocks[-1]
-
     calls_before: dict[nn.Module, int] = {}
+    slices = dist.get_world_size(cp.sequence_parallel) if cp.sequence_parallel is not None else 1
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         calls_before[module] = cp.attention_calls
-        if module is not first:
+        name = names[module]
+        if name != first and name not in stage_starts:
             return _map_sequence(args, cp), _map_sequence(kwargs, cp)
         key = 0 if args else "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs), None)
         hidden = args[0] if args else kwargs.get(key)
         if not isinstance(hidden, Tensor) or hidden.dim() < 2:
-            raise TypeError(f"context parallelism: the first block's input is not a (batch, sequence, ...)"
-                            f" tensor but {type(hidden).__name__}")
-        if not getattr(hidden, "context_parallel_part", False):  # (False: the block recomputed in backward)
-            slices = dist.get_world_size(cp.sequence_parallel) if cp.sequence_parallel is not None else 1
+            raise TypeError(f"context parallelism: block {name!r}'s input is not a (batch, sequence, ...) tensor"
+                            f" but {type(hidden).__name__}")
+        if name != first:  # from the previous stage: already this rank's part (of this tp rank's slice)
+            cp.start(hidden.shape[1] * slices * cp.cp, hidden.device)
+        else:
             cp.start(hidden.shape[1] * slices, hidden.device)
             hidden = cp.split_stream(hidden)
         args, kwargs = _map_sequence(args[1:], cp), _map_sequence({k: v for k, v in kwargs.items() if k != key}, cp)
@@ -247,18 +246,18 @@ def apply_context_parallel(blocks: dict[str, nn.Module], cp: ContextParallel) ->
                 " with context_parallel_size=1.")
         cp.checked.add(module)
 
-    for block in blocks:
+    for block in blocks.values():
         block.register_forward_pre_hook(before, with_kwargs=True)
         block.register_forward_hook(routed)
-    last.register_forward_hook(after, with_kwargs=True)
+    if last in blocks:
+        blocks[last].register_forward_hook(after, with_kwargs=True)
 
 
 def _map_sequence(value: Any, cp: ContextParallel) -> Any:
     """``value`` with every tensor that runs along the whole sequence (dim 1 of the sequence's length) cut to
     this rank's part; tuples, lists and dicts looked into (a rotary table comes as (cos, sin))."""
     if isinstance(value, Tensor):
-        whole = value.dim() >= 2 and value.shape[1] == cp.length and not getattr(value, "context_parallel_part", False)
-        return cp.split(value, 1) if whole else value
+        return cp.split(value, 1) if value.dim() >= 2 and value.shape[1] == cp.length else value
     if isinstance(value, tuple):
         return tuple(_map_sequence(v, cp) for v in value)
     if isinstance(value, list):

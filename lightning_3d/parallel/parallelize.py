@@ -146,15 +146,6 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     if config.sequence_parallel and not stages:  # (under pp the engine checks the inputs it captures)
         guard_sequence_lengths(module, plan.tp_plan, dims.tp)
 
-    # 2b. Context parallel: the blocks run on this rank's part of each sequence (its inputs cut, the last
-    #     block's output gathered), before activation checkpointing wraps them so a recomputed block cuts
-    #     its inputs again.
-    context = None
-    if dims.cp > 1:
-        context = ContextParallel(group=mesh["cp"].get_group(), cp=dims.cp, rank=coords.cp,
-                                  sequence_parallel=mesh["tp"].get_group() if config.sequence_parallel else None)
-        apply_context_parallel(held_modules(module, plan.blocks), context)
-
     # 3. Tied weights (embedding and head) tied again where this rank holds both ends; the FQNs of the ends
     #    whose partner another stage holds.
     tied_copies = retie(module, plan.tied_parameters)
@@ -163,6 +154,16 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     #    checkpoint, as torchtitan orders them), before data parallel wraps them (parallel/compile.py).
     if config.activation_checkpointing:
         apply_activation_checkpointing(module, plan, config.activation_checkpointing)
+    # 4b. Context parallel: the blocks run on this rank's part of each sequence (its inputs cut, the last
+    #     block's output gathered; between pipeline stages the part travels). Its hooks come after activation
+    #     checkpointing's, so a checkpoint keeps the block's inputs as they came and its recompute cuts them
+    #     again, as the forward did.
+    context = None
+    if dims.cp > 1:
+        context = ContextParallel(group=mesh["cp"].get_group(), cp=dims.cp, rank=coords.cp,
+                                  sequence_parallel=mesh["tp"].get_group() if config.sequence_parallel else None)
+        apply_context_parallel(held_modules(module, plan.blocks), context, first=plan.blocks[0], last=plan.blocks[-1],
+                               stage_starts={blocks[0] for blocks in stage_blocks[1:]})
     if config.compile:
         apply_compile(module, plan, rank)
 
@@ -243,7 +244,7 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
 
 
 def pipeline_results_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup:
-    """This rank's pipeline (the ranks of its (dp, tp) over pp), as a group of its own for the step's results
+    """This rank's pipeline (the ranks of its (dp, cp, tp) over pp), as a group of its own for the step's results
     (``pipeline/shared_results.py``: a receive posted there ahead of the step must not meet the schedule's or any
     other collective). Collective: every rank of the world creates every pipeline's, in the same order.
 
@@ -254,9 +255,9 @@ def pipeline_results_group(dims: ParallelDims, coords: RankCoords) -> dist.Proce
     (destroying would wait for it): that one is left alive. Nor where the default group it was made under has
     been destroyed since (a process that ends its process groups between fits and starts new ones): it went
     with it."""
-    groups = [dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in range(dims.pp)])
-              for dp in range(dims.dp) for tp in range(dims.tp)]
-    mine = groups[coords.dp * dims.tp + coords.tp]
+    groups = [dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp, cp=cp)) for pp in range(dims.pp)])
+              for dp in range(dims.dp) for cp in range(dims.cp) for tp in range(dims.tp)]
+    mine = groups[(coords.dp * dims.cp + coords.cp) * dims.tp + coords.tp]
     for world, previous in _RESULTS_GROUPS:
         if world is dist.group.WORLD and not awaits_results(previous):
             dist.destroy_process_group(previous)

@@ -49,15 +49,16 @@ def _set_parameter(module: nn.Module, fqn: str, param: nn.Parameter) -> None:
 
 
 def embedding_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup:
-    """This rank's pair of (first stage, last stage) ranks at its (dp, tp). Collective: every rank of the
+    """This rank's pair of (first stage, last stage) ranks at its (dp, cp, tp). Collective: every rank of the
     world creates every pair, in the same order, as ``new_group`` requires. Made once per process and layout
     (``parallel/group_cache.py``)."""
-    def make() -> dict[tuple[int, int], dist.ProcessGroup]:
-        return {(dp, tp): dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp)) for pp in (0, dims.pp - 1)])
-                for dp in range(dims.dp) for tp in range(dims.tp)}
+    def make() -> dict[tuple[int, int, int], dist.ProcessGroup]:
+        return {(dp, cp, tp): dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp, cp=cp))
+                                              for pp in (0, dims.pp - 1)])
+                for dp in range(dims.dp) for cp in range(dims.cp) for tp in range(dims.tp)}
 
-    pairs = once_per_world(("embedding pairs", dims.pp, dims.dp, dims.tp), make)
-    return pairs[(coords.dp, coords.tp)]
+    pairs = once_per_world(("embedding pairs", dims.pp, dims.dp, dims.cp, dims.tp), make)
+    return pairs[(coords.dp, coords.cp, coords.tp)]
 
 
 class TiedGradients:

@@ -10,8 +10,9 @@ from lightning_3d.parallel.config import ParallelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """A way to run one optimizer step: ``dp * tp * pp`` ranks, each data-parallel replica taking
-    ``num_microbatches`` micro-batches of ``micro_batch_size`` sequences.
+    """A way to run one optimizer step: ``dp * cp * tp * pp`` ranks, each data-parallel replica taking
+    ``num_microbatches`` micro-batches of ``micro_batch_size`` sequences, each sequence split over ``cp``
+    ranks through the blocks.
 
     Construction validates the settings as :class:`~lightning_3d.parallel.config.ParallelConfig` does (same
     errors), so a plan never names a layout the strategy would refuse.
@@ -24,6 +25,8 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context parallel: the ranks each sequence's blocks run on, a part each (``context_parallel_size``)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch (b)."""
     num_microbatches: int = 1
@@ -49,18 +52,23 @@ class Layout:
                                f" ({self.num_microbatches}) must be positive.")
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights, over which gradients are averaged: dp x cp."""
+        return self.dp * self.cp
+
+    @property
     def shard(self) -> int:
-        """The dp ranks ZeRO shards over: ``dp_shard``, or all of dp."""
-        return self.dp_shard or self.dp
+        """The ranks ZeRO shards over: ``dp_shard``, or all of dp x cp."""
+        return self.dp_shard or self.dp_cp
 
     @property
     def replicas(self) -> int:
         """Copies of the ZeRO-sharded model across dp (HSDP); 1 without HSDP."""
-        return self.dp // self.shard
+        return self.dp_cp // self.shard
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def global_batch_size(self) -> int:
@@ -71,6 +79,7 @@ class Layout:
         pipelined = self.pp > 1
         return ParallelConfig(
             tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp, data_parallel_size=self.dp,
+            context_parallel_size=self.cp,
             pipeline_schedule=self.schedule if pipelined else "1f1b",
             num_microbatches=self.num_microbatches if pipelined else None,
             virtual_pipeline_size=self.virtual_stages, sequence_parallel=self.sequence_parallel,
@@ -80,9 +89,9 @@ class Layout:
 
     def describe(self) -> str:
         """A short name: ``dp2 tp2 pp2 1f1b m8 b2 sp z1 ac=selective``; under HSDP ``dp8(2x4)`` (replicas x
-        shards)."""
+        shards); with context parallelism ``cp4`` after dp."""
         hsdp = f"({self.replicas}x{self.shard})" if self.replicas > 1 else ""
-        parts = [f"dp{self.dp}{hsdp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts = [f"dp{self.dp}{hsdp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}", f"pp{self.pp}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
         parts += [f"m{self.num_microbatches}", f"b{self.micro_batch_size}"]

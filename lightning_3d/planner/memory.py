@@ -157,7 +157,7 @@ def step_gradient_bytes(model: ModelSpec, layout: Layout, precision: Precision, 
     ``pipeline_reduce_grads="per_microbatch"`` the shards plus the root unit's and one block's whole."""
     params = rank_parameters(model, layout, pp_rank)
     whole = params * precision.grad_bytes
-    if layout.zero_stage == 0 or layout.dp == 1 or layout.pp == 1:
+    if layout.zero_stage == 0 or layout.dp_cp == 1 or layout.pp == 1:
         return whole / (layout.shard if layout.zero_stage else 1)
     if layout.pipeline_reduce_grads == "per_step":
         return whole
@@ -170,15 +170,19 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
                            gathered_region_inputs: bool = True) -> float:
     """Bytes one block saves for backward per micro-batch on one tp rank (Korthikanti et al. 2022, section
     4.1, counted tensor by tensor; for a measured model, as measured). ``gathered_region_inputs``: with sequence parallelism, whether the
-    all-gathered norm outputs are saved whole (lightning-3d, DTensor) or as shards (Megatron-LM)."""
-    b, s, h, t = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp
-    tokens = b * s
+    all-gathered norm outputs are saved whole (lightning-3d, DTensor) or as shards (Megatron-LM).
+
+    Under context parallelism the block runs on s / cp of each sequence's tokens, and its attention, which
+    gathers every cp rank's keys and values, is recomputed in backward: it saves its q, k, v (this rank's
+    part) and its output, never the gathered keys and values nor scores."""
+    b, s, h, t, cp = layout.micro_batch_size, model.seq_length, model.hidden_size, layout.tp, layout.cp
+    tokens = b * s // cp
     e, r = precision.activation_bytes, precision.residual_bytes
     seq_split = t if layout.sequence_parallel else 1
     if checkpointed:
         return tokens * h * r / seq_split  # the block's input, from which backward recomputes the rest
-    if model.measured is not None:  # as measured, in the run's precision (MeasuredCosts)
-        return model.measured.block_bytes(b, t)
+    if model.measured is not None:  # as measured, in the run's precision (MeasuredCosts), per token under cp
+        return model.measured.block_bytes(b, t) / cp
     mask = 1 if model.dropout > 0 else 0  # bytes per element of a dropout mask
     stats = FP32 * (2 if model.norm == "layernorm" else 1)  # mean and 1/std (or 1/rms) per token
     # Between the tensor-parallel regions: two norm inputs (residual stream), their statistics (and outputs,
@@ -191,7 +195,9 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     region_inputs = (copies + 1) * tokens * h * e / (t if layout.sequence_parallel and not gathered_region_inputs else 1)
     attention = tokens * (h + 2 * model.kv_size) * e / t  # q, k, v
     heads = model.num_heads / t
-    if model.flash_attention:
+    if cp > 1:
+        attention += tokens * h * e / t  # o's input (the attention's own tensors: recomputed)
+    elif model.flash_attention:
         attention += tokens * h * e / t + tokens * heads * FP32  # output (o's input), log-sum-exp
     else:
         scores = b * heads * s * s
@@ -212,7 +218,7 @@ def fsdp_casts_parameters(layout: Layout, precision: Precision) -> bool:
     (``lightning_3d.parallel.precision``), so the gathered weights are bf16, the matmuls save them as they are
     and autocast, finding them in its dtype, copies none."""
     zero = zero_stage_that_runs(layout.zero_stage, layout.pp > 1)[0]
-    return _autocast(precision) and zero > 0 and layout.dp > 1
+    return _autocast(precision) and zero > 0 and layout.dp_cp > 1
 
 
 def gathered_param_bytes(layout: Layout, precision: Precision) -> int:
@@ -254,6 +260,9 @@ def chunk_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
     chunks = []
     for stage in stage_ids_of(pp_rank, layout.pp, layout.virtual_stages):
         total = sum(block_activation_bytes(model, layout, precision, checkpointed=i in ckpt) for i in stages[stage])
+        if stage == 0 and 0 in ckpt and layout.cp > 1:
+            # The first block's checkpoint keeps its input as it came, before the cut: the whole sequence.
+            total += b * s * h * precision.residual_bytes / seq_split * (1 - 1 / layout.cp)
         if model.measured is not None:
             total += (b * model.measured.first_stage_bytes_per_sequence if stage == 0 else 0.0)
             total += (b * model.measured.last_stage_bytes_per_sequence + loss_activation_bytes(model, layout)

@@ -82,6 +82,7 @@ class LayoutPlan:
 
 
 STEP_TERMS = {"compute": "compute", "tp_communication": "tensor-parallel communication",
+              "cp_communication": "context-parallel communication",
               "pp_bubble": "pipeline bubble", "pp_communication": "pipeline sends",
               "dp_communication": "exposed data-parallel communication", "optimizer": "optimizer step"}
 """The parts of ``StepTime.total``, as a sentence names them."""
@@ -107,8 +108,8 @@ def why_best(candidates: Sequence[Candidate]) -> str:
     return line
 
 
-def _split(candidate: Candidate) -> tuple[int, int, int]:
-    return candidate.layout.dp, candidate.layout.tp, candidate.layout.pp
+def _split(candidate: Candidate) -> tuple[int, int, int, int]:
+    return candidate.layout.dp, candidate.layout.cp, candidate.layout.tp, candidate.layout.pp
 
 
 def _against(winner: Candidate, other: Candidate) -> str:
@@ -128,7 +129,7 @@ def _against(winner: Candidate, other: Candidate) -> str:
 
 
 COLUMNS = ("#", "layout", "params", "grads", "optim", "activ", "gather", "total GiB", "step s", "compute", "tp",
-           "bubble", "p2p", "dp", "tokens/s", "MFU")
+           "cp", "bubble", "p2p", "dp", "tokens/s", "MFU")
 
 
 def format_table(plan: LayoutPlan, top: int = 10) -> str:
@@ -139,7 +140,7 @@ def format_table(plan: LayoutPlan, top: int = 10) -> str:
         m, t = c.memory, c.time
         rows.append((str(i), c.layout.describe(), *(f"{v / GIB:.2f}" for v in
                      (m.parameters, m.gradients, m.optimizer_state, m.activations, m.gathered, m.total)),
-                     *(f"{v:.3g}" for v in (t.total, t.compute, t.tp_communication, t.pp_bubble,
+                     *(f"{v:.3g}" for v in (t.total, t.compute, t.tp_communication, t.cp_communication, t.pp_bubble,
                                            t.pp_communication, t.dp_communication)),
                      f"{c.tokens_per_second:,.0f}", "-" if c.mfu is None else f"{c.mfu:.1%}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -169,6 +170,8 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate, compile: bool = False) -> st
     }
     if layout.replicas > 1:  # HSDP
         strategy["data_parallel_shard_size"] = layout.shard
+    if layout.cp > 1:
+        strategy["context_parallel_size"] = layout.cp
     if compile:
         strategy["compile"] = True
     if pipelined:
@@ -184,7 +187,8 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate, compile: bool = False) -> st
         f" (parameters {m.parameters / GIB:.1f},"
         f" gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer_state / GIB:.1f},",
         f"# activations {m.activations / GIB:.1f}, gathered {m.gathered / GIB:.1f}); step {t.total:.3g} s"
-        f" (compute {t.compute:.3g}, tp {t.tp_communication:.3g}, bubble {t.pp_bubble:.3g},"
+        f" (compute {t.compute:.3g}, tp {t.tp_communication:.3g},"
+        + (f" cp {t.cp_communication:.3g}," if layout.cp > 1 else "") + f" bubble {t.pp_bubble:.3g},"
         f" dp {t.dp_communication:.3g}),",
         f"# {candidate.tokens_per_second:,.0f} tokens/s"
         + ("" if candidate.mfu is None else f", MFU {candidate.mfu:.1%}") + ". See docs/planner.md.",

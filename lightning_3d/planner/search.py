@@ -19,6 +19,11 @@ from lightning_3d.planner.time import estimate_step_time
 MAX_MICRO_BATCH_SIZE = 16
 """Largest micro-batch (sequences) the search tries; beyond it a step gains little and memory grows."""
 
+CP_MIN_TOKENS = 4096
+"""Context parallelism is tried only where each rank keeps at least this many tokens of a sequence: on
+shorter parts the keys' and values' all-gather per block costs more than the activations it saves are worth
+(Llama 3 split 128k-token sequences over 16 ranks: 8k each)."""
+
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, precision: Precision, *,
              calibration: Calibration | None = None, accumulate: int = 1) -> Candidate:
@@ -92,9 +97,10 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
                       schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0, 2, 3),
                       recompute=(None, "selective", "full"), fixed: Mapping[str, Any] | None = None):
     """The layouts the strategy would accept: tp within a node and dividing heads, kv heads and the
-    vocabulary; pp at most the layer count; dp dividing the batch; SP whenever tp > 1 (same communication,
-    less memory); schedules, ZeRO stages and recompute modes as given, under ZeRO also HSDP where dp crosses
-    nodes (:func:`_hsdp_shards`); ``fixed`` fields at their value."""
+    vocabulary; cp (context parallel) where each rank keeps at least ``CP_MIN_TOKENS`` of a sequence cut
+    into 2 cp chunks; pp at most the layer count; dp dividing the batch; SP whenever tp > 1 (same
+    communication, less memory); schedules, ZeRO stages and recompute modes as given, under ZeRO also HSDP
+    where dp crosses nodes (:func:`_hsdp_shards`, not with cp); ``fixed`` fields at their value."""
     fixed = fixed or {}
 
     def options(name: str, choices) -> list:
@@ -103,9 +109,10 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
     for tp in options("tp", divisors(world_size)):
         if world_size % tp or tp > gpus_per_node or not model.splits_over(tp):
             continue
-        for pp in options("pp", divisors(world_size // tp)):
-            dp = world_size // (tp * pp)
-            if (world_size % (tp * pp) or pp > model.num_layers or global_batch_size % dp
+        for cp, pp in [(cp, pp) for cp in options("cp", _context_parallel_sizes(model, world_size // tp))
+                       for pp in options("pp", divisors(world_size // tp))]:
+            dp = world_size // (tp * cp * pp)
+            if (world_size % (tp * cp * pp) or pp > model.num_layers or global_batch_size % dp
                     or fixed.get("dp", dp) != dp):
                 continue
             per_replica = global_batch_size // dp
@@ -113,20 +120,30 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
                 if per_replica % b or fixed.get("num_microbatches", per_replica // b) != per_replica // b:
                     continue
                 for schedule, virtual in _schedules(pp, model.num_layers, schedules, fixed):
-                    for zero in options("zero_stage", zero_stages if dp > 1 else (0,)):
-                        for shard in options("dp_shard", _hsdp_shards(dp, tp, gpus_per_node) if zero else (0,)):
+                    for zero in options("zero_stage", zero_stages if dp * cp > 1 else (0,)):
+                        hsdp = _hsdp_shards(dp, tp, gpus_per_node) if zero and cp == 1 else (0,)
+                        for shard in options("dp_shard", hsdp):
                             for mode in options("recompute", recompute):
                                 if mode and model.dropout > 0 and tp > 1:
                                     continue  # refused by lightning-3d: the recompute would redraw dropout masks
-                                sp = fixed.get("sequence_parallel", tp > 1 and model.seq_length % tp == 0)
+                                sp = fixed.get("sequence_parallel", tp > 1 and model.seq_length // cp % tp == 0)
                                 try:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=b,
+                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=b,
                                                  num_microbatches=per_replica // b, schedule=schedule,
                                                  virtual_stages=virtual, zero_stage=zero, recompute=mode,
                                                  sequence_parallel=sp, dp_shard=shard, pipeline_reduce_grads=fixed.get(
                                                      "pipeline_reduce_grads", "per_step"))
                                 except ParallelConfigError:
                                     continue  # e.g. fewer micro-batches than stages under 1F1B
+
+
+def _context_parallel_sizes(model: ModelSpec, ranks: int) -> list[int]:
+    """1, and the cp sizes of ``ranks`` that cut the sequence into 2 cp equal chunks leaving each rank at least
+    ``CP_MIN_TOKENS`` tokens."""
+    s = model.seq_length
+    if model.dropout > 0:  # refused by lightning-3d: attention dropout under context parallelism
+        return [1]
+    return [1] + [cp for cp in divisors(ranks) if cp > 1 and s % (2 * cp) == 0 and s // cp >= CP_MIN_TOKENS]
 
 
 def _schedules(pp: int, layers: int, allowed, fixed) -> list[tuple[str, int]]:

@@ -14,7 +14,11 @@ Time on one GPU, per micro-batch, for the blocks and head its pipeline rank hold
     of b s h activations in forward, 2 in backward, 2 more for a recomputed forward; ring all-reduce moves
     2 (t - 1) / t of the message per GPU;
   * pipeline: one activation sent and one gradient sent per micro-batch and model chunk (v per rank), and
-    with a calibration the schedule's own work per micro-batch and chunk (counted with the sends).
+    with a calibration the schedule's own work per micro-batch and chunk (counted with the sends);
+  * context parallel (cp ranks per sequence): the blocks compute on s / cp tokens (their queries attend to all
+    s keys), the embeddings and head on all s, on every cp rank; per block the keys and values of every cp
+    rank are all-gathered in forward and again in backward's recompute, and their gradients reduce-scattered,
+    none of it overlapped; the last block's output is all-gathered, and the first block's input gradient.
 A step is (m + (p - 1) / v) micro-batch times of the slowest rank: the bubble is (p - 1) / (v m) of the
 ideal time (Narayanan et al. 2021, section 2.2); the zero-bubble schedule is taken to leave a third of it
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": ZB-H1). Data-parallel gradient reduction (all-reduce,
@@ -82,6 +86,7 @@ class StepTime:
 
     compute: float
     tp_communication: float
+    cp_communication: float
     pp_bubble: float
     pp_communication: float
     dp_communication: float
@@ -94,8 +99,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_communication + self.pp_bubble + self.pp_communication
-                + self.dp_communication + self.optimizer)
+        return (self.compute + self.tp_communication + self.cp_communication + self.pp_bubble
+                + self.pp_communication + self.dp_communication + self.optimizer)
 
     def accumulated(self, batches: int, *, data_parallel_once: bool = True) -> "StepTime":
         """An optimizer step over ``batches`` batches, as Lightning's ``accumulate_grad_batches`` runs it: each
@@ -106,7 +111,7 @@ class StepTime:
         if batches == 1:
             return self
         return replace(self, compute=batches * self.compute, tp_communication=batches * self.tp_communication,
-                       pp_bubble=batches * self.pp_bubble, pp_communication=batches * self.pp_communication,
+                       cp_communication=batches * self.cp_communication, pp_bubble=batches * self.pp_bubble, pp_communication=batches * self.pp_communication,
                        dp_communication=(1 if data_parallel_once else batches) * self.dp_communication,
                        model_flops=batches * self.model_flops, hardware_flops=batches * self.hardware_flops)
 
@@ -150,12 +155,14 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     ``dp_reduce_bytes``: bytes per gradient element on the wire (default the precision's gradient bytes;
     Megatron-LM reduces its fp32 main gradients: 4). ``calibration``: measured
     speeds to use instead of the cluster's datasheet figures (needed when the cluster has no peak)."""
-    t, p, d, m, v = layout.tp, layout.pp, layout.dp, layout.num_microbatches, layout.virtual_stages
+    t, p, m, v, cp = layout.tp, layout.pp, layout.num_microbatches, layout.virtual_stages, layout.cp
+    d = layout.dp_cp  # the ranks that average gradients: dp x cp
     tokens = layout.micro_batch_size * model.seq_length
     speeds = _Speeds(model, layout, cluster, precision, calibration)
     dp_overlap = dp_overlap and (calibration is None or calibration.communication_overlaps_compute)
     ckpt = checkpointed_blocks(model, layout)
     message = tokens * model.hidden_size * precision.activation_bytes  # one b s h activation
+    part = message / cp  # the same, of the blocks' part of each sequence (all of it without cp)
     sp = layout.sequence_parallel
     zero = zero_stage_that_runs(layout.zero_stage, p > 1)[0]  # what lightning-3d runs (1 as 2; 3 as 2 under pp)
     fsdp = d > 1 and (p > 1 or t > 1 or zero > 0)  # FSDP2 per block; else DistributedDataParallel or none
@@ -165,12 +172,19 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
                  if calibration is not None and zero and t == 1 and p == 1 and m == 1 and d > 1
                  and layout.replicas == 1 else None)
 
-    def tp_collectives(regions: int) -> float:
+    def tp_collectives(regions: int, nbytes: float) -> float:
         # A region's all-reduce is, with SP, a reduce-scatter and an all-gather: the same bytes, two calls.
         if sp:
-            return regions * (speeds.collective("tp", "reduce_scatter", message, t)
-                              + speeds.collective("tp", "all_gather", message, t))
-        return regions * speeds.collective("tp", "all_reduce", message, t)
+            return regions * (speeds.collective("tp", "reduce_scatter", nbytes, t)
+                              + speeds.collective("tp", "all_gather", nbytes, t))
+        return regions * speeds.collective("tp", "all_reduce", nbytes, t)
+
+    # Context parallel, per block: keys and values gathered in forward and in the recompute, their gradients
+    # reduce-scattered; at the ends of the blocks the stream (of this tp rank, under SP) gathered once.
+    kv = tokens * model.kv_size / t * precision.activation_bytes
+    cp_block = 2 * (2 * speeds.collective("cp", "all_gather", kv, cp) + speeds.collective("cp", "reduce_scatter", kv, cp))
+    cp_end = speeds.collective("cp", "all_gather", tokens * model.hidden_size * precision.residual_bytes
+                               / (t if sp else 1), cp)
 
     per_rank = []  # (compute, tp comm, backward compute) of one micro-batch, per pipeline rank
     first_stage = stage_blocks(model, layout)[0]
@@ -185,19 +199,20 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         head_timed = rank == p - 1 and speeds.tp_head_extra is not None  # its collectives in its measured time
         ends = (rank == 0) + (rank == p - 1 and not head_timed)  # the embedding's and the head's regions
         if speeds.tp_block_extra is None:
-            tp_time = tp_collectives(4 * len(blocks) + 2 * recomputed + ends)
+            tp_time = tp_collectives(4 * len(blocks) + 2 * recomputed, part) + tp_collectives(ends, message)
         else:  # the blocks' collectives are in their measured time; a recompute repeats a forward's third
-            tp_time = (len(blocks) + recomputed / 3) * speeds.tp_block_extra + tp_collectives(ends)
+            tp_time = (len(blocks) + recomputed / 3) * speeds.tp_block_extra + tp_collectives(ends, message)
         if head_timed:
             tp_time += speeds.tp_head_extra
-        per_rank.append((compute, tp_time, compute * 2 / 3))
-    slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1])
-    compute, tp_comm, backward = per_rank[slowest]
+        cp_time = (len(blocks) * cp_block + ((rank == 0) + (rank == p - 1)) * cp_end) if cp > 1 else 0.0
+        per_rank.append((compute, tp_time, compute * 2 / 3, cp_time))
+    slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1] + per_rank[r][3])
+    compute, tp_comm, backward, cp_comm = per_rank[slowest]
     # Each of a rank's v model chunks receives its input and sends its output once per micro-batch, forward
     # and backward: interleaving multiplies the point-to-point traffic by v (Narayanan et al. 2021, 2.2.2).
-    send = 2 * v * speeds.collective("pp", "send", message / (t if sp else 1), p)
+    send = 2 * v * speeds.collective("pp", "send", part / (t if sp else 1), p)
     send += v * speeds.pipeline_microbatch if p > 1 else 0.0  # the schedule's own work per chunk and micro-batch
-    microbatch = compute + tp_comm + send
+    microbatch = compute + tp_comm + cp_comm + send
     bubble_share = (ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 1.0) * (p - 1) / v
     bubble = bubble_share * microbatch
     cores = calibration.host_cores_per_rank if calibration is not None else None
@@ -210,6 +225,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         host_cores = cores * cluster.gpus_per_node
         compute = sum(parts[0] for parts in per_rank) / p
         tp_comm = sum(parts[1] for parts in per_rank) / p
+        cp_comm = sum(parts[3] for parts in per_rank) / p
         bubble = (1 - 1 / max(host_cores, 1.0)) * (m + bubble_share) * microbatch * cores
 
     # Data parallel: gradients reduced once per step (all-reduce; reduce-scatter + all-gather of the new
@@ -270,7 +286,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     if t > 1 or fsdp:  # DTensor parameters (DDP's, and a lone pipeline stage's, are plain)
         optimizer += units * speeds.dtensor_optimizer_per_unit(1 / (t * (layout.shard if zero else 1)))
     return StepTime(
-        compute=m * compute, tp_communication=m * tp_comm, pp_bubble=bubble,
+        compute=m * compute, tp_communication=m * tp_comm, cp_communication=m * cp_comm, pp_bubble=bubble,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
         model_flops=step_flops(model, layout.global_batch_size),
         hardware_flops=step_flops(model, layout.global_batch_size, layout.recompute))
@@ -284,6 +300,7 @@ class _Speeds:
                  calibration: Calibration | None) -> None:
         self.cluster, self.precision, self.calibration, self.layout = cluster, precision, calibration, layout
         t, tokens = layout.tp, layout.micro_batch_size * model.seq_length
+        part = tokens // layout.cp  # what the blocks run on; the head runs on every token
         self.tp_block_extra: float | None = None
         """Where the block was timed split over tp: what the split adds to the even split (its collectives, its
         overheads), per block and micro-batch."""
@@ -297,24 +314,24 @@ class _Speeds:
         """What FSDP2's wrapping adds to one forward + backward of a block (measured; 0 from datasheets, as
         :meth:`dtensor_optimizer_per_unit`)."""
         if calibration is not None:
-            self.block = calibration.block_seconds(layout.micro_batch_size) * tokens / t
+            self.block = calibration.block_seconds(layout.micro_batch_size) * part / t
             # a forward is a third of forward + backward (backward: 2 matmuls), unless measured
             share = calibration.recompute_share
             self.recompute = self.block * (1 / 3 if share is None else share)
-            self.zero_bubble_split = calibration.zero_bubble_split_seconds(layout.micro_batch_size) * tokens
+            self.zero_bubble_split = calibration.zero_bubble_split_seconds(layout.micro_batch_size) * part
             self.head = calibration.head_seconds_per_token * tokens / t
             split_head = calibration.tp_head_seconds(layout.micro_batch_size, t) if t > 1 else None
             if split_head is not None:
                 self.tp_head_extra = max(0.0, split_head * tokens - self.head)
             split = calibration.tp_block_seconds(layout.micro_batch_size, t) if t > 1 else None
             if split is not None:
-                self.tp_block_extra = max(0.0, split * tokens - self.block)
+                self.tp_block_extra = max(0.0, split * part - self.block)
             return
         if cluster.peak_tflops is None:
             raise PlannerError(f"The cluster has no peak ({cluster.device} ranks): give the planner a Calibration"
                                " (measured block time and link speeds) to estimate step times.")
         rate = cluster.peak_tflops * 1e12 * cluster.gemm_efficiency
-        forward = block_forward_flops(model, tokens) / t / rate
+        forward = block_forward_flops(model, part) / t / rate
         elementwise = ELEMENTWISE_PASSES * block_activation_bytes(model, layout, precision)
         self.block = 3 * forward + elementwise / (cluster.hbm_bandwidth_gbs * 1e9)
         self.recompute = forward
@@ -323,14 +340,17 @@ class _Speeds:
     def collective(self, dimension: str, collective: str, nbytes: float, ranks: int) -> float:
         """Seconds of one ``collective`` of an ``nbytes`` tensor over ``ranks`` ranks of ``dimension``'s group."""
         wire = wire_bytes(collective, nbytes, ranks)
-        if self.calibration is not None:  # HSDP's two groups: dp's measured links (not calibrated apart)
-            link = self.calibration.link("dp" if dimension.startswith("dp") else dimension, collective)
+        if self.calibration is not None:
+            # HSDP's two groups: dp's measured links (not calibrated apart); cp's group: tp's (the next ranks)
+            measured = "dp" if dimension.startswith("dp") else "tp" if dimension == "cp" else dimension
+            link = self.calibration.link(measured, collective)
             return link.seconds(wire, latency_steps(collective, ranks))
-        t, d = self.layout.tp, self.layout.dp
-        # Mesh order (pp, dp, tp): a tp group spans t consecutive ranks, a dp group t * d, and neighbouring
-        # pipeline stages lie t * d ranks apart; under HSDP a shard group spans t * shard ranks (shard fastest
-        # within dp), a replica group all of dp's.
-        span = {"tp": t, "dp": t * d, "pp": t * d + 1, "dp_shard": t * self.layout.shard, "dp_replicate": t * d}[dimension]
+        t, c, d = self.layout.tp, self.layout.cp, self.layout.dp
+        # Mesh order (pp, dp, cp, tp): a tp group spans t consecutive ranks, a cp group t * c, a dp group
+        # t * c * d, and neighbouring pipeline stages lie t * c * d ranks apart; under HSDP a shard group spans
+        # t * shard ranks (shard fastest within dp), a replica group all of dp's.
+        span = {"tp": t, "cp": t * c, "dp": t * c * d, "pp": t * c * d + 1, "dp_shard": t * self.layout.shard,
+                "dp_replicate": t * d}[dimension]
         return wire / self.cluster.bandwidth(span)
 
     def dtensor_optimizer_per_unit(self, local_share: float) -> float:

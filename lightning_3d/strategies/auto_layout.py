@@ -114,16 +114,17 @@ def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, 
     loader's ``batch_size`` sequences per step, as ``num_microbatches`` micro-batches under a pipeline (one
     batch without: Lightning's own accumulation stays the user's)."""
     auto = set(config.auto_fields)
+    cp = config.context_parallel_size  # fixed: the decision keeps the user's split of each sequence
 
     def options(name: str, choices) -> list:
         return list(choices) if name in auto else [getattr(config, name)]
 
     for tp in options("tensor_parallel_size", divisors(world_size)):
-        if tp > per_node or world_size % tp or not spec.splits_over(tp):
+        if tp > per_node or world_size % (tp * cp) or not spec.splits_over(tp):
             continue
-        for pp in options("pipeline_parallel_size", divisors(world_size // tp)):
-            dp = world_size // (tp * pp)
-            if pp > spec.num_layers or world_size % (tp * pp):
+        for pp in options("pipeline_parallel_size", divisors(world_size // (tp * cp))):
+            dp = world_size // (tp * cp * pp)
+            if pp > spec.num_layers or world_size % (tp * cp * pp):
                 continue
             if config.data_parallel_size != "auto" and dp != config.data_parallel_size:
                 continue
@@ -131,12 +132,12 @@ def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, 
             if shard != "auto" and dp % shard:
                 continue  # the run's HSDP shard groups must divide dp
             for schedule, virtual, m in _pipelines(pp, spec.num_layers, batch_size, config, auto):
-                for zero in options("zero_stage", (0, 2, 3) if dp > 1 else (0,)):
+                for zero in options("zero_stage", (0, 2, 3) if dp * cp > 1 else (0,)):
                     for recompute in options("activation_checkpointing", (None, "selective", "full")):
                         if recompute and spec.dropout > 0 and tp > 1:
                             continue  # refused by lightning-3d: recompute would redraw dropout masks
                         try:
-                            yield Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=batch_size // m, num_microbatches=m,
+                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=batch_size // m, num_microbatches=m,
                                          schedule=schedule, virtual_stages=virtual, zero_stage=zero,
                                          recompute=recompute, sequence_parallel=config.sequence_parallel and tp > 1,
                                          dp_shard=_hsdp_shard(config, dp))

@@ -38,8 +38,6 @@ EXPECTED = {
     "nccl_on_cpu": ("ParallelConfigError", ["process_group_backend='nccl' needs CUDA", "'gloo'"]),
     "unsupported_precision": ("ParallelConfigError", ["got '64-true'", "precision='bf16-mixed'"]),
     "manual_optimization_under_pipeline": ("ParallelConfigError", ["manual optimization", "pp=1"]),
-    "cp_with_pp": ("ParallelConfigError", ["context_parallel_size=2 with pipeline_parallel_size=2",
-                                           "does not split its micro-batches' sequences"]),
 }
 
 

@@ -24,6 +24,7 @@ MODEL = dict(n_layer=2, n_embd=32, n_head=4, block_size=16)
 L222 = dict(data_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2)
 HSDP = dict(data_parallel_size=4, data_parallel_shard_size=2, tensor_parallel_size=2, zero_stage=3)
 CP8 = dict(data_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2)  # (dp, cp, tp) = (2, 2, 2)
+CP_PP8 = dict(data_parallel_size=2, context_parallel_size=2, pipeline_parallel_size=2)  # (dp, cp, pp) = (2, 2, 2)
 TP2 = dict(tensor_parallel_size=2, policy="auto")
 PHI3_GQA = dict(module="hf", model=AUTO_TP_MODELS["phi3_gqa"], steps=6)
 
@@ -38,7 +39,7 @@ def runs(tmp_path_factory):
     The checkpoint is written with zero_stage=0; (4, 1, 2) reads it with ZeRO-2, (2, 1, 1) with ZeRO-3, HSDP
     (4 = 2 replicas x 2 shards, 1, 2) with ZeRO-3; and (2, 2, 2) reads one that HSDP wrote."""
     root = tmp_path_factory.mktemp("ckpt")
-    dropout, plain, hsdp, cp = root / "dropout", root / "plain", root / "hsdp", root / "cp"
+    dropout, plain, hsdp, cp, cp_pp = root / "dropout", root / "plain", root / "hsdp", root / "cp", root / "cp_pp"
     phi3_single, phi3_tp2 = root / "phi3_single", root / "phi3_tp2"
     big = dict(MODEL, dropout=0.1)
     results = launch_jobs(8, [
@@ -58,11 +59,14 @@ def runs(tmp_path_factory):
         # that one process reads.
         dict(name="to_cp", layout=dict(CP8, zero_stage=3), model=MODEL, steps=6, resume=_step3(plain)),
         dict(name="cp_through", layout=CP8, model=MODEL, steps=6, save_every=3, ckpt_dir=str(cp)),
+        # ... and (dp, cp, pp) = (2, 2, 2), whose pipeline stages send each rank's part of the sequence
+        dict(name="cp_pp_through", layout=CP_PP8, model=MODEL, steps=6, save_every=3, ckpt_dir=str(cp_pp)),
     ], root / "eight")
     results.update(launch_jobs(1, [
         dict(name="to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(plain)),
         dict(PHI3_GQA, name="phi3_gqa_single", layout={}, save_every=3, ckpt_dir=str(phi3_single)),
         dict(name="cp_to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(cp)),
+        dict(name="cp_pp_to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(cp_pp)),
     ], root / "one"))
     results.update(launch_jobs(2, [
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
@@ -91,12 +95,13 @@ def test_resume_on_the_same_layout_continues_exactly_as_if_never_stopped(runs):
 
 
 @pytest.mark.multiprocess
-def test_dp2_cp2_tp2_trains_as_one_process(runs):
+@pytest.mark.parametrize("run", ["cp_through", "cp_pp_through"])
+def test_dp2_cp2_tp2_and_dp2_cp2_pp2_train_as_one_process(runs, run):
     _, results = runs
     reference = reference_for(Case(name="reference", model=MODEL, steps=6))
-    assert max(abs(a - b) for a, b in zip(reference.losses, results["cp_through"]["losses"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(reference.losses, results[run]["losses"])) <= 1e-5
     for name, tensor in reference.params.items():
-        assert torch.allclose(results["cp_through"]["params"][name], tensor, atol=1e-5, rtol=0), name
+        assert torch.allclose(results[run]["params"][name], tensor, atol=1e-5, rtol=0), name
 
 
 @pytest.mark.multiprocess
@@ -107,7 +112,7 @@ def test_the_same_seed_and_layout_give_bit_identical_losses(runs):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("target", ["to_1_1_1", "to_2_1_1", "to_4_1_2", "to_1_2_4", "to_hsdp", "hsdp_to_2_2_2",
-                                    "to_cp", "cp_to_1_1_1"])
+                                    "to_cp", "cp_to_1_1_1", "cp_pp_to_1_1_1"])
 def test_a_checkpoint_of_2_2_2_reshards_to_another_layout_and_trains_on_as_one_process(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference", model=MODEL, steps=6))

@@ -1,7 +1,7 @@
 """Context parallelism matches one process, step by step: the reference GPT, nanoGPT as written (it calls
 ``F.scaled_dot_product_attention`` itself and adds learned positions) and a transformers Llama (rotary tables
 passed to every block, grouped-query attention through its "sdpa" interface, with a padding mask too), at cp2 and cp4, and composed
-with tensor (and sequence) parallelism, data parallelism and ZeRO-3.
+with tensor (and sequence) parallelism, pipeline parallelism (1F1B and interleaved), data parallelism and ZeRO-3.
 
 One launch per world size runs every case of that size."""
 
@@ -40,6 +40,14 @@ WORLD_4 = [
     cp_case("dp2_cp2", 2, dp=2),
     cp_case("dp2_cp2_zero3", 2, dp=2, zero_stage=3),
     cp_case("cp2_zero3_nanogpt", 2, dp=2, zero_stage=3, module="user_nanogpt", model=NANOGPT),
+    # Under a pipeline each stage's blocks run on the rank's part; the part travels between stages.
+    cp_case("cp2_pp2", 2, pipeline_parallel_size=2, num_microbatches=2),
+    cp_case("cp2_pp2_interleaved", 2, model=dict(n_layer=4, n_embd=32, n_head=4, block_size=16),
+            pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2,
+            num_microbatches=4),
+    cp_case("cp2_pp2_nanogpt", 2, module="user_nanogpt", model=NANOGPT, pipeline_parallel_size=2,
+            num_microbatches=2),
+    cp_case("cp2_pp2_llama", 2, module="hf", model=LLAMA_SDPA, pipeline_parallel_size=2, num_microbatches=2),
 ]
 CASES = {c.name: c for c in WORLD_2 + WORLD_4}
 

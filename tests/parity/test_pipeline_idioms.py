@@ -4,8 +4,8 @@ scheduler, ModelCheckpoint / EarlyStopping / LearningRateMonitor, clipping, accu
 inside an accumulation window, a last validation batch of another size) ends with one process's
 ``trainer.callback_metrics`` at pp=2 and dp2 x pp2 on every pipeline route (``idioms.ROUTES``: the reference
 GPT and its policy, a user's policy naming ``pipeline_root``, nanoGPT as written, transformers' Llama), and
-at tp=2 on the routes with a tensor-parallel plan, at cp=2 on the routes whose attention context parallelism
-takes; its accuracies match one process step by step. Steps the
+at tp=2 on the routes with a tensor-parallel plan, at cp=2 and cp2 x pp2 on the routes whose attention context
+parallelism takes; its accuracies match one process step by step. Steps the
 pipeline cannot run fail at step 1, on every rank, naming the pattern. One launch per world size."""
 
 import json
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.multiprocess
 CASES = [(layout, route) for layout in LAYOUTS for route in routes_of(layout)]
 LAUNCHES = {2: [f"conformance_{layout}_{route}" for layout in ("pp2", "tp2", "cp2") for route in routes_of(layout)]
             + ["model_called_twice", "collective_in_step"],
-            4: [f"conformance_dp2_pp2_{route}" for route in ROUTES]}
+            4: [f"conformance_dp2_pp2_{route}" for route in ROUTES]
+            + [f"conformance_cp2_pp2_{route}" for route in routes_of("cp2_pp2")]}
 
 
 @pytest.fixture(scope="module")

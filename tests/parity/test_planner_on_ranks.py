@@ -1,5 +1,6 @@
 """The planner's memory model against what our own runs hold on 4 gloo ranks (helpers/workers/planner_worker.py):
-parameters, gradients, optimizer state and saved activations per rank, at seven (dp, pp, tp) layouts, within 5%."""
+parameters, gradients, optimizer state and saved activations per rank, at twelve layouts (dp, pp, tp; cp), within
+5%."""
 
 import json
 
@@ -12,7 +13,7 @@ CONFIG = dict(n_layer=4, n_embd=64, n_head=4, block_size=32)
 FP32 = PRECISIONS["32-true"]
 
 
-# (dp, pp, tp) layouts of the reference GPT run on 4 gloo ranks; batch_size is per data-parallel replica.
+# Layouts of the reference GPT run on 4 gloo ranks; batch_size is per data-parallel replica.
 MEASURED = [
     dict(name="dp2_tp2_sp_zero2", batch_size=4,
          strategy=dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=2)),
@@ -39,6 +40,13 @@ MEASURED = [
     dict(name="dp2_pp2_interleaved_v2", batch_size=4,
          strategy=dict(data_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b",
                        virtual_pipeline_size=2, num_microbatches=2)),
+    # Context parallel: the blocks' activations of this rank's part of each sequence, ZeRO over dp x cp.
+    dict(name="dp2_cp2_zero2", batch_size=4, strategy=dict(data_parallel_size=2, context_parallel_size=2, zero_stage=2)),
+    dict(name="cp2_tp2_sp", batch_size=4, strategy=dict(context_parallel_size=2, tensor_parallel_size=2,
+                                                        sequence_parallel=True)),
+    dict(name="cp2_pp2_1f1b", batch_size=8, strategy=dict(context_parallel_size=2, pipeline_parallel_size=2,
+                                                          num_microbatches=4)),
+    dict(name="cp4_full", batch_size=4, strategy=dict(context_parallel_size=4, activation_checkpointing="full")),
 ]
 
 
@@ -46,6 +54,7 @@ def layout_of(case) -> Layout:
     k = case["strategy"]
     pp, m = k.get("pipeline_parallel_size", 1), k.get("num_microbatches", 1)
     return Layout(dp=k.get("data_parallel_size", 1), tp=k.get("tensor_parallel_size", 1), pp=pp,
+                  cp=k.get("context_parallel_size", 1),
                   num_microbatches=m, micro_batch_size=case["batch_size"] // m,
                   schedule=k.get("pipeline_schedule", "1f1b"), virtual_stages=k.get("virtual_pipeline_size", 1),
                   sequence_parallel=k.get("sequence_parallel", False),

@@ -40,6 +40,17 @@ def test_layout_auto_leaves_to_the_decision_only_what_the_user_did_not_set():
     assert ParallelConfig(zero_stage="auto").auto_fields == ("zero_stage",)
 
 
+def test_a_fixed_context_parallel_size_is_kept_and_the_decision_weighs_it():
+    config = ParallelConfig(layout="auto", context_parallel_size=2)
+    layouts = list(candidate_layouts(SPEC, config, 8, 8, 8))
+    assert layouts and all(layout.cp == 2 and layout.dp * layout.tp * layout.pp == 4 for layout in layouts)
+    assert {layout.pp for layout in layouts} == {1, 2, 4} and {layout.zero_stage for layout in layouts} == {0, 2, 3}
+    best = choose(config)[0]
+    assert best.layout.cp == 2 and best.time.cp_communication > 0
+    decided = config.decided(**values_of(best.layout, config))
+    assert (decided.context_parallel_size, decided.tensor_parallel_size) == (2, best.layout.tp)
+
+
 def test_a_decided_config_is_checked_as_any_config():
     config = ParallelConfig(layout="auto")
     with pytest.raises(ParallelConfigError, match="needs at least one micro-batch per stage"):

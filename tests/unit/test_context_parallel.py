@@ -46,6 +46,13 @@ def test_cp_sits_between_dp_and_tp():
     assert str(dims) == "dp=2 x pp=1 x cp=2 x tp=2 = 8 ranks"
 
 
+def test_cp_composes_with_pp_inside_each_stage():
+    dims = ParallelDims.from_config(ParallelConfig(pipeline_parallel_size=2, context_parallel_size=2), world_size=8)
+    assert (dims.dp, dims.pp, dims.cp, dims.tp, dims.replicas) == (2, 2, 2, 1, 4)
+    assert dims.group_ranks("cp", 0) == [0, 1]
+    assert dims.group_ranks("pp", 0) == [0, 4]
+
+
 def test_without_cp_the_layout_is_unchanged():
     dims = ParallelDims.from_config(ParallelConfig(tensor_parallel_size=2), world_size=8)
     assert (dims.shape, dims.replicas, dims.coords(5)) == ((1, 4, 2), 4, (2, 0, 1, 0))
@@ -57,13 +64,7 @@ def test_a_world_that_cp_does_not_divide_is_refused():
 
 
 def test_what_cp_does_not_combine_with_yet_is_refused_before_launch():
-    with pytest.raises(ParallelConfigError, match="pipeline engine does not split"):
-        ParallelConfig(context_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(ParallelConfigError, match="HSDP"):
         ParallelDims(dp=4, pp=1, tp=1, cp=2, dp_shard=2)
     with pytest.raises(ParallelConfigError, match="positive integer"):
         ParallelConfig(context_parallel_size=0)
-    with pytest.raises(ParallelConfigError, match="does not model context parallelism"):
-        ParallelConfig(context_parallel_size=2, layout="auto")
-    with pytest.raises(ParallelConfigError, match="zero_stage left to"):
-        ParallelConfig(context_parallel_size=2, zero_stage="auto")

@@ -212,10 +212,11 @@ def test_llama3_405b_without_recompute_fits_no_accounting_the_planner_knows_and_
         if held == "per_step":
             assert need > cluster.memory_gib * GIB
     # 3. So the published layout is not among the candidates, and the planner's best recomputes: by its
-    #    estimate 1.1-1.35x the published layout's step time (MFU 38 % and 31 % against the run's 43 % and 41 %).
+    #    estimate 1.08-1.35x the published layout's step time (on 16K GPUs it splits each sequence over 2
+    #    context-parallel ranks, which halves the blocks' activations of a sequence).
     assert layout not in [c.layout for c in result.candidates]
     assert result.best.layout.recompute is not None
-    assert 1 + WITHIN < result.best.time.total / published.time.total < 1.35
+    assert 1 < result.best.time.total / published.time.total < 1.35
 
 
 LLAMA3_405B_TABLE_4 = [(8192, 430), (16384, 400)]

@@ -226,8 +226,6 @@ CASES = {
                                                                  policy=ForgetsTheHeadCount()),
                                                   HeadsModel(config=TINY), SyntheticDataModule(seq_len=16, batch_size=4)),
     "float_token_ids": lambda: (ThreeDStrategy(), GPTLightningModule(config=TINY), FloatTokens()),
-    "cp_with_pp": lambda: (ThreeDStrategy(context_parallel_size=2, pipeline_parallel_size=2),
-                           GPTLightningModule(config=TINY)),
     "cp_sequence_not_divisible": lambda: (ThreeDStrategy(context_parallel_size=2), GPTLightningModule(config=TINY),
                                           SyntheticDataModule(seq_len=14, batch_size=2)),
     "cp_hand_written_attention": lambda: (ThreeDStrategy(context_parallel_size=2), SoftmaxAttentionModel(config=TINY)),

@@ -17,7 +17,8 @@ from helpers.launchers import end_process_group
 from lightning_3d import ThreeDStrategy
 
 LAYOUTS = {"pp2": dict(dp=1, pp=2, tp=1, mask_rate=0.15), "dp2_pp2": dict(dp=2, pp=2, tp=1, mask_rate=0.0),
-           "tp2": dict(dp=1, pp=1, tp=2, mask_rate=0.15), "cp2": dict(dp=1, pp=1, tp=1, cp=2, mask_rate=0.15)}
+           "tp2": dict(dp=1, pp=1, tp=2, mask_rate=0.15), "cp2": dict(dp=1, pp=1, tp=1, cp=2, mask_rate=0.15),
+           "cp2_pp2": dict(dp=1, pp=2, tp=1, cp=2, mask_rate=0.15)}
 """Layout -> its sizes and masking rate (a dp run draws other masks, as DDP does)."""
 TP_ROUTES = ["gpt", "as_written", "hf"]
 """The routes with a tensor-parallel plan: the gpt and llama policies (logits sharded over the vocabulary,
