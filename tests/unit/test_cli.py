@@ -249,3 +249,22 @@ def test_dry_run_of_hsdp_shows_replicas_and_shards_and_the_memory_of_a_shard_gro
             assert "HSDP: ZeRO over 2 dp ranks, 2 replicas" in out, out
     for hsdp, fsdp in zip(rows["2"], rows["auto"]):  # parameters, gradients, optimizer state (MiB)
         assert hsdp == pytest.approx(2 * fsdp, rel=0.1), rows
+
+
+def test_dry_run_of_context_parallel_shows_it_and_the_memory_of_a_part_of_each_sequence(no_process_starts, capsys):
+    """issue 56: context_parallel_size from the CLI; the stage lines name each pipeline rank's 4 ranks (dp x cp);
+    activations per rank fall with cp (the blocks' of a part of each sequence), the model states stay."""
+    rows = {}
+    for cp in ("2", "1"):
+        dp = "1" if cp == "2" else "2"
+        out, code, _ = _dry_run(f"--trainer.strategy.init_args.context_parallel_size={cp}",
+                                f"--trainer.strategy.init_args.data_parallel_size={dp}", "--dry_run", capsys=capsys)
+        assert code is None, code
+        rows[cp] = next([float(v) for v in line.split()[1:]] for line in out.splitlines()
+                        if line.strip().startswith("0-3 "))
+        if cp == "2":
+            assert "dp=1 x pp=2 x cp=2 x tp=2 = 8 ranks" in out, out
+            assert "context parallel: each sequence's blocks over 2 ranks, 4 load-balanced chunks" in out, out
+            assert "stage 1 on ranks 4-7:" in out, out
+    (params, grads, optimizer, activations, *_), whole = rows["2"], rows["1"]
+    assert (params, grads) == (whole[0], whole[1]) and activations < whole[3], rows
