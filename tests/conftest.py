@@ -45,19 +45,24 @@ def pytest_xdist_auto_num_workers(config):
     return max(2, min(4, len(os.sched_getaffinity(0))))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+@pytest.hookimpl(tryfirst=True)  # before xdist's own scope schedule
+def pytest_xdist_make_scheduler(config, log):
+    """Each test file whole on one worker, with the exceptions of helpers/xdist_groups.py."""
+    if config.getvalue("dist") == "loadscope":
+        from helpers.xdist_groups import scheduler
+
+        return scheduler(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``) each test file runs whole on one worker, unless its tests name
-    their groups: a module's fixture launches the ranks of all its tests once. The files sharing the Hugging Face launch (``shared_runs``) run
-    on one worker together, and files marked ``long_launch`` are handed out first, so that the workers end
-    at about the same time."""
-    late = set()
-    for item in items:
-        shared = "shared_runs" in item.fixturenames
-        if item.get_closest_marker("xdist_group") is None:  # (a test may name its group: the census' halves)
-            item.add_marker(pytest.mark.xdist_group("shared_runs" if shared else item.path.relative_to(TESTS_DIR).as_posix()))
-        if not shared and item.get_closest_marker("long_launch") is None:
-            late.add(item.nodeid)
+    """Files marked ``long_launch``, and those sharing the Hugging Face launch, come first: the workers take
+    them first (helpers/xdist_groups.py) and end at about the same time."""
+    from helpers.xdist_groups import check_shared_runs
+
+    check_shared_runs(items)
+    late = {item.nodeid for item in items
+            if "shared_runs" not in item.fixturenames and item.get_closest_marker("long_launch") is None}
     items.sort(key=lambda item: item.nodeid in late)  # stable: the files keep their order otherwise
 
 

@@ -19,11 +19,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.long_launch, pytest.mark.tim
 
 PARTS = 2
 """The census runs in halves (every other model of transformers' mapping), each a group of its own that a
-pytest-xdist worker runs whole (tests/conftest.py): the two halves at once, on two workers."""
+pytest-xdist worker runs whole (helpers/xdist_groups.py): the two halves at once, on two workers."""
 
 
-@pytest.fixture(scope="module", params=[pytest.param(part, marks=pytest.mark.xdist_group(f"census_{part}"))
-                                        for part in range(PARTS)], ids=lambda part: f"half{part}")
+@pytest.fixture(scope="module", params=range(PARTS), ids=lambda part: f"half{part}")
 def census(request, tmp_path_factory):
     from helpers.census import run_census
     from helpers.census.configs import model_types

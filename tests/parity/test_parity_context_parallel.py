@@ -1,7 +1,8 @@
 """Context parallelism matches one process, step by step: the reference GPT, nanoGPT as written (it calls
 ``F.scaled_dot_product_attention`` itself and adds learned positions) and a transformers Llama (rotary tables
 passed to every block, grouped-query attention through its "sdpa" interface, with a padding mask too), at cp2 and cp4, and composed
-with tensor (and sequence) parallelism, pipeline parallelism (1F1B and interleaved), data parallelism and ZeRO-3.
+with tensor (and sequence) parallelism, pipeline parallelism (1F1B and interleaved), data parallelism and ZeRO-3,
+each layout on the three (dp2 x cp2 x tp2 of the reference GPT: tests/parity/test_checkpoints.py).
 
 One launch per world size runs every case of that size."""
 
@@ -48,14 +49,24 @@ WORLD_4 = [
     cp_case("cp2_pp2_nanogpt", 2, module="user_nanogpt", model=NANOGPT, pipeline_parallel_size=2,
             num_microbatches=2),
     cp_case("cp2_pp2_llama", 2, module="hf", model=LLAMA_SDPA, pipeline_parallel_size=2, num_microbatches=2),
+    # every layout on the three routes: nanoGPT and Llama where the lines above have the reference GPT only
+    cp_case("cp4_nanogpt", 4, module="user_nanogpt", model=NANOGPT),
+    cp_case("cp2_tp2_sp_nanogpt", 2, tp=2, sequence_parallel=True, module="user_nanogpt", model=NANOGPT),
+    cp_case("cp2_tp2_sp_llama", 2, tp=2, sequence_parallel=True, module="hf", model=LLAMA_SDPA),
+    cp_case("cp2_zero3_llama", 2, dp=2, zero_stage=3, module="hf", model=LLAMA_SDPA),
 ]
-CASES = {c.name: c for c in WORLD_2 + WORLD_4}
+WORLD_8 = [  # (dp, cp, tp) = (2, 2, 2); the reference GPT's runs in tests/parity/test_checkpoints.py
+    cp_case("dp2_cp2_tp2_nanogpt", 2, dp=2, tp=2, module="user_nanogpt", model=NANOGPT),
+    cp_case("dp2_cp2_tp2_llama", 2, dp=2, tp=2, module="hf", model=LLAMA_SDPA),
+]
+CASES = {c.name: c for c in WORLD_2 + WORLD_4 + WORLD_8}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity_cp")
-    return {**launch(WORLD_2, 2, out / "world2"), **launch(WORLD_4, 4, out / "world4")}
+    return {**launch(WORLD_2, 2, out / "world2"), **launch(WORLD_4, 4, out / "world4"),
+            **launch(WORLD_8, 8, out / "world8")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
