@@ -51,7 +51,6 @@ WORLD_4 = [
     cp_case("cp2_pp2_llama", 2, module="hf", model=LLAMA_SDPA, pipeline_parallel_size=2, num_microbatches=2),
     # every layout on the three routes: nanoGPT and Llama where the lines above have the reference GPT only
     cp_case("cp4_nanogpt", 4, module="user_nanogpt", model=NANOGPT),
-    cp_case("cp2_tp2_sp_nanogpt", 2, tp=2, sequence_parallel=True, module="user_nanogpt", model=NANOGPT),
     cp_case("cp2_tp2_sp_llama", 2, tp=2, sequence_parallel=True, module="hf", model=LLAMA_SDPA),
     cp_case("cp2_zero3_llama", 2, dp=2, zero_stage=3, module="hf", model=LLAMA_SDPA),
 ]
