@@ -255,9 +255,9 @@ def pipeline_results_group(dims: ParallelDims, coords: RankCoords) -> dist.Proce
     (destroying would wait for it): that one is left alive. Nor where the default group it was made under has
     been destroyed since (a process that ends its process groups between fits and starts new ones): it went
     with it."""
-    groups = [dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp, cp=cp)) for pp in range(dims.pp)])
-              for dp in range(dims.dp) for cp in range(dims.cp) for tp in range(dims.tp)]
-    mine = groups[(coords.dp * dims.cp + coords.cp) * dims.tp + coords.tp]
+    per_stage = dims.world_size // dims.pp  # a pipeline per rank of the first stage (ranks 0 .. per_stage - 1)
+    groups = [dist.new_group(dims.group_ranks("pp", first)) for first in range(per_stage)]
+    mine = groups[dims.rank(coords) % per_stage]
     for world, previous in _RESULTS_GROUPS:
         if world is dist.group.WORLD and not awaits_results(previous):
             dist.destroy_process_group(previous)

@@ -52,13 +52,13 @@ def embedding_group(dims: ParallelDims, coords: RankCoords) -> dist.ProcessGroup
     """This rank's pair of (first stage, last stage) ranks at its (dp, cp, tp). Collective: every rank of the
     world creates every pair, in the same order, as ``new_group`` requires. Made once per process and layout
     (``parallel/group_cache.py``)."""
-    def make() -> dict[tuple[int, int, int], dist.ProcessGroup]:
-        return {(dp, cp, tp): dist.new_group([dims.rank(RankCoords(dp=dp, pp=pp, tp=tp, cp=cp))
-                                              for pp in (0, dims.pp - 1)])
-                for dp in range(dims.dp) for cp in range(dims.cp) for tp in range(dims.tp)}
+    per_stage = dims.world_size // dims.pp  # a pipeline per rank of the first stage (ranks 0 .. per_stage - 1)
+
+    def make() -> list[dist.ProcessGroup]:
+        return [dist.new_group([dims.group_ranks("pp", first)[i] for i in (0, -1)]) for first in range(per_stage)]
 
     pairs = once_per_world(("embedding pairs", dims.pp, dims.dp, dims.cp, dims.tp), make)
-    return pairs[(coords.dp, coords.cp, coords.tp)]
+    return pairs[dims.rank(coords) % per_stage]
 
 
 class TiedGradients:
