@@ -161,6 +161,9 @@ class BlockTrace:
     """Projections whose own forward multiplies by their weight as a stack of matrices (a grouped, block-diagonal
     projection: DeepSeek-V4's ``o_a_proj``, one matrix per group of heads): the features are followed through
     them as through a traced weight, so they are not among the projections above."""
+    attribute_reads: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Module FQN (``FQN.config``: its config) -> the attributes read off it while the block ran (recorded by
+    :func:`~lightning_3d.policies.tp_structure.split_block` for the whole block's trace)."""
     problem: str | None = None
 
 

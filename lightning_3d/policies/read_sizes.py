@@ -1,4 +1,4 @@
-"""Which of a block's config sizes it computes with.
+"""Which of a block's attributes and config sizes it computes with.
 
 A model's config holds many integers that a tp split happens to divide and that the block never computes with
 (a layer count, an expert count, a top-k above the traced tokens: 12 of the 13 in DeepSeek-V4's attention
@@ -9,12 +9,56 @@ apart.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from lightning_3d.common import join_fqn
 from lightning_3d.policies.block_trace import BlockTrace, meta_copy, trace_block
+
+
+@contextmanager
+def attribute_reads(block: nn.Module) -> Iterator[dict[str, set[str]]]:
+    """While entered, the attributes read off ``block``'s modules and their configs: module FQN (relative to
+    the block; ``FQN.config`` for its config's values) -> the names read. A value never read while the block runs
+    cannot change what it computes: the per-rank search (:mod:`~lightning_3d.policies.tp_per_rank`) need not
+    try it (most of a config is read only while the model is built; ``nn.Linear.out_features`` never)."""
+    reads: dict[str, set[str]] = {}
+    owners: dict[int, tuple[Any, set[str]]] = {}  # each object once (a config is shared by the modules)
+    for fqn, module in block.named_modules():
+        owners.setdefault(id(module), (module, reads.setdefault(fqn, set())))
+        config = getattr(module, "config", None)
+        if config is not None and not isinstance(config, (nn.Module, torch.Tensor)):
+            found = owners.setdefault(id(config), (config, set()))[1]
+            reads[join_fqn(fqn, "config")] = found
+    changed = []
+    for owner, names in owners.values():
+        try:
+            owner.__class__ = _recording_class(type(owner), names)
+            changed.append(owner)
+        except TypeError:  # an instance that cannot change class (__slots__): every value counts as read
+            names.update(vars(owner))
+    try:
+        yield reads
+    finally:
+        for owner in changed:
+            owner.__class__ = type(owner).__mro__[1]
+
+
+def _recording_class(cls: type, reads: set[str]) -> type:
+    """A subclass of ``cls`` that adds to ``reads`` the name of every attribute read off its instances (and the
+    name a config's ``attribute_map`` gives it: transformers' aliases, ``n_head`` for ``num_attention_heads``)."""
+
+    def __getattribute__(self, name: str):
+        reads.add(name)
+        aliases = cls.__dict__.get("attribute_map") or getattr(cls, "attribute_map", None)
+        if isinstance(aliases, dict) and name in aliases:
+            reads.add(aliases[name])
+        return cls.__getattribute__(self, name)
+
+    return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
 
 
 def changes_trace(block: nn.Module, args, kwargs, whole: BlockTrace, values: dict[str, dict[str, Any]]) -> bool:

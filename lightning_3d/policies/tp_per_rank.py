@@ -39,9 +39,10 @@ def _channels(event) -> set[str]:
 def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region, tp: int) -> str:
     """Set ``region.fixes`` to the smallest set of divided attributes under which every rank's shrunk block
     traces as the whole one does on that rank; the reason when none does."""
-    candidates = [c for c in _candidates(block, whole, region, tp)
-                  if not c[1].startswith("config.")  # (a config size only if the block computes with it)
-                  or changes_trace(block, args, kwargs, whole, attribute_values(block, {c[0]: {c[1]: c[3]}}))]
+    candidates = [c for c in _candidates(block, whole, region, tp) if _read(whole, c[0], c[1])
+                  # a config size only if the block computes with it
+                  and (not c[1].startswith("config.")
+                       or changes_trace(block, args, kwargs, whole, attribute_values(block, {c[0]: {c[1]: c[3]}})))]
     first, failures = "", {}  # the try as it is; per way of cutting the inputs, its last try
     # Inputs of one slice per head are cut only when no set of attributes does without them; a narrowed
     # input costs an all-gather per region: tried only when neither does.
@@ -73,6 +74,13 @@ def find_fixes(block: nn.Module, args, kwargs, whole: BlockTrace, region: Region
     ints = {f"{m or '<block>'}.{a}": v for m, a, v, _ in candidates}
     return (f"split over tp it does not compute what one process does ({'; '.join([first, *failures.values()])});"
             f" the integer attributes tried: {ints or 'none'}")
+
+
+def _read(whole: BlockTrace, holder: str, attribute: str) -> bool:
+    """Whether the whole block's forward read ``attribute`` (``config.<name>``: a value of its config) of the
+    module ``holder``: one it never read cannot change what a rank computes."""
+    owner, _, name = join_fqn(holder, attribute).rpartition(".")
+    return name in whole.attribute_reads.get(owner, ())
 
 
 def _attempt(chosen, region: Region) -> str:

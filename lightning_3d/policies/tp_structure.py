@@ -42,6 +42,7 @@ from lightning_3d.policies.feature_weights import split_with_features
 from lightning_3d.policies.inner_rows import head_slices
 from lightning_3d.policies.reductions import across_ranks
 from lightning_3d.policies.tp_per_rank import attention_events, find_fixes, find_inner, prefixes, split_columns
+from lightning_3d.policies.read_sizes import attribute_reads
 
 
 @dataclass
@@ -140,9 +141,11 @@ class BlockSplit:
 
 def split_block(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> BlockSplit:
     """The regions of ``block`` (on the meta device, run on its captured inputs) and how each splits."""
-    whole = trace_block(block, args, kwargs)
+    with attribute_reads(block) as read:
+        whole = trace_block(block, args, kwargs)
     if whole.problem:
         return BlockSplit(problem=whole.problem)
+    whole.attribute_reads = {fqn: frozenset(names) for fqn, names in read.items()}
     on_stream = _on_stream(whole)
     if on_stream:  # what they compute is replicated as the stream is: what reads them reads the stream
         whole.reads = {p: (r - on_stream) | {STREAM} if r & on_stream and p not in on_stream else r
