@@ -106,8 +106,11 @@ class ContextParallel:
         return _tp_slice(self.split(_tp_gather(x, self.sequence_parallel), 1), self.sequence_parallel)
 
     def gather_stream(self, x: Tensor) -> Tensor:
-        """The inverse of :meth:`split_stream`, for the last block's output."""
-        if self.sequence_parallel is None:
+        """The inverse of :meth:`split_stream`, for the last block's output: this rank's part (or this tp rank's
+        slice of it) -> the whole sequence (or this tp rank's slice of it). A part whole over tp -- the plan
+        gathered the sequence slices leaving the block, as ``policy="auto"``'s does under sequence parallelism
+        -- is gathered whole."""
+        if self.sequence_parallel is None or x.shape[1] == self.local_length:
             return self.gather(x, 1)
         return _tp_slice(self.gather(_tp_gather(x, self.sequence_parallel), 1), self.sequence_parallel)
 

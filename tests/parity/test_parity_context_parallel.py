@@ -51,12 +51,17 @@ WORLD_4 = [
     cp_case("cp2_pp2_llama", 2, module="hf", model=LLAMA_SDPA, pipeline_parallel_size=2, num_microbatches=2),
     # every layout on the three routes: nanoGPT and Llama where the lines above have the reference GPT only
     cp_case("cp4_nanogpt", 4, module="user_nanogpt", model=NANOGPT),
+    # nanoGPT's plan is policy="auto"'s: the sequence is sliced over tp entering the first block and gathered
+    # leaving the last, inside the blocks' cp cut and gather
+    cp_case("cp2_tp2_sp_nanogpt", 2, tp=2, sequence_parallel=True, module="user_nanogpt", model=NANOGPT),
     cp_case("cp2_tp2_sp_llama", 2, tp=2, sequence_parallel=True, module="hf", model=LLAMA_SDPA),
     cp_case("cp2_zero3_llama", 2, dp=2, zero_stage=3, module="hf", model=LLAMA_SDPA),
 ]
-WORLD_8 = [  # (dp, cp, tp) = (2, 2, 2); the reference GPT's runs in tests/parity/test_checkpoints.py
+WORLD_8 = [  # (dp, cp, tp) = (2, 2, 2), the reference GPT's in tests/parity/test_checkpoints.py; cp x pp x tp
     cp_case("dp2_cp2_tp2_nanogpt", 2, dp=2, tp=2, module="user_nanogpt", model=NANOGPT),
     cp_case("dp2_cp2_tp2_llama", 2, dp=2, tp=2, module="hf", model=LLAMA_SDPA),
+    cp_case("cp2_pp2_tp2_sp_nanogpt", 2, tp=2, sequence_parallel=True, module="user_nanogpt", model=NANOGPT,
+            pipeline_parallel_size=2, num_microbatches=2),
 ]
 CASES = {c.name: c for c in WORLD_2 + WORLD_4 + WORLD_8}
 
