@@ -196,9 +196,9 @@ class FaultWatch:
         asked_at, not_asked = time.time(), None
         if self.flight_recorder is not None:  # asked first: NCCL dumps on its own thread while the stack prints
             not_asked = self.flight_recorder.request_dump()
-        print(f"lightning_3d: {stopped}\n{main_thread_report()}", file=sys.stderr, flush=True)
+        print_by_line(f"lightning_3d: {stopped}\n{main_thread_report()}")
         if self.flight_recorder is not None:
-            print(self.flight_recorder.report(asked_at, not_asked), file=sys.stderr, flush=True)
+            print_by_line(self.flight_recorder.report(asked_at, not_asked))
         # No rank goes away before every rank has printed what it waits in: torchrun ends the other ranks as
         # soon as one exits, and a rank slow to notice the hang (a loaded host) would end without its report.
         self._ack()
@@ -245,3 +245,13 @@ def _write_torchelastic_error(message: str) -> None:
     data = {"message": {"message": message, "extraInfo": {"py_callstack": details, "timestamp": str(int(time.time()))}}}
     with open(path, "w") as f:
         json.dump(data, f)
+
+
+def print_by_line(text: str) -> None:
+    """``text`` on stderr, one write per line. The ranks of a job share one stderr; a write longer than a pipe
+    writes at once (4 KiB) may be cut anywhere, and another rank's report then began inside one of this rank's
+    lines, where neither a reader nor a pattern anchored at the line's start finds it. A line written alone
+    arrives whole, between whole lines."""
+    for line in text.splitlines():
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()

@@ -202,3 +202,33 @@ def test_no_rank_ends_after_a_hang_before_every_rank_has_printed_its_report():
         for watch in watches:
             watch.stop()
     assert sorted(exits) == [0, 1, 2] and min(exits.values()) >= slow_started, exits
+
+
+class WritesPerFlush:
+    """A stderr that keeps what each flush sends on as one write (what a pipe receives from this process)."""
+
+    def __init__(self) -> None:
+        self.pending, self.writes = "", []
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.writes.append(self.pending)
+        self.pending = ""
+
+
+def test_a_hang_report_is_written_one_line_per_write(monkeypatch):
+    # The ranks share one stderr. A report of several KiB in one write was cut by the pipe, and the other rank's
+    # report began inside one of its lines: "made no progress" not at a line's start, one report of two found.
+    stderr = WritesPerFlush()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    watch = FaultWatch(dist.HashStore(), 0, 1, lambda r: f"rank {r}", Phase("training", 1.0, "hang_timeout"),
+                       exit_timeout_s=1.0)
+    exits = []
+    watch._exit = lambda report, printed=False: exits.append(report)  # instead of ending this process
+    watch._report_hang(None, 1.5, watch.phase, "training_step started", store_ok=True)
+    assert exits and stderr.writes[0].startswith("lightning_3d: rank 0 made no progress for 1.5 s"), stderr.writes
+    assert len(stderr.writes) > 3 and all(w.endswith("\n") and w.count("\n") == 1 for w in stderr.writes), stderr.writes
