@@ -57,12 +57,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """Files marked ``long_launch``, and those sharing the Hugging Face launch, come first: the workers take
-    them first (helpers/xdist_groups.py) and end at about the same time. The parts of a file run apart come
-    before them: the first groups go one to each worker, so the parts run side by side."""
-    from helpers.xdist_groups import check_shared_runs, put_long_launches_first
+    them first (helpers/xdist_groups.py) and end at about the same time."""
+    from helpers.xdist_groups import check_shared_runs
 
     check_shared_runs(items)
-    put_long_launches_first(items)
+    late = {item.nodeid for item in items
+            if "shared_runs" not in item.fixturenames and item.get_closest_marker("long_launch") is None}
+    items.sort(key=lambda item: item.nodeid in late)  # stable: the files keep their order otherwise
 
 
 @pytest.fixture(scope="module")

@@ -26,24 +26,9 @@ def group_of(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     if _in(path, SHARED_RUNS_FILES):
         return "shared_runs"
-    if run_in_parts(nodeid):
+    if _in(path, PARTS_APART) and nodeid.endswith("]"):
         return f"{path}[{nodeid.rsplit('[', 1)[1]}"
     return path
-
-
-def run_in_parts(nodeid: str) -> bool:
-    """Whether the test ``nodeid`` is of a part that runs as a group of its own (:data:`PARTS_APART`)."""
-    return _in(nodeid.split("::", 1)[0], PARTS_APART) and nodeid.endswith("]")
-
-
-def put_long_launches_first(items) -> None:
-    """Sort ``items`` (stable): the parts run apart, then the other files marked ``long_launch`` and those of the
-    shared launch, then the rest. xdist hands the first groups one to each worker, the next as workers free up:
-    the parts run side by side, and the long launches start early enough for the workers to end together."""
-    def late(item) -> bool:
-        return "shared_runs" not in item.fixturenames and item.get_closest_marker("long_launch") is None
-
-    items.sort(key=lambda item: (late(item), not run_in_parts(item.nodeid)))
 
 
 def check_shared_runs(items) -> None:

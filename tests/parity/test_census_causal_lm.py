@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-# A limit for hangs, not for slowness: each half takes ~2.5 minutes alone on 2 idle cores (one launch per layout);
+# A limit for hangs, not for slowness: the census takes ~5 minutes on 2 idle cores (one launch per layout);
 # a hang inside a launch is stopped by the fault watch (helpers/census/running.py WATCH) well before this.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long_launch, pytest.mark.timeout(2400)]
 
