@@ -4,7 +4,8 @@ A module's fixture launches the ranks of all its tests once, so each test file r
 per file, handed out in the collection's order (``--dist loadscope --no-loadscope-reorder``, grouped here
 rather than by xdist's rule). Two exceptions: the files sharing the Hugging Face launch (the ``shared_runs``
 fixture: one launch per worker) form one group, and a file whose module fixture is parametrized into parts
-runs each part as a group of its own (the census' two halves, side by side on two workers).
+runs each part as a group of its own (the census' two halves), each handed to whichever worker is free
+(xdist gives each worker one group to start, the rest as workers free up).
 
 The groups are read from test ids alone, as the scheduler sees them; xdist's ``xdist_group`` marks are not
 used (pytest 9.2 with pytest-xdist 3.8 runs their groups' tests on every worker)."""

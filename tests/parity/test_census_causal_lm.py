@@ -12,14 +12,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-# A limit for hangs, not for slowness: the census takes ~5 minutes on 2 idle cores (one launch per layout);
+# A limit for hangs, not for slowness: each half takes ~2.5 minutes alone on 2 idle cores (one launch per layout);
 # a hang inside a launch is stopped by the fault watch (helpers/census/running.py WATCH) well before this.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long_launch, pytest.mark.timeout(2400)]
 
 
 PARTS = 2
 """The census runs in halves (every other model of transformers' mapping), each a group of its own that a
-pytest-xdist worker runs whole (helpers/xdist_groups.py): the two halves at once, on two workers."""
+pytest-xdist worker runs whole (helpers/xdist_groups.py), handed to whichever worker is free."""
 
 
 @pytest.fixture(scope="module", params=range(PARTS), ids=lambda part: f"half{part}")
