@@ -35,26 +35,29 @@ def attribute_reads(block: nn.Module) -> Iterator[dict[str, set[str]]]:
             reads[join_fqn(fqn, "config")] = found
     changed = []
     for owner, names in owners.values():
+        cls = type(owner)
         try:
-            owner.__class__ = _recording_class(type(owner), names)
-            changed.append(owner)
+            owner.__class__ = _recording_class(cls, names)
+            changed.append((owner, cls))
         except TypeError:  # an instance that cannot change class (__slots__): every value counts as read
             names.update(vars(owner))
     try:
         yield reads
     finally:
-        for owner in changed:
-            owner.__class__ = type(owner).__mro__[1]
+        for owner, cls in changed:
+            owner.__class__ = cls
 
 
 def _recording_class(cls: type, reads: set[str]) -> type:
     """A subclass of ``cls`` that adds to ``reads`` the name of every attribute read off its instances (and the
     name a config's ``attribute_map`` gives it: transformers' aliases, ``n_head`` for ``num_attention_heads``)."""
 
+    aliases = getattr(cls, "attribute_map", None)
+    aliases = aliases if isinstance(aliases, dict) else {}
+
     def __getattribute__(self, name: str):
         reads.add(name)
-        aliases = cls.__dict__.get("attribute_map") or getattr(cls, "attribute_map", None)
-        if isinstance(aliases, dict) and name in aliases:
+        if name in aliases:
             reads.add(aliases[name])
         return cls.__getattribute__(self, name)
 
