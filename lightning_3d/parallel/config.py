@@ -44,6 +44,11 @@ class ParallelConfig:
     """Ranks that split each sequence (the "cp" mesh dimension, between "dp" and "tp"): each keeps two chunks of
     every sequence from the first block to the last, and attention reads the keys and values of all of them
     (``lightning_3d.parallel.context_parallel``)."""
+    expert_parallel_size: int = 1
+    """Ranks that split every mixture-of-experts layer's experts among themselves (the "ep" mesh dimension): each
+    holds 1/ep of the experts, and tokens travel to their experts' ranks and back by all-to-all. Borrowed from the
+    data-parallel ranks, as torchtitan does: it must divide dp, and adds no ranks
+    (``lightning_3d.parallel.expert_parallel``)."""
     policy: Any = "auto"
     """How to parallelize the model: a registered name, a ``Policy`` instance or a dotted class path."""
     pipeline_schedule: str = "1f1b"
@@ -128,7 +133,7 @@ class ParallelConfig:
             _check_auto(self)
             return  # the rest is checked on the decided config (ParallelConfig.decided)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
-                     "context_parallel_size"):
+                     "context_parallel_size", "expert_parallel_size"):
             _require_positive_int(name, getattr(self, name))
         if self.data_parallel_size != "auto":
             _require_positive_int("data_parallel_size", self.data_parallel_size)

@@ -17,9 +17,15 @@ from lightning_3d.parallel.precision import allreduce_in
 def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh,
                         device: torch.device, pipeline_stage: bool = False, zero_stage: int = 0,
                         mp_policy: MixedPrecisionPolicy | None = None,
-                        offload_policy: OffloadPolicy | None = None) -> nn.Module:
+                        offload_policy: OffloadPolicy | None = None,
+                        experts: tuple[list[nn.Module], DeviceMesh] | None = None) -> nn.Module:
     """Replicate (``zero_stage=0``) or shard (1, 2, 3) ``module`` over ``dp_mesh``; return the module
     Lightning should call. ``mp_policy`` and ``offload_policy`` apply to sharded modules only.
+
+    ``experts``: under expert parallelism, the experts modules (split over "ep") and the mesh of the ranks that
+    hold the same experts ("dp_mod_ep"). They are replicated or sharded over that mesh first (their gradients
+    averaged over it: each is its ep group's average already, ``lightning_3d.parallel.expert_parallel``), and
+    ``module`` and its blocks then leave their weights to them.
 
     Replicated, plain parameters (no tensor parallelism): PyTorch's ``DistributedDataParallel``, returned
     as a wrapper. Its bucketed gradient all-reduce, overlapped with backward, is the fastest replicated data
@@ -38,12 +44,19 @@ def apply_data_parallel(module: nn.Module, blocks: list[nn.Module], dp_mesh: Dev
     reduction starts as soon as its backward is done.
     """
     if zero_stage > 0:
+        if experts is not None:
+            modules, mesh = experts
+            apply_zero_units(modules, mesh, zero_stage, pipeline_stage, mp_policy, offload_policy)
         return apply_zero(module, blocks, dp_mesh, zero_stage, pipeline_stage, mp_policy, offload_policy)
     wide = mp_policy.reduce_dtype if mp_policy is not None else None  # the reductions' dtype, if set
     if pipeline_stage or any(isinstance(p, DTensor) for p in module.parameters()):
         # Replicated weights compute as they are (autocast casts them under "bf16-mixed"); only the reductions
         # take the policy's dtype.
         reductions = MixedPrecisionPolicy(reduce_dtype=wide)
+        if experts is not None:
+            modules, mesh = experts
+            for unit in modules:
+                replicate(unit, mesh=mesh, mp_policy=reductions)
         for block in blocks:
             replicate(block, mesh=dp_mesh, mp_policy=reductions)
         replicate(module, mesh=dp_mesh, mp_policy=reductions)
@@ -85,13 +98,20 @@ def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, 
     the last micro-batch (or per micro-batch, ``lightning_3d.pipeline.grad_sync``), then frees them: under
     the pipeline the three stages run alike. :func:`zero_stage_that_runs` says which stage runs.
     """
+    apply_zero_units([*blocks, module], dp_mesh, zero_stage, pipeline_stage, mp_policy, offload_policy)
+    return module
+
+
+def apply_zero_units(units: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int, pipeline_stage: bool = False,
+                     mp_policy: MixedPrecisionPolicy | None = None,
+                     offload_policy: OffloadPolicy | None = None) -> list[nn.Module]:
+    """FSDP2's ``fully_shard`` on each of ``units`` in turn (inner ones first), as :func:`apply_zero` describes."""
     reshard = zero_stage_that_runs(zero_stage, pipeline_stage)[0] == 3
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
                    offload_policy=offload_policy or OffloadPolicy(), shard_placement_fn=zero_placement)
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(module, **options)
-    return module
+    for unit in units:
+        fully_shard(unit, **options)
+    return units
 
 
 def zero_placement(param: nn.Parameter) -> Shard | None:

@@ -31,6 +31,17 @@ it: the ranks of a cp group see the same batch and hold the same weights, each a
 
 Their gradients are reduced, and ZeRO shards, over "dp" and "cp" together (``mesh["dp_cp"]``, the pair
 flattened); the data and the loss's mean stay on "dp".
+
+Expert parallelism (``expert_parallel_size`` above 1) borrows its ranks from dp, as torchtitan's does: "dp" is
+split in two, the ep ranks fastest, so an ep group is ``ep`` consecutive dp ranks::
+
+    mesh dims   ("pp", "dp_mod_ep", "ep", "tp")      dp_rank = dp_mod_ep_rank * ep + ep_rank
+    8 ranks at dp=4, ep=2, tp=2: ep groups {0,2} {1,3} {4,6} {5,7}, dp_mod_ep groups {0,4} {1,5} {2,6} {3,7}
+
+and the two are flattened back into "dp". Each rank of an ep group holds 1/ep of every mixture-of-experts
+layer's experts and sees its own data; the ranks of a "dp_mod_ep" group hold the same experts and reduce (or
+ZeRO-shard) their gradients (``lightning_3d.parallel.expert_parallel``). Everything but the experts reads "dp"
+as before.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from lightning_3d.parallel.group_cache import once_per_world
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 HSDP_MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 CP_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+EP_MESH_DIM_NAMES = ("pp", "dp_mod_ep", "ep", "tp")
 # Where the world size comes from, for error messages: Lightning's launcher starts num_nodes * devices
 # processes, but under torchrun or srun the launcher's count wins and Lightning's devices is not checked.
 _WORLD = "the processes started: num_nodes * devices, or the tasks torchrun / srun started"
@@ -80,9 +92,12 @@ class ParallelDims:
     """Of dp, the ranks that shard the model among themselves (HSDP); 0 (the default) or dp: all of them."""
     cp: int = 1
     """Context-parallel size: ranks that split each sequence (same batch, same weights)."""
+    ep: int = 1
+    """Expert-parallel size: of dp, the ranks that split every mixture-of-experts layer's experts among
+    themselves (each its own data); not extra ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "cp"):
+        for name in ("dp", "pp", "tp", "cp", "ep"):
             value = getattr(self, name)
             if not is_positive_int(value):
                 raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}.")
@@ -92,6 +107,8 @@ class ParallelDims:
             raise ParallelConfigError(
                 f"context_parallel_size={self.cp} with data_parallel_shard_size={self.dp_shard} (HSDP): ZeRO shards over"
                 " dp x cp together, and HSDP's split of that is not supported. Leave data_parallel_shard_size='auto'.")
+        if self.ep > 1:
+            _check_expert_parallel(self)
         if not is_positive_int(self.dp_shard) or self.dp % self.dp_shard:
             raise ParallelConfigError(
                 f"data_parallel_shard_size ({self.dp_shard}) must divide the data-parallel size ({self.dp}): the"
@@ -112,6 +129,7 @@ class ParallelDims:
         """Resolve ``data_parallel_size="auto"`` and check the product against the world size (no collectives)."""
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         cp = getattr(config, "context_parallel_size", 1)
+        ep = getattr(config, "expert_parallel_size", 1)
         model_parallel = tp * pp * cp
         sizes = f"pipeline_parallel_size ({pp}) * tensor_parallel_size ({tp})" + (
             f" * context_parallel_size ({cp})" if cp > 1 else "")
@@ -122,7 +140,7 @@ class ParallelDims:
                     f" data-parallel size fits. Choose their product among the divisors of {world_size}:"
                     f" {divisors(world_size)}."
                 )
-            return cls(dp=world_size // model_parallel, pp=pp, tp=tp, cp=cp, dp_shard=_shard(config))
+            return cls(dp=world_size // model_parallel, pp=pp, tp=tp, cp=cp, dp_shard=_shard(config), ep=ep)
         dp = config.data_parallel_size
         if dp * model_parallel != world_size:
             fix = (
@@ -134,7 +152,12 @@ class ParallelDims:
                 f"data_parallel_size ({dp}) * {sizes} = {dp * model_parallel}, but the world size is {world_size}"
                 f" ({_WORLD}).{fix} or launch {dp * model_parallel} processes."
             )
-        return cls(dp=dp, pp=pp, tp=tp, cp=cp, dp_shard=_shard(config))
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, dp_shard=_shard(config), ep=ep)
+
+    @property
+    def dp_mod_ep(self) -> int:
+        """Of dp, the ranks that hold the same experts (one per ep group)."""
+        return self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -177,11 +200,17 @@ class ParallelDims:
         return divmod(self.coords(rank).dp, self.dp_shard)
 
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The global ranks that share a ``dim`` ("dp", "pp", "tp", or under HSDP "dp_replicate" or "dp_shard")
-        group with ``rank``, in group order."""
-        if dim not in MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES + ("cp",):
-            raise ValueError(f"dim must be one of {MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES[1:3] + ('cp',)}, got {dim!r}")
+        """The global ranks that share a ``dim`` ("dp", "pp", "tp", "cp", or under HSDP "dp_replicate" or
+        "dp_shard", or under expert parallelism "ep" or "dp_mod_ep") group with ``rank``, in group order."""
+        names = MESH_DIM_NAMES + HSDP_MESH_DIM_NAMES[1:3] + ("cp",) + EP_MESH_DIM_NAMES[1:3]
+        if dim not in names:
+            raise ValueError(f"dim must be one of {names}, got {dim!r}")
         here = self.coords(rank)
+        if dim in ("ep", "dp_mod_ep"):
+            outer, inner = divmod(here.dp, self.ep)
+            dps = ([outer * self.ep + i for i in range(self.ep)] if dim == "ep"
+                   else [o * self.ep + inner for o in range(self.dp_mod_ep)])
+            return [self.rank(here._replace(dp=dp)) for dp in dps]
         if dim in ("dp_replicate", "dp_shard"):
             replica, shard = self.replica_and_shard(rank)
             dps = ([r * self.dp_shard + shard for r in range(self.dp_replicate)] if dim == "dp_replicate"
@@ -196,6 +225,11 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         def make():
+            if self.ep > 1:
+                mesh = init_device_mesh(device_type, (self.pp, self.dp_mod_ep, self.ep, self.tp),
+                                        mesh_dim_names=EP_MESH_DIM_NAMES)
+                mesh["dp_mod_ep", "ep"]._flatten("dp")
+                return mesh
             if self.cp > 1:
                 mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=CP_MESH_DIM_NAMES)
                 mesh["dp", "cp"]._flatten("dp_cp")
@@ -207,7 +241,8 @@ class ParallelDims:
             mesh["dp_replicate", "dp_shard"]._flatten("dp")
             return mesh
 
-        key = ("mesh", device_type, self.pp, self.dp, self.dp_replicate, self.dp_shard, self.tp, self.hsdp, self.cp)
+        key = ("mesh", device_type, self.pp, self.dp, self.dp_replicate, self.dp_shard, self.tp, self.hsdp, self.cp,
+               self.ep)
         return once_per_world(key, make)
 
     def dp_mesh_for_zero(self, mesh):
@@ -222,7 +257,26 @@ class ParallelDims:
     def __str__(self) -> str:
         hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" if self.hsdp else ""
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
-        return f"dp={self.dp}{hsdp} x pp={self.pp}{cp} x tp={self.tp} = {self.world_size} ranks"
+        ep = f" (experts over ep={self.ep} of them)" if self.ep > 1 else ""
+        return f"dp={self.dp}{hsdp}{ep} x pp={self.pp}{cp} x tp={self.tp} = {self.world_size} ranks"
+
+
+def _check_expert_parallel(dims: ParallelDims) -> None:
+    """What expert parallelism needs of the other sizes (the experts' own count is checked on the model)."""
+    if dims.dp % dims.ep:
+        raise ParallelConfigError(
+            f"expert_parallel_size={dims.ep} borrows its ranks from the data-parallel ones, but it does not divide"
+            f" dp={dims.dp} ({dims.dp * dims.pp * dims.cp * dims.tp} ranks / (pp={dims.pp} x tp={dims.tp}"
+            f"{f' x cp={dims.cp}' if dims.cp > 1 else ''})). Choose expert_parallel_size among {divisors(dims.dp)},"
+            f" or launch a multiple of {dims.ep * dims.pp * dims.cp * dims.tp} processes.")
+    if dims.cp > 1:
+        raise ParallelConfigError(
+            f"expert_parallel_size={dims.ep} with context_parallel_size={dims.cp} is not supported yet: the experts"
+            " would be split over dp x cp. Use one of the two.")
+    if dims.dp_shard < dims.dp:
+        raise ParallelConfigError(
+            f"expert_parallel_size={dims.ep} with data_parallel_shard_size={dims.dp_shard} (HSDP) is not supported"
+            " yet. Leave data_parallel_shard_size='auto'.")
 
 
 def _shard(config: ParallelConfig) -> int:

@@ -29,6 +29,7 @@ from lightning_3d.parallel.config import ParallelConfig
 from lightning_3d.parallel.context_parallel import ContextParallel, apply_context_parallel, context_parallel_attention
 from lightning_3d.parallel.data_parallel import apply_data_parallel
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
+from lightning_3d.parallel.expert_parallel import apply_expert_parallel, check_expert_parallel
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.sharded_logits import whole
 from lightning_3d.parallel.precision import mixed_precision_policy, offload_policy
@@ -110,6 +111,8 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
                                      **split_options(module, plan, config.pipeline_split))
     if plan.tp_plan:
         check_tp_plan(module, plan.tp_plan, dims.tp)  # on the whole model, before any split
+    if dims.ep > 1:
+        check_expert_parallel(module, plan, dims.ep)
     params_loaded = config.init_from is not None  # init_from fills the parameters: only buffers are initialized
     on_meta = is_on_meta(module)
     if on_meta and not weights.streamed and weights.seeded is None:
@@ -136,8 +139,14 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
                        f" {[len(b) for b in stage_blocks]}, schedule {config.pipeline_schedule!r},"
                        f" {config.microbatches} micro-batches")
 
-    # 2. Tensor (and sequence) parallel on the "tp" sub-mesh -- still on the meta device when the model is
-    #    there, so a rank allocates only its shards -- and the tp rank's own dropout stream for sharded regions.
+    # 2. Expert parallel: this rank's experts of each mixture-of-experts layer it holds, placed on "ep" (and on
+    #    "tp" as the tp plan splits them), their calls routed by all-to-all; then tensor (and sequence) parallel
+    #    on the "tp" sub-mesh, whose experts style wraps that routing. Still on the meta device when the model is
+    #    there, so a rank allocates only its shards; and the tp rank's own dropout stream for sharded regions.
+    held = held_modules(module, plan.blocks)
+    experts = [name for name in plan.experts if any(name.startswith(f"{block}.") for block in held)]
+    if dims.ep > 1:
+        apply_expert_parallel(module, experts, plan.tp_plan, mesh)
     sharded_rng = None
     if plan.tp_plan:
         apply_tensor_parallel(module, plan, mesh["tp"])
@@ -172,8 +181,8 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
     #    unsharded tp/pp share (torchtitan's order). Otherwise the weights are initialized first (6): DDP and
     #    FSDP2's replicate take real tensors.
     blocks = list(held_modules(module, plan.blocks).values())  # this rank's blocks: FSDP2's units
-    data_parallel = partial(_data_parallel, blocks=blocks, config=config, dims=dims, mesh=mesh, device=device,
-                            precision=precision)
+    data_parallel = partial(_data_parallel, blocks=blocks, experts=[module.get_submodule(e) for e in experts],
+                            config=config, dims=dims, mesh=mesh, device=device, precision=precision)
     shard_first = on_meta and shards_over_dp(config, dims)
     if shard_first:
         precision.convert_module(module)
@@ -282,17 +291,19 @@ def shards_over_dp(config: ParallelConfig, dims: ParallelDims) -> bool:
     return config.zero_stage > 0 and (dims.replicas > 1 or config.offload)
 
 
-def _data_parallel(module: nn.Module, *, blocks: list[nn.Module], config: ParallelConfig, dims: ParallelDims,
-                   mesh: DeviceMesh, device: torch.device, precision: Precision) -> nn.Module:
+def _data_parallel(module: nn.Module, *, blocks: list[nn.Module], experts: list[nn.Module], config: ParallelConfig,
+                   dims: ParallelDims, mesh: DeviceMesh, device: torch.device, precision: Precision) -> nn.Module:
     # dp = 1 has nothing to replicate or shard over, unless offload asks FSDP2 to keep the state on the host.
     # (Context-parallel ranks hold the same weights as data-parallel ones: both are reduced over, dp x cp.)
     if dims.replicas == 1 and not shards_over_dp(config, dims):
         return module
     inner = [m for m in module.modules() if m is not module and any(m is b for b in blocks)]
     dp_mesh = dims.dp_mesh_for_zero(mesh) if config.zero_stage > 0 else dims.replicas_mesh(mesh)  # HSDP: (replicate, shard)
+    # Under expert parallelism the ranks that hold the same experts are one per ep group ("dp_mod_ep").
+    experts = ([m for m in module.modules() if any(m is e for e in experts)], mesh["dp_mod_ep"]) if dims.ep > 1 else None
     return apply_data_parallel(module, inner, dp_mesh, device, pipeline_stage=dims.pp > 1,
                                zero_stage=config.zero_stage, mp_policy=mixed_precision_policy(precision, config.reduce_dtype),
-                               offload_policy=offload_policy(config, device))
+                               offload_policy=offload_policy(config, device), experts=experts)
 
 
 @contextmanager

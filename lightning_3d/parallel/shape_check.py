@@ -25,6 +25,7 @@ is not checked.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses import fake_tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -43,7 +45,7 @@ from lightning_3d.errors import ShardedShapeError
 from lightning_3d.parallel.dims import ParallelDims, RankCoords
 from lightning_3d.pipeline.split import held_modules
 from lightning_3d.policies.base import Plan
-from lightning_3d.policies.experts import experts_stood_in
+from lightning_3d.policies.experts import ExpertsStandIn, experts_stood_in
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exc
     saved = [(sub, dict(vars(sub)), dict(sub._parameters), dict(sub._buffers)) for sub in block.modules()]
     mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)  # parameters stay real; reads only
     try:
-        with mode, torch.no_grad(), warnings.catch_warnings(), experts_stood_in(block):
+        with mode, torch.no_grad(), warnings.catch_warnings(), experts_stood_in(block), _units_stood_in(block):
             warnings.simplefilter("ignore")
             fake_args, fake_kwargs = tree_map(lambda x: _fake(mode, x), (args, kwargs))
             block.forward(*fake_args, **fake_kwargs)  # forward, not __call__: its pre-hooks have run
@@ -155,6 +157,21 @@ def _fake_forward(block: nn.Module, args: tuple, kwargs: dict) -> tuple[str, Exc
             sub._parameters.update(parameters)
             sub._buffers.clear()
             sub._buffers.update(buffers)
+
+
+@contextlib.contextmanager
+def _units_stood_in(block: nn.Module):
+    """FSDP2 units inside the block (the experts of an expert-parallel layer) replaced in their parents by stand-ins
+    without FSDP's hooks, whose pre-forward would unshard them into fake tensors and keep those."""
+    units = [(parent, name, child) for parent in block.modules() for name, child in parent.named_children()
+             if isinstance(child, FSDPModule)]
+    for parent, name, child in units:
+        setattr(parent, name, ExpertsStandIn(child))
+    try:
+        yield
+    finally:
+        for parent, name, child in units:
+            setattr(parent, name, child)
 
 
 def _copy_object(value: Any) -> Any:

@@ -19,6 +19,7 @@ from lightning_3d.common import join_fqn
 from lightning_3d.policies.auto_tp import structural_tp_plan
 from lightning_3d.policies.base import Plan, PlanOptions, Policy, PolicyError, find_submodule
 from lightning_3d.policies.block_trace import is_projection
+from lightning_3d.policies.experts import routed_experts
 from lightning_3d.policies.registry import register_policy, registered_policies
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class AutoPolicy(Policy):
                 " (lightning_3d.policies.register_policy) to name them.", type(root).__name__,
             )
         if options.tp == 1:
-            return Plan(blocks=blocks)
+            return Plan(blocks=blocks, experts=routed_experts(root, blocks))
         if not blocks:  # tensor parallelism would split nothing: never a silent no-op
             raise PolicyError(
                 f"policy='auto' found no repeated blocks in {type(root).__name__} (a list of two or more layers of"
@@ -50,7 +51,9 @@ class AutoPolicy(Policy):
                 " hold and compute the whole model. Register a policy that names the blocks and their tp plan"
                 " (lightning_3d.policies.register_policy), or train with tensor_parallel_size=1."
             )
-        return structural_tp_plan(root, lists, options)
+        plan = structural_tp_plan(root, lists, options)
+        plan.experts = routed_experts(root, blocks)
+        return plan
 
     @staticmethod
     def known_policy(root: nn.Module) -> Policy | None:

@@ -82,6 +82,10 @@ class Plan:
     """Initializes one module's own parameters and buffers in place, for the modules of a model built on the
     meta device that have no ``reset_parameters()`` (Hugging Face models: their ``_init_weights``); see
     ``lightning_3d.parallel.weight_init``."""
+    experts: list[str] = field(default_factory=list)
+    """FQNs of the mixture-of-experts layers' experts modules (transformers' stacked experts,
+    ``lightning_3d.policies.experts.is_dispatched_experts``), which expert parallelism splits by expert over "ep"
+    (``lightning_3d.parallel.expert_parallel``). What "auto" finds by structure; empty: no experts to split."""
     stage_output: Callable[[Any], Any] | None = None
     """What the user's step receives as the model's output on the last stage, built from that stage's
     tensor (e.g. an object with ``.logits``). None: the tensor itself."""

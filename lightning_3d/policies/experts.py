@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_3d.policies.local_tensors import gradient_summed, shadowed
 from lightning_3d.policies.meta_values import MetaValues
@@ -81,6 +81,12 @@ def is_experts(module: nn.Module) -> bool:
     return all(hasattr(module, flag) for flag in FLAGS) and isinstance(getattr(module, "down_proj", None), Tensor)
 
 
+def is_dispatched_experts(module: nn.Module) -> bool:
+    """A transformers experts module whose forward is the decorator's dispatch to an experts implementation:
+    ``forward(hidden_states, top_k_index, top_k_weights)``, for any tokens routed to any of its experts."""
+    return is_experts(module) and hasattr(type(module).forward, "__wrapped__")
+
+
 def experts_layout(module: nn.Module, tp: int) -> tuple[ExpertsLayout | None, str]:
     """How ``module`` (:func:`is_experts`) splits over ``tp`` ranks, or None and why it does not."""
     if getattr(module, "has_post_expert_norm", False) or any(
@@ -118,10 +124,17 @@ def is_stacked_experts(module: nn.Module) -> bool:
     """A module whose own parameters are exactly a stacked up and a stacked down projection
     (:func:`stacked_matrices`), and whose forward is not transformers' dispatch to an experts implementation
     (the flags, if it has them, may describe its weights but not what its own forward does with them)."""
-    dispatched = is_experts(module) and hasattr(type(module).forward, "__wrapped__")
     stacks = stacked_matrices(module)
-    return (not dispatched and len(stacks) in (2, 3) and len(list(module.parameters(recurse=False))) == len(stacks)
+    return (not is_dispatched_experts(module) and len(stacks) in (2, 3) and len(list(module.parameters(recurse=False))) == len(stacks)
             and len({tuple(p.shape) for _, p in stacks}) < 3)  # (of three, a gate of the up's shape)
+
+
+def routed_experts(root: nn.Module, blocks: list[str]) -> list[str]:
+    """The FQNs of the experts modules in ``blocks`` whose forward is transformers' dispatch to an experts
+    implementation: called with the router's choices and weights, what expert parallelism routes
+    (``lightning_3d.parallel.expert_parallel``)."""
+    return [f"{block}.{name}" for block in blocks for name, module in root.get_submodule(block).named_modules()
+            if name and is_dispatched_experts(module)]
 
 
 def experts_layouts(block: nn.Module, args: tuple, kwargs: dict, tp: int) -> dict[str, tuple[ExpertsLayout | None, str]]:
@@ -270,15 +283,20 @@ class ExpertsSplit(ParallelStyle):
         module.forward = _SplitForward(module, module.forward, device_mesh)
         return module
 
+    def placements(self) -> dict[str, Placement]:
+        """Where the tp split puts each of the experts module's weights, by name."""
+        layout = self.layout
+        up = _StridedShard(layout.up_dim, split_factor=2) if layout.halves else Shard(layout.up_dim)
+        return {layout.up: up, **({layout.gate: up} if layout.gate else {}), layout.down: Shard(layout.down_dim),
+                f"{layout.up}_bias": _StridedShard(1, split_factor=2) if layout.halves else Shard(1),
+                f"{layout.down}_bias": Replicate()}
+
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:  # the module's own weights only
             return
-        up_split = _StridedShard(self.layout.up_dim, split_factor=2) if self.layout.halves else Shard(self.layout.up_dim)
-        bias_split = _StridedShard(1, split_factor=2) if self.layout.halves else Shard(1)
-        for param, placement in ((self.layout.up, up_split), (self.layout.gate, up_split),
-                                 (self.layout.down, Shard(self.layout.down_dim)),
-                                 (f"{self.layout.up}_bias", bias_split), (f"{self.layout.down}_bias", Replicate())):
-            tensor = getattr(module, param, None) if param else None  # (no gate stacked apart)
+        for param, placement in self.placements().items():
+            tensor = getattr(module, param, None)
+            # (a DTensor already where expert parallelism placed it on ("ep", "tp"): parallel/expert_parallel.py)
             if isinstance(tensor, nn.Parameter) and not isinstance(tensor, DTensor):
                 sharded = distribute_tensor(tensor, mesh, [placement], src_data_rank=self.src_data_rank)
                 module.register_parameter(param, nn.Parameter(sharded, requires_grad=tensor.requires_grad))
@@ -313,7 +331,7 @@ def _local_weights(module: nn.Module, mesh: DeviceMesh):
     for name, param in module.named_parameters(recurse=False):
         if not isinstance(param, DTensor):
             continue
-        if param.placements[0].is_replicate():  # down_proj_bias: added by rank 0, its gradient summed over tp
+        if param.placements[-1].is_replicate():  # down_proj_bias: added by rank 0, its gradient summed over tp
             local[name] = gradient_summed(param.to_local(), mesh) * (1.0 if mesh.get_local_rank() == 0 else 0.0)
         else:
             local[name] = param.to_local()
@@ -353,3 +371,20 @@ class _StandIn:
             per_token = other.shape[:-1] == out.shape[:-1]
             out = out * (other.sum(-1, keepdim=True) if per_token else other.sum()).to(out.dtype)
         return out
+
+
+class ExpertsStandIn(nn.Module):
+    """Stands in for an experts module in its parent where the module's own hooks must not run: FSDP2's
+    pre-forward (the experts of an expert-parallel layer are a unit of their own) would unshard them into the fake
+    tensors of a shape check, and keep those. Calls return :class:`_StandIn`'s output; attribute reads reach the
+    experts module."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        vars(self)["_stood_for"] = experts  # not a submodule: the stand-in holds no weights of its own
+
+    def __getattr__(self, name: str):
+        return getattr(vars(self)["_stood_for"], name)
+
+    def forward(self, *args, **kwargs) -> Tensor:
+        return _StandIn(vars(self)["_stood_for"], None)(*args, **kwargs)

@@ -211,7 +211,7 @@ def test_rank_outside_the_world_and_unknown_dim_are_rejected():
     with pytest.raises(ValueError, match="rank -1 is outside"):
         dims.coords(-1)
     with pytest.raises(ValueError, match="dim must be one of"):
-        dims.group_ranks("ep", 0)
+        dims.group_ranks("sp", 0)
 
 
 # ------------------------------------------------------------------------------------------ build_mesh

@@ -83,6 +83,9 @@ class Result:
     replica_spread: dict[str, float] = field(default_factory=dict)
     """Tensor name -> the largest difference between two ranks' whole copies of it (each rank's copy of a
     replicated parameter, or its gathered full tensor), for the names more than one rank holds."""
+    expert_elements: list[int] = field(default_factory=list)
+    """Per global rank: the elements of the mixture-of-experts weights it holds (its local pieces of the stacked
+    experts' weights), counted on the rank."""
     layout: dict | None = None
     """The layout ``layout="auto"`` chose (``planner.Layout`` as a dict: dp, tp, pp, schedule, ...); None for a
     layout given."""

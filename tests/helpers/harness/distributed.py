@@ -31,6 +31,7 @@ def run_distributed(case: Case) -> Result | None:
     result = Result(recorder.losses, params, recorder.logged, recorder.grad_norms, model_parameters(trainer),
                     _parameter_bytes_per_rank(module), _tp_sharded_block_share(module), _tp_whole_outside_blocks(module),
                     spread)
+    result.expert_elements = _expert_elements_per_rank(module)
     decision = getattr(strategy, "layout_decision", None)  # layout="auto": what it chose
     result.layout = asdict(decision.layout) if decision is not None else None
     return result if dist.get_rank() == 0 else None
@@ -40,6 +41,18 @@ def _parameter_bytes_per_rank(module: torch.nn.Module) -> list[int]:
     from torch.distributed.tensor import DTensor
 
     local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, local)
+    return per_rank
+
+
+def _expert_elements_per_rank(module: torch.nn.Module) -> list[int]:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_3d.policies.experts import is_dispatched_experts
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for m in module.modules()
+                if is_dispatched_experts(m) for p in m.parameters(recurse=False))
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, local)
     return per_rank

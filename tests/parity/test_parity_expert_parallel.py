@@ -1,0 +1,77 @@
+"""Expert parallelism matches one process, step by step: tiny Mixtral, Qwen3-MoE and OLMoE from transformers as
+users configure them for training (``use_cache=False``, grouped-query attention, top-2 of 8 experts), planned
+by ``policy="auto"``, at ep2 and ep4, and composed with tensor parallelism, pipeline parallelism, and data
+parallelism (ep borrowed from dp) with ZeRO-1 and ZeRO-3; Qwen2-MoE (a shared expert beside the routed ones) and
+gpt-oss (experts stored transposed, with biases) at ep2, and gpt-oss at ep2 x tp2.
+
+One launch per world size runs every case of that size."""
+
+import pytest
+
+from helpers.harness import Case, assert_parity, launch, reference_for
+
+pytestmark = pytest.mark.multiprocess
+
+_SIZES = dict(seq_len=16, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, use_cache=False)
+MOE_MODELS = {
+    "mixtral": dict(_SIZES, model_type="mixtral", intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    router_jitter_noise=0.0),
+    # Qwen3-MoE: q/k norms per head, its experts' top-k weights renormalized
+    "qwen3_moe": dict(_SIZES, model_type="qwen3_moe", head_dim=8, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1),
+    # OLMoE: q/k norms over all heads, the top-k weights not renormalized
+    "olmoe": dict(_SIZES, model_type="olmoe", intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+}
+MORE_MOE_MODELS = {
+    # a shared expert (an MLP beside the routed ones, with its own gate): data-parallel like every other weight
+    "qwen2_moe": dict(_SIZES, model_type="qwen2_moe", intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=32),
+    # experts stored transposed, gate and up interleaved, with biases (the down bias added once under tp)
+    "gpt_oss": dict(_SIZES, model_type="gpt_oss", intermediate_size=32, head_dim=8, num_local_experts=8,
+                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8),
+}
+
+
+def ep_case(model, ep, dp, tp=1, pp=1, **strategy):
+    kwargs = dict(expert_parallel_size=ep, data_parallel_size=dp, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp, **strategy)
+    if pp > 1:
+        kwargs.setdefault("num_microbatches", 2)
+    tag = f"{model}_dp{dp}_ep{ep}" + (f"_tp{tp}" if tp > 1 else "") + (f"_pp{pp}" if pp > 1 else "") + (
+        f"_zero{strategy['zero_stage']}" if strategy.get("zero_stage") else "")
+    return Case(name=tag, module="hf", strategy_kwargs=kwargs, dp=dp, steps=4,
+                model={**MOE_MODELS, **MORE_MOE_MODELS}[model])
+
+
+WORLD_2 = [ep_case(model, 2, 2) for model in {**MOE_MODELS, **MORE_MOE_MODELS}]
+WORLD_4 = [ep_case(model, 4, 4) for model in MOE_MODELS] + [
+    ep_case(model, 2, 2, tp=2) for model in {**MOE_MODELS, "gpt_oss": None}] + [
+    ep_case(model, 2, 2, pp=2) for model in MOE_MODELS] + [
+    ep_case(model, 2, 4, zero_stage=zero) for model in MOE_MODELS for zero in (1, 3)]
+WORLD_8 = [ep_case(model, 2, 2, tp=2, pp=2) for model in MOE_MODELS]
+CASES = {c.name: c for c in WORLD_2 + WORLD_4 + WORLD_8}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("parity_ep")
+    return {**launch(WORLD_2, 2, out / "world2"), **launch(WORLD_4, 4, out / "world4"),
+            **launch(WORLD_8, 8, out / "world8")}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(name, results):
+    assert_parity(results[name], reference_for(CASES[name]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rank_holds_its_share_of_the_experts(name, results):
+    """Counted on the ranks: 1/ep of every layer's experts, of those 1/tp of each expert's features, of the
+    layers of its pipeline stage, and under ZeRO its dp_mod_ep shard of them."""
+    case, kwargs = CASES[name], CASES[name].strategy_kwargs
+    ep, tp, pp, dp = (kwargs[k] for k in ("expert_parallel_size", "tensor_parallel_size", "pipeline_parallel_size",
+                                          "data_parallel_size"))
+    split = ep * tp * pp * (dp // ep if kwargs.get("zero_stage") else 1)
+    total = sum(t.numel() for n, t in reference_for(case).params.items() if ".experts." in n)
+    assert results[name].expert_elements == [total // split] * (dp * tp * pp)
