@@ -17,12 +17,30 @@ table.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
+
+
+_RUNNING = [0]  # metadata inferences in progress in this process
+
+
+def metadata_inference_running() -> bool:
+    """Whether a stage's metadata inference is running now: a forward that is not the training's (what watches
+    the model's calls, e.g. the experts' token counts, leaves it out)."""
+    return _RUNNING[0] > 0
+
+
+@contextmanager
+def _running():
+    _RUNNING[0] += 1
+    try:
+        yield
+    finally:
+        _RUNNING[0] -= 1
 
 
 def isolate_metadata_inference(stage: PipelineStage, random_state: Callable[[], AbstractContextManager]) -> None:
@@ -34,7 +52,7 @@ def isolate_metadata_inference(stage: PipelineStage, random_state: Callable[[], 
         return
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with random_state():
+        with random_state(), _running():
             return inference(*args, **kwargs)
 
     stage._forward_metadata_inference = run

@@ -75,3 +75,12 @@ def test_each_rank_holds_its_share_of_the_experts(name, results):
     split = ep * tp * pp * (dp // ep if kwargs.get("zero_stage") else 1)
     total = sum(t.numel() for n, t in reference_for(case).params.items() if ".experts." in n)
     assert results[name].expert_elements == [total // split] * (dp * tp * pp)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith(("mixtral", "olmoe"))])
+def test_the_token_load_callback_counts_what_one_process_counts(name, results):
+    """ExpertLoadMonitor's min / max / mean tokens per expert, per layer and batch, equal one process's (every
+    layer of every stage, each token counted once over dp, ep and tp)."""
+    loads, expected = results[name].expert_loads, reference_for(CASES[name]).expert_loads
+    assert len(expected) == CASES[name].steps and len(expected[0]) == 3 * 4  # min, max, mean of 4 layers
+    assert loads == expected

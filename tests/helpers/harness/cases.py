@@ -86,6 +86,8 @@ class Result:
     expert_elements: list[int] = field(default_factory=list)
     """Per global rank: the elements of the mixture-of-experts weights it holds (its local pieces of the stacked
     experts' weights), counted on the rank."""
+    expert_loads: list[dict] = field(default_factory=list)
+    """Per training batch: ExpertLoadMonitor's numbers (``expert_load/<layer>/min|max|mean``), as logged."""
     layout: dict | None = None
     """The layout ``layout="auto"`` chose (``planner.Layout`` as a dict: dp, tp, pp, schedule, ...); None for a
     layout given."""

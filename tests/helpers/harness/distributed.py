@@ -32,6 +32,7 @@ def run_distributed(case: Case) -> Result | None:
                     _parameter_bytes_per_rank(module), _tp_sharded_block_share(module), _tp_whole_outside_blocks(module),
                     spread)
     result.expert_elements = _expert_elements_per_rank(module)
+    result.expert_loads = recorder.expert_loads
     decision = getattr(strategy, "layout_decision", None)  # layout="auto": what it chose
     result.layout = asdict(decision.layout) if decision is not None else None
     return result if dist.get_rank() == 0 else None

@@ -29,8 +29,10 @@ def run_reference(case: Case) -> Result:
     if case.reference_weights:
         trainer.callbacks.append(LoadWeights(case.reference_weights))
     trainer.fit(module, data)
-    return Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged,
-                  recorder.grad_norms, model_parameters(trainer))
+    result = Result(recorder.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, recorder.logged,
+                    recorder.grad_norms, model_parameters(trainer))
+    result.expert_loads = recorder.expert_loads
+    return result
 
 
 class LoadWeights(L.Callback):

@@ -7,7 +7,7 @@ import lightning as L
 import torch
 
 from helpers.harness.cases import Case
-from lightning_3d.callbacks import GradNormMonitor, ThroughputMonitor
+from lightning_3d.callbacks import ExpertLoadMonitor, GradNormMonitor, ThroughputMonitor
 
 
 class LossRecorder(L.Callback):
@@ -17,12 +17,15 @@ class LossRecorder(L.Callback):
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.grad_norms: list[float] = []
+        self.expert_loads: list[dict[str, float]] = []
+        """Per training batch: what ExpertLoadMonitor logged (mixture-of-experts models)."""
         self._pending: list[torch.Tensor] = []
         self._pending_logged: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._pending.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean"))
         self._pending_logged.append(float(trainer.callback_metrics["train_loss"]))
+        self.expert_loads.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("expert_load/")})
         if len(self._pending) == trainer.accumulate_grad_batches:
             self.grad_norms.append(float(trainer.callback_metrics["grad_norm/global"]))
             self.losses.append(torch.stack(self._pending).mean().item())
@@ -55,5 +58,5 @@ def trainer_for(case: Case, strategy, devices: int, recorder: LossRecorder) -> L
         # after a forward-only pipeline step, and dp x pp lost the first step's update) shows in every case.
         num_sanity_val_steps=case.sanity_steps,
         limit_val_batches=2,
-        callbacks=[GradNormMonitor(every_n_steps=1), ThroughputMonitor(every_n_steps=2), recorder],
+        callbacks=[GradNormMonitor(every_n_steps=1), ThroughputMonitor(every_n_steps=2), ExpertLoadMonitor(), recorder],
     )
