@@ -13,8 +13,9 @@ from lightning_3d.policies.experts import is_dispatched_experts
 
 
 class ExpertLoadMonitor(L.Callback):
-    """Logs, after each training batch, per mixture-of-experts layer (``expert_load/<its experts' FQN>/...``), the
-    number of (token, choice) pairs its router sent to each expert, over the whole batch of every rank:
+    """Logs, after a training batch every ``every_n_steps`` optimizer steps (Lightning's ``log_every_n_steps`` by
+    default), per mixture-of-experts layer (``expert_load/<its experts' FQN>/...``), the number of (token, choice)
+    pairs its router sent to each expert, over the whole batch of every rank:
 
     * ``min``, ``max`` and ``mean`` over the layer's experts -- a collapsed router shows as a max far above the
       mean and a min near 0.
@@ -22,15 +23,18 @@ class ExpertLoadMonitor(L.Callback):
     The counts are what one process counts for the same batch: each rank counts the choices its experts modules
     are called with (transformers' experts modules, ``experts(hidden_states, top_k_index, top_k_weights)``;
     training forwards only, not a pipeline's metadata inference nor a shape check), and one all-reduce over the
-    world per batch sums them (divided by tp, whose ranks route the same tokens). Every rank takes part, so it
-    cannot hang.
+    world per logged batch sums them (divided by tp, whose ranks route the same tokens); other batches count
+    nothing. Every rank takes part, so it cannot hang.
 
     Example::
 
         trainer = L.Trainer(strategy=ThreeDStrategy(expert_parallel_size=2), callbacks=[ExpertLoadMonitor()])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        self.every_n_steps = every_n_steps
+        self.counting = False
+        """Whether this batch is counted (a logged one)."""
         self.counts: dict[str, Tensor] = {}
         """Experts module FQN -> pairs sent to each of its experts in the current batch (this rank's)."""
         self._layers: dict[str, int] = {}  # every layer's experts module, of every pipeline stage -> its experts
@@ -51,7 +55,8 @@ class ExpertLoadMonitor(L.Callback):
         def count(module: nn.Module, args: tuple) -> None:
             choices = args[1] if len(args) > 1 else None
             # Real tensors of a training forward only: not a shape check's fake ones, not the pipeline's inference.
-            if type(choices) is not Tensor or choices.is_meta or metadata_inference_running() or not module.training:
+            if (not self.counting or type(choices) is not Tensor or choices.is_meta or metadata_inference_running()
+                    or not module.training):
                 return
             counts = torch.bincount(choices.reshape(-1), minlength=experts)
             self.counts[name] = self.counts[name] + counts if name in self.counts else counts
@@ -59,9 +64,10 @@ class ExpertLoadMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.counts = {}
+        self.counting = bool(self._layers) and trainer.global_step % (self.every_n_steps or trainer.log_every_n_steps) == 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        if not self._layers:
+        if not self.counting:
             return
         width = max(self._layers.values())
         table = torch.zeros(len(self._layers), width, dtype=torch.long, device=pl_module.device)

@@ -247,6 +247,11 @@ def _check_auto(config: ParallelConfig) -> None:
             f"data_parallel_shard_size={config.data_parallel_shard_size} (HSDP) with zero_stage='auto': HSDP needs"
             " ZeRO, which the launch-time decision may leave off. Fix zero_stage (1, 2 or 3), or leave"
             " data_parallel_shard_size='auto'.")
+    if config.expert_parallel_size != 1:
+        raise ParallelConfigError(
+            f"expert_parallel_size={config.expert_parallel_size} with layout='auto' (or a field 'auto'): the planner does"
+            " not model experts yet, so it would decide the layout around a model it misjudges. Fix the layout's sizes,"
+            " or leave expert_parallel_size=1.")
     if config.max_memory_per_device is not None:
         _require_positive_int("max_memory_per_device", config.max_memory_per_device)
     _require_positive_int("layout_check_steps", config.layout_check_steps)

@@ -180,6 +180,27 @@ AUTO_TP_MOE_MODELS = {
                     sliding_window=8),
 }
 
+# Expert parallelism (tests/parity/test_parity_expert_parallel.py, test_checkpoints.py): as trained, with grouped-query
+# attention and top-2 of 8 experts, so every ep size up to 8 divides them.
+_MOE_SIZES = dict(_HF_SIZES, num_key_value_heads=2)
+MOE_MODELS = {
+    "mixtral": dict(_MOE_SIZES, model_type="mixtral", intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    router_jitter_noise=0.0),
+    # Qwen3-MoE: q/k norms per head, its experts' top-k weights renormalized
+    "qwen3_moe": dict(_MOE_SIZES, model_type="qwen3_moe", head_dim=8, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1),
+    # OLMoE: q/k norms over all heads, the top-k weights not renormalized
+    "olmoe": dict(_MOE_SIZES, model_type="olmoe", intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+}
+MORE_MOE_MODELS = {
+    # a shared expert (an MLP beside the routed ones, with its own gate): data-parallel like every other weight
+    "qwen2_moe": dict(_MOE_SIZES, model_type="qwen2_moe", intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=32),
+    # experts stored transposed, gate and up interleaved, with biases (the down bias added once under tp)
+    "gpt_oss": dict(_MOE_SIZES, model_type="gpt_oss", intermediate_size=32, head_dim=8, num_local_experts=8,
+                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8),
+}
+
 # Forwards that pipeline as written only when the stages follow the forward: OPT calls its final norm, registered
 # before its layers, after them; BLOOM, GPT-Neo, MPT and Falcon blocks return tuples their forward indexes;
 # Llama 4 reads embed_tokens.weight.device on every stage; GLM-MoE-DSA's layers pass top-k indices to the next

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from helpers import WORKERS
 from helpers.harness import Case, reference_for
-from helpers.hf_cases import AUTO_TP_MODELS
+from helpers.hf_cases import AUTO_TP_MODELS, MOE_MODELS
 from helpers.workers.ckpt_worker import launch_jobs
 from lightning_3d.checkpoint import consolidate
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
@@ -27,6 +27,7 @@ CP8 = dict(data_parallel_size=2, context_parallel_size=2, tensor_parallel_size=2
 CP_PP8 = dict(data_parallel_size=2, context_parallel_size=2, pipeline_parallel_size=2)  # (dp, cp, pp) = (2, 2, 2)
 TP2 = dict(tensor_parallel_size=2, policy="auto")
 PHI3_GQA = dict(module="hf", model=AUTO_TP_MODELS["phi3_gqa"], steps=6)
+MIXTRAL = dict(module="hf", model=MOE_MODELS["mixtral"], steps=6)
 
 
 def _step3(directory: Path) -> str:
@@ -40,7 +41,7 @@ def runs(tmp_path_factory):
     (4 = 2 replicas x 2 shards, 1, 2) with ZeRO-3; and (2, 2, 2) reads one that HSDP wrote."""
     root = tmp_path_factory.mktemp("ckpt")
     dropout, plain, hsdp, cp, cp_pp = root / "dropout", root / "plain", root / "hsdp", root / "cp", root / "cp_pp"
-    phi3_single, phi3_tp2 = root / "phi3_single", root / "phi3_tp2"
+    phi3_single, phi3_tp2, ep2 = root / "phi3_single", root / "phi3_tp2", root / "ep2"
     big = dict(MODEL, dropout=0.1)
     results = launch_jobs(8, [
         dict(name="dropout_through", layout=L222, model=big, steps=6, save_every=3, ckpt_dir=str(dropout)),
@@ -61,12 +62,19 @@ def runs(tmp_path_factory):
         dict(name="cp_through", layout=CP8, model=MODEL, steps=6, save_every=3, ckpt_dir=str(cp)),
         # ... and (dp, cp, pp) = (2, 2, 2), whose pipeline stages send each rank's part of the sequence
         dict(name="cp_pp_through", layout=CP_PP8, model=MODEL, steps=6, save_every=3, ckpt_dir=str(cp_pp)),
+        # Expert parallelism: Mixtral's experts split over ep2 (of dp8) are saved under their single-device names,
+        # expert e at index e, and read back at ep4 (of dp8) and, below, in one process.
+        dict(MIXTRAL, name="ep2_through", layout=dict(data_parallel_size=8, expert_parallel_size=2), save_every=3,
+             ckpt_dir=str(ep2)),
+        dict(MIXTRAL, name="ep2_to_ep4", layout=dict(data_parallel_size=8, expert_parallel_size=4, zero_stage=3),
+             resume=_step3(ep2)),
     ], root / "eight")
     results.update(launch_jobs(1, [
         dict(name="to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(plain)),
         dict(PHI3_GQA, name="phi3_gqa_single", layout={}, save_every=3, ckpt_dir=str(phi3_single)),
         dict(name="cp_to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(cp)),
         dict(name="cp_pp_to_1_1_1", layout={}, model=MODEL, steps=6, resume=_step3(cp_pp)),
+        dict(MIXTRAL, name="ep2_to_ep1", layout={}, resume=_step3(ep2)),
     ], root / "one"))
     results.update(launch_jobs(2, [
         dict(name="to_2_1_1", layout=dict(data_parallel_size=2, zero_stage=3), model=MODEL, steps=6,
@@ -129,6 +137,19 @@ def test_a_fused_projection_of_unequal_parts_reshards_both_ways(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference_phi3_gqa", **PHI3_GQA))
     assert max(abs(a - b) for a, b in zip(reference.losses, results["phi3_gqa_tp2"]["losses"])) <= 1e-5
+    resumed = results[target]["losses"]
+    assert results[target]["global_step"] == 6 and len(resumed) == 3
+    assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)
+    for name, tensor in reference.params.items():
+        assert torch.allclose(results[target]["params"][name], tensor, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["ep2_to_ep4", "ep2_to_ep1"])
+def test_an_expert_parallel_checkpoint_reshards_to_other_ep_sizes(runs, target):
+    _, results = runs
+    reference = reference_for(Case(name="reference_mixtral", **MIXTRAL))
+    assert max(abs(a - b) for a, b in zip(reference.losses, results["ep2_through"]["losses"])) <= 1e-5
     resumed = results[target]["losses"]
     assert results[target]["global_step"] == 6 and len(resumed) == 3
     assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)

@@ -9,28 +9,9 @@ One launch per world size runs every case of that size."""
 import pytest
 
 from helpers.harness import Case, assert_parity, launch, reference_for
+from helpers.hf_cases import MOE_MODELS, MORE_MOE_MODELS
 
 pytestmark = pytest.mark.multiprocess
-
-_SIZES = dict(seq_len=16, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, use_cache=False)
-MOE_MODELS = {
-    "mixtral": dict(_SIZES, model_type="mixtral", intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-                    router_jitter_noise=0.0),
-    # Qwen3-MoE: q/k norms per head, its experts' top-k weights renormalized
-    "qwen3_moe": dict(_SIZES, model_type="qwen3_moe", head_dim=8, moe_intermediate_size=32, num_experts=8,
-                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1),
-    # OLMoE: q/k norms over all heads, the top-k weights not renormalized
-    "olmoe": dict(_SIZES, model_type="olmoe", intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-}
-MORE_MOE_MODELS = {
-    # a shared expert (an MLP beside the routed ones, with its own gate): data-parallel like every other weight
-    "qwen2_moe": dict(_SIZES, model_type="qwen2_moe", intermediate_size=64, moe_intermediate_size=32, num_experts=8,
-                      num_experts_per_tok=2, shared_expert_intermediate_size=32),
-    # experts stored transposed, gate and up interleaved, with biases (the down bias added once under tp)
-    "gpt_oss": dict(_SIZES, model_type="gpt_oss", intermediate_size=32, head_dim=8, num_local_experts=8,
-                    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8),
-}
 
 
 def ep_case(model, ep, dp, tp=1, pp=1, **strategy):

@@ -58,5 +58,5 @@ def trainer_for(case: Case, strategy, devices: int, recorder: LossRecorder) -> L
         # after a forward-only pipeline step, and dp x pp lost the first step's update) shows in every case.
         num_sanity_val_steps=case.sanity_steps,
         limit_val_batches=2,
-        callbacks=[GradNormMonitor(every_n_steps=1), ThroughputMonitor(every_n_steps=2), ExpertLoadMonitor(), recorder],
+        callbacks=[GradNormMonitor(every_n_steps=1), ThroughputMonitor(every_n_steps=2), ExpertLoadMonitor(every_n_steps=1), recorder],
     )
