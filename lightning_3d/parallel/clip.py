@@ -61,7 +61,7 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
     The shares of all ranks sum to the squared global norm; no communication.
 
     One ``torch._foreach_norm`` per group of gradients with the same device, dtype and number of copies (a
-    handful of groups, not a kernel per parameter), in float32 whatever the gradients' dtype."""
+    handful of groups, not a kernel per parameter), in float32 (float64 for float64 gradients)."""
     groups: dict[tuple, list[Tensor]] = defaultdict(list)  # (device, dtype, copies) -> local pieces
     device = None  # where the parameters are: the sums go into an all-reduce, which NCCL serves on the GPU only
     for param in parameters:
@@ -73,8 +73,10 @@ def grad_square_terms(parameters: Iterable[Tensor], dims: ParallelDims) -> tuple
     if not groups:  # a rank without gradients (frozen stage) still joins the all-reduce, on its device
         return torch.zeros((), device=device), torch.zeros((), device=device)
     share, local_squares = [], []
-    for (_, _, copies), pieces in groups.items():
-        squares = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).square().sum()
+    for (_, dtype, copies), pieces in groups.items():
+        # float32 at least; float64 gradients ("64-true") in float64, their sums then kept as float32
+        wide = torch.promote_types(dtype, torch.float32)
+        squares = torch.stack(torch._foreach_norm(pieces, 2, dtype=wide)).square().sum().float()
         local_squares.append(squares)
         share.append(squares / copies)
     return torch.stack(share).sum(), torch.stack(local_squares).sum()

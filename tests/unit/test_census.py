@@ -62,6 +62,23 @@ def test_a_run_is_judged_against_one_process():
     assert judge(_result(tp_sharded_block_share=[0.0, 0.0]), reference, "pp2").status == "PASS"
 
 
+def test_a_parameter_is_allowed_what_float32_rounding_alone_moves_one_process():
+    from helpers.census.outcomes import judge, rounding_drift
+
+    reference = _result()
+    # float64 trains one process's "w" 3e-4 away: float32 rounding alone moves it that far in this model
+    exact = _result(params={"w": torch.ones(3, dtype=torch.float64) + 3e-4, "layers.0.norm": torch.ones(2)})
+    drift = rounding_drift(reference, exact)
+    assert drift["w"] == pytest.approx(3e-4) and drift["layers.0.norm"] == 0.0
+    near = _result(params={"w": torch.ones(3) + 2.4e-4, "layers.0.norm": torch.ones(2)})
+    assert judge(near, reference, "tp2").status == "wrong"  # beyond the fixed bound of 1e-4
+    assert judge(near, reference, "tp2", rounding=drift).status == "PASS"  # within twice the drift
+    far = _result(params={"w": torch.ones(3) + 1e-2, "layers.0.norm": torch.ones(2)})  # a wrong gradient's mark
+    assert judge(far, reference, "tp2", rounding=drift).status == "wrong"
+    norm = _result(params={"w": torch.ones(3), "layers.0.norm": torch.ones(2) + 2.4e-4})  # rounding moved it not
+    assert judge(norm, reference, "tp2", rounding=drift).status == "wrong"
+
+
 def test_a_parameter_whose_copies_differ_between_ranks_is_wrong():
     from helpers.census.outcomes import judge
 

@@ -34,3 +34,13 @@ def test_nccl_on_cuda_gets_gloo_next_to_it_for_host_tensors():
     assert backend_for(torch.device("cuda", 0), "nccl") == "cuda:nccl,cpu:gloo"
     assert backend_for(torch.device("cpu"), "gloo") == "gloo"
     assert backend_for(torch.device("cuda", 0), "gloo") == "gloo"  # what the user chose on purpose stays
+
+
+def test_float64_gradients_have_their_norm_taken_in_float64():
+    # Trainer(precision="64-true"): the norm of double gradients, which a float32 norm refused as narrowing
+    layer = nn.Linear(3, 2).double()
+    layer(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    share, local = grad_square_terms(layer.parameters(), DIMS)
+    expected = sum(p.grad.square().sum() for p in layer.parameters())
+    assert local.dtype == torch.float32 and torch.allclose(local.double(), expected)
+    assert torch.allclose(share.double(), expected)

@@ -10,7 +10,11 @@ The tolerances, and why:
   from the second step as 1e-3 or more (Qwen3's unreduced k_norm: 1.1e-3 by step 6, 2.4e-2 on the weight).
 * every parameter within ``PARAM_ATOL`` = 1e-4 after the steps: AdamW with eps 1e-3 (``ADAM_EPS``) moves a
   weight by at most lr = 1e-2 per step; a rounding-level gradient error moves it by ~1e-8 per step (see
-  ``ADAM_EPS``), a wrong gradient by up to the learning rate.
+  ``ADAM_EPS``), a wrong gradient by up to the learning rate. Some models amplify rounding far more: Gemma 4's
+  per-layer input projection ends 4.1e-4 from where float64 takes it after 3 steps in one process, so another
+  CPU's float32 kernels land 2.4e-4 from it. A run judged wrong by its parameters alone is judged again with
+  each parameter allowed twice the distance float32 rounding alone moves the one-process run from float64
+  (:func:`rounding_drift`): no layout can be held closer than that.
 * every copy alike (``Result.replica_spread``) within ``REPLICA_ATOL`` = 1e-6: the ranks that hold a whole
   tensor (replicated over tp, or a tied weight on two stages) apply the same update to the same value, so
   their copies agree to the last bit or, reduced in another order, to fp32 rounding (~1e-7 of weights of
@@ -47,8 +51,16 @@ class Outcome:
         return text if width is None or len(text) <= width else text[:width - 3] + "..."
 
 
-def judge(run, reference: Result, layout: str) -> Outcome:
-    """``run`` (a Result, or a ``running.CaseError``) against the one-process ``reference``."""
+def rounding_drift(reference: Result, exact: Result) -> dict[str, float]:
+    """Per parameter, how far float32 rounding alone moved the one-process run (``reference``) from the same run in
+    float64 (``exact``) over the steps: how far any other order of the same float32 sums may land."""
+    return {name: (tensor.double() - exact.params[name].double()).abs().max().item()
+            for name, tensor in reference.params.items() if tensor.is_floating_point()}
+
+
+def judge(run, reference: Result, layout: str, rounding: dict[str, float] | None = None) -> Outcome:
+    """``run`` (a Result, or a ``running.CaseError``) against the one-process ``reference``; with ``rounding``
+    (:func:`rounding_drift`), a parameter may also be as far from it as twice one process's own drift."""
     if not isinstance(run, Result):
         lines = [line.strip() for line in run.message.splitlines() if line.strip()] or [""]
         first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "not split:" and what is not
@@ -66,8 +78,9 @@ def judge(run, reference: Result, layout: str) -> Outcome:
         wrong.append(f"losses {loss_gap:.1e} apart")
     gaps = {name: (run.params[name].double() - reference.params[name].double()).abs().max().item()
             for name in reference.params if reference.params[name].is_floating_point()}
-    worst = max(gaps, key=gaps.get, default=None)
-    if worst is not None and not gaps[worst] <= PARAM_ATOL:
+    over = {name: gap - PARAM_ATOL - 2 * (rounding or {}).get(name, 0.0) for name, gap in gaps.items()}
+    worst = max(over, key=over.get, default=None)
+    if worst is not None and not over[worst] <= 0:
         wrong.append(f"{worst} {gaps[worst]:.1e} apart")
     apart = max(run.replica_spread, key=run.replica_spread.get, default=None)
     if apart is not None and not run.replica_spread[apart] <= REPLICA_ATOL:
