@@ -123,12 +123,7 @@ def test_the_same_seed_and_layout_give_bit_identical_losses(runs):
                                     "to_cp", "cp_to_1_1_1", "cp_pp_to_1_1_1"])
 def test_a_checkpoint_of_2_2_2_reshards_to_another_layout_and_trains_on_as_one_process(runs, target):
     _, results = runs
-    reference = reference_for(Case(name="reference", model=MODEL, steps=6))
-    resumed = results[target]["losses"]
-    assert results[target]["global_step"] == 6 and len(resumed) == 3
-    assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)
-    for name, tensor in reference.params.items():
-        assert torch.allclose(results[target]["params"][name], tensor, atol=1e-5, rtol=0), name
+    _assert_resumed_as(reference_for(Case(name="reference", model=MODEL, steps=6)), results[target])
 
 
 @pytest.mark.multiprocess
@@ -137,11 +132,7 @@ def test_a_fused_projection_of_unequal_parts_reshards_both_ways(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference_phi3_gqa", **PHI3_GQA))
     assert max(abs(a - b) for a, b in zip(reference.losses, results["phi3_gqa_tp2"]["losses"])) <= 1e-5
-    resumed = results[target]["losses"]
-    assert results[target]["global_step"] == 6 and len(resumed) == 3
-    assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)
-    for name, tensor in reference.params.items():
-        assert torch.allclose(results[target]["params"][name], tensor, atol=1e-5, rtol=0), name
+    _assert_resumed_as(reference, results[target])
 
 
 @pytest.mark.multiprocess
@@ -150,11 +141,16 @@ def test_an_expert_parallel_checkpoint_reshards_to_other_ep_sizes(runs, target):
     _, results = runs
     reference = reference_for(Case(name="reference_mixtral", **MIXTRAL))
     assert max(abs(a - b) for a, b in zip(reference.losses, results["ep2_through"]["losses"])) <= 1e-5
-    resumed = results[target]["losses"]
-    assert results[target]["global_step"] == 6 and len(resumed) == 3
-    assert max(abs(a - b) for a, b in zip(reference.losses[3:], resumed)) <= 1e-5, (reference.losses, resumed)
+    _assert_resumed_as(reference, results[target])
+
+
+def _assert_resumed_as(reference, resumed: dict) -> None:
+    """A run resumed at step 3 of 6 trained steps 4 to 6 as one process did, to the same parameters."""
+    losses = resumed["losses"]
+    assert resumed["global_step"] == 6 and len(losses) == 3
+    assert max(abs(a - b) for a, b in zip(reference.losses[3:], losses)) <= 1e-5, (reference.losses, losses)
     for name, tensor in reference.params.items():
-        assert torch.allclose(results[target]["params"][name], tensor, atol=1e-5, rtol=0), name
+        assert torch.allclose(resumed["params"][name], tensor, atol=1e-5, rtol=0), name
 
 
 @pytest.mark.multiprocess

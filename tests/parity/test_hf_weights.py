@@ -1,5 +1,5 @@
 """Hugging Face weights in and out: a run started from a ``save_pretrained`` directory (``init_from``) trains as
-one process that loaded it, its sharded checkpoint exports (``lightning-3d convert --hf``) to a directory
+one process that loaded it (a Mixtral's stacked experts read per rank under expert parallelism too), its sharded checkpoint exports (``lightning-3d convert --hf``) to a directory
 ``from_pretrained`` loads, and export -> load at another layout -> export gives identical files."""
 
 import json
@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers.harness import Case, assert_parity, launch, reference_for  # noqa: E402
 from lightning_3d.checkpoint.convert import export_hf  # noqa: E402
+from lightning_3d.checkpoint.safetensors_io import SafetensorsWriter  # noqa: E402
 
 # Tied input and output embeddings, and fewer kv heads than query heads.
 SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -31,6 +32,30 @@ def _pretrained(root):
     return str(root / "source"), str(root / "source.pt")
 
 
+# A mixture of experts split over ep: each rank reads only its experts' rows of the stacked weights.
+MOE_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0,
+                 use_cache=False)
+
+
+def _pretrained_moe(root):
+    """A Mixtral config directory, its weights (unlike any seeded init) as a safetensors file of the stacked experts
+    the model holds, and the same state dict as a torch file. (save_pretrained would write each expert's matrices
+    apart, Mixtral's original layout, which init_from does not stack yet.)"""
+    torch.manual_seed(8)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("mixtral", **MOE_SIZES))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn_like(param))
+    model.config.save_pretrained(root / "moe_config")
+    state = model.state_dict()
+    with SafetensorsWriter(root / "moe.safetensors", {k: (tuple(v.shape), v.dtype) for k, v in state.items()}) as writer:
+        for name, tensor in state.items():
+            writer.write(name, tensor)
+    torch.save(state, root / "moe_source.pt")
+    return str(root / "moe_config"), str(root / "moe.safetensors"), str(root / "moe_source.pt")
+
+
 def _case(name, dp, pp, tp, strategy=(), **fields):
     kwargs = dict(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                   init_from=fields.pop("init_from"), **dict(strategy))
@@ -41,6 +66,7 @@ def _case(name, dp, pp, tp, strategy=(), **fields):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_weights")
     source, source_pt = _pretrained(root)
+    moe_config, moe_weights, moe_source_pt = _pretrained_moe(root)
     # from_hf_*_meta: HFCausalLMModule(pretrained=source) builds on the meta device; no rank holds the model.
     meta = dict(MODEL, pretrained=source)
     trained = [_case("from_hf_pp2_tp2", 1, 2, 2, init_from=source, reference_weights=source_pt,
@@ -48,7 +74,11 @@ def runs(tmp_path_factory):
                _case("from_hf_tp4", 1, 1, 4, init_from=source, reference_weights=source_pt),
                _case("from_hf_pp2_tp2_meta", 1, 2, 2, init_from=source, reference_weights=source_pt, model=meta),
                _case("from_hf_dp2_tp2_zero3_meta", 2, 1, 2, init_from=source, reference_weights=source_pt, model=meta,
-                     strategy={"zero_stage": 3})]
+                     strategy={"zero_stage": 3}),
+               # Mixtral built on the meta device, its experts over ep2 (of dp4) and ZeRO-3 over dp_mod_ep
+               _case("from_hf_mixtral_dp4_ep2_zero3_meta", 4, 1, 1, init_from=moe_weights, reference_weights=moe_source_pt,
+                     model=dict(model_type="mixtral", seq_len=16, **MOE_SIZES, pretrained=moe_config),
+                     strategy={"expert_parallel_size": 2, "zero_stage": 3})]
     results = launch(trained, 4, root / "world4")
     exported = root / "exported"
     export_hf(root / "pp2_tp2.ckpt", exported)
@@ -61,7 +91,8 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["from_hf_pp2_tp2", "from_hf_tp4", "from_hf_pp2_tp2_meta", "from_hf_dp2_tp2_zero3_meta"])
+@pytest.mark.parametrize("name", ["from_hf_pp2_tp2", "from_hf_tp4", "from_hf_pp2_tp2_meta", "from_hf_dp2_tp2_zero3_meta",
+                                  "from_hf_mixtral_dp4_ep2_zero3_meta"])
 def test_a_run_started_from_a_hugging_face_directory_trains_as_one_process_that_loaded_it(runs, name):
     cases, results, _ = runs
     reference = reference_for(cases[name])
