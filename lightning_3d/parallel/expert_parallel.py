@@ -48,8 +48,8 @@ from lightning_3d.policies.local_tensors import shadowed
 
 
 def expert_count(module: nn.Module) -> int:
-    """How many experts ``module`` (:func:`~lightning_3d.policies.experts.is_experts`) holds: its ``down_proj``'s
-    first dimension."""
+    """How many experts ``module`` (:func:`~lightning_3d.policies.experts.is_dispatched_experts`) holds: its
+    ``down_proj``'s first dimension."""
     return module.down_proj.shape[0]
 
 
