@@ -49,7 +49,8 @@ class ExpertLoadMonitor(L.Callback):
         if dist.is_initialized():  # under pp a rank holds its stage's layers; the table has every stage's
             stages = [None] * dist.get_world_size()
             dist.all_gather_object(stages, held)
-        self._layers = {name: experts for layers in stages for name, experts in layers.items()}  # (stages in rank order)
+        # (the stages in rank order: the model's order of its layers)
+        self._layers = {name: experts for layers in stages for name, experts in layers.items()}
 
     def _counter(self, name: str, experts: int):
         def count(module: nn.Module, args: tuple) -> None:
@@ -64,7 +65,8 @@ class ExpertLoadMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.counts = {}
-        self.counting = bool(self._layers) and trainer.global_step % (self.every_n_steps or trainer.log_every_n_steps) == 0
+        every = self.every_n_steps or trainer.log_every_n_steps
+        self.counting = bool(self._layers) and trainer.global_step % every == 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if not self.counting:

@@ -3,10 +3,11 @@ experts' ranks and back by all-to-all.
 
 The experts module is transformers' (``MixtralExperts``, ``Qwen3MoeExperts``, ``OlmoeExperts``...: stacked
 ``gate_up_proj`` / ``down_proj`` with the expert first, called as ``experts(hidden_states, top_k_index,
-top_k_weights)``; :func:`~lightning_3d.policies.experts.is_dispatched_experts`). Rank ``r`` of an ep group of ``n`` keeps
-experts ``[r E/n, (r+1) E/n)`` of each (a DTensor ``Shard(0)`` on "ep"; under tp also split over "tp" by each
-expert's intermediate features, :class:`~lightning_3d.policies.experts.ExpertsSplit`). The router and every other
-weight stay as the layout has them; the ep ranks are data-parallel ranks, each with its own tokens.
+top_k_weights)``; :func:`~lightning_3d.policies.experts.is_dispatched_experts`). Rank ``r`` of an ep group of
+``n`` keeps experts ``[r E/n, (r+1) E/n)`` of each (a DTensor ``Shard(0)`` on "ep"; under tp also split over
+"tp" by each expert's intermediate features, :class:`~lightning_3d.policies.experts.ExpertsSplit`). The router
+and every other weight stay as the layout has them; the ep ranks are data-parallel ranks, each with its own
+tokens.
 
 A call, on each rank (:class:`_DispatchedForward`):
 
