@@ -41,9 +41,10 @@ class ExpertLoadMonitor(L.Callback):
         self._handles: list = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        held = {name: m.down_proj.shape[0] for name, m in pl_module.named_modules() if is_dispatched_experts(m)}
+        held = {}
         for name, module in pl_module.named_modules():
-            if name in held:
+            if is_dispatched_experts(module):
+                held[name] = module.down_proj.shape[0]
                 self._handles.append(module.register_forward_pre_hook(self._counter(name, held[name])))
         stages = [held]
         if dist.is_initialized():  # under pp a rank holds its stage's layers; the table has every stage's

@@ -104,14 +104,13 @@ def apply_zero(module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, 
 
 def apply_zero_units(units: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int, pipeline_stage: bool = False,
                      mp_policy: MixedPrecisionPolicy | None = None,
-                     offload_policy: OffloadPolicy | None = None) -> list[nn.Module]:
+                     offload_policy: OffloadPolicy | None = None) -> None:
     """FSDP2's ``fully_shard`` on each of ``units`` in turn (inner ones first), as :func:`apply_zero` describes."""
     reshard = zero_stage_that_runs(zero_stage, pipeline_stage)[0] == 3
     options = dict(mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy or MixedPrecisionPolicy(),
                    offload_policy=offload_policy or OffloadPolicy(), shard_placement_fn=zero_placement)
     for unit in units:
         fully_shard(unit, **options)
-    return units
 
 
 def zero_placement(param: nn.Parameter) -> Shard | None:

@@ -117,9 +117,9 @@ class _DispatchedForward:
         sent = torch.bincount(pairs, minlength=self.experts)
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=self.group)  # counts: no gradient
-        send_splits = sent.view(self.ranks, -1).sum(1).tolist()  # (the host reads the sizes)
         received = received.view(self.ranks, self.local_experts)
-        receive_splits = received.sum(1).tolist()
+        # the split sizes, both ways, in one host read
+        send_splits, receive_splits = torch.stack([sent.view(self.ranks, -1).sum(1), received.sum(1)]).tolist()
         arrived = _exchange(tokens[token_of], receive_splits, send_splits, self.group)
         arrived_weights = _exchange(weights.reshape(-1)[order], receive_splits, send_splits, self.group)
         # Each rank's pairs come sorted by expert: this rank's experts, numbered from 0, in that order.

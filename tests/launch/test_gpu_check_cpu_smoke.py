@@ -33,8 +33,8 @@ def _part_lines(stdout: str) -> dict[str, str]:
 @pytest.mark.timeout(900)
 def test_every_part_passes_on_cpu_and_writes_the_report(tmp_path):
     report = tmp_path / "report.json"
-    # Three times the parts' limits: inductor compiling on two cores beside a loaded suite took over 120 s (4 CPU
-    # hogs); a part's limit is for a hang, not for a slow host.
+    # Three times the parts' limits: inductor's compile on two loaded cores can pass 120 s, and a part's limit is
+    # for a hang, not for a slow host.
     proc = _gpu_check("--report", str(report), "--timeout-scale", "3", timeout=840)
     output = proc.stdout + proc.stderr
     assert _part_lines(proc.stdout) == dict.fromkeys(PART_NAMES, "PASS"), output[-6000:]
