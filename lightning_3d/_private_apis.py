@@ -34,11 +34,12 @@ PRIVATE_NAMES: dict[str, Private] = {
     "torch.utils._pytree": Private(
         "flatten and rebuild nested batches, step outputs and model call arguments (pipeline engine, callbacks)",
         "torch 2.13 ships no public pytree module; the optree package would be one more dependency"),
-    "torch.distributed._functional_collectives.all_to_all_single": Private(
+    "torch.distributed._functional_collectives": Private(
         "expert parallelism sends tokens to their experts' ranks and back with an all-to-all whose backward is the"
-        " reverse all-to-all",
-        "torch.distributed.nn.functional.all_to_all_single, the public autograd-aware one, is deprecated in torch 2.13"
-        " and names this one as its replacement"),
+        " reverse all-to-all (all_to_all_single); a router's load-balancing loss gathers its logits with an"
+        " all-gather whose backward sums the gradients back (all_gather_single)",
+        "torch.distributed.nn.functional's autograd-aware collectives are deprecated in torch 2.13 and name these"
+        " as their replacement"),
     "torch.utils._python_dispatch.is_in_torch_dispatch_mode": Private(
         "compile=True runs a block eagerly under a dispatch mode (fake tensors of the shape check, a FLOP"
         " counter): compiled kernels would run on tensors without data",

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightning_3d.parallel.balancing_loss import apply_global_balancing_loss
 from lightning_3d.parallel.clip import mark_whole_parts
 from lightning_3d.parallel.compile import apply_compile
 from lightning_3d.parallel.config import ParallelConfig
@@ -173,6 +174,10 @@ def parallelize(module: nn.Module, plan: Plan, config: ParallelConfig, dims: Par
                                   sequence_parallel=mesh["tp"].get_group() if config.sequence_parallel else None)
         apply_context_parallel(held_modules(module, plan.blocks), context, first=plan.blocks[0], last=plan.blocks[-1],
                                stage_starts={blocks[0] for blocks in stage_blocks[1:]})
+    # 4c. A router's load-balancing loss (a mixture of experts') over the global batch: its statistics gathered
+    #     from the ranks that hold other tokens, as one process computes it on the whole batch.
+    if dims.replicas > 1:
+        apply_global_balancing_loss(module, dims.replicas_mesh(mesh).get_group())
     if config.compile:
         apply_compile(module, plan, rank)
 

@@ -2,7 +2,9 @@
 users configure them for training (``use_cache=False``, grouped-query attention, top-2 of 8 experts), planned
 by ``policy="auto"``, at ep2 and ep4, and composed with tensor parallelism, pipeline parallelism, and data
 parallelism (ep borrowed from dp) with ZeRO-1 and ZeRO-3; Qwen2-MoE (a shared expert beside the routed ones) and
-gpt-oss (experts stored transposed, with biases) at ep2, and gpt-oss at ep2 x tp2.
+gpt-oss (experts stored transposed, with biases) at ep2, and gpt-oss at ep2 x tp2. The "_aux" cases train on
+the model's own loss with the router's load-balancing term (``output_router_logits``; "_aux_mask" with a padding
+mask), which is the global batch's under dp, with ep or without (ep1).
 
 One launch per world size runs every case of that size."""
 
@@ -14,19 +16,28 @@ from helpers.hf_cases import MOE_MODELS, MORE_MOE_MODELS
 pytestmark = pytest.mark.multiprocess
 
 
-def ep_case(model, ep, dp, tp=1, pp=1, **strategy):
+# The router's load-balancing loss on, as trained (transformers' output_router_logits), at a weight where a
+# per-rank value would show: the model's own loss (labels=), with a padding mask in the "_mask" cases.
+BALANCING_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.05)
+
+
+def ep_case(model, ep, dp, tp=1, pp=1, aux=None, **strategy):
     kwargs = dict(expert_parallel_size=ep, data_parallel_size=dp, tensor_parallel_size=tp,
                   pipeline_parallel_size=pp, **strategy)
     if pp > 1:
         kwargs.setdefault("num_microbatches", 2)
     tag = f"{model}_dp{dp}_ep{ep}" + (f"_tp{tp}" if tp > 1 else "") + (f"_pp{pp}" if pp > 1 else "") + (
-        f"_zero{strategy['zero_stage']}" if strategy.get("zero_stage") else "")
-    return Case(name=tag, module="hf", strategy_kwargs=kwargs, dp=dp, steps=4,
-                model={**MOE_MODELS, **MORE_MOE_MODELS}[model])
+        f"_zero{strategy['zero_stage']}" if strategy.get("zero_stage") else "") + (f"_{aux}" if aux else "")
+    config = {**MOE_MODELS, **MORE_MOE_MODELS}[model]
+    module = {None: "hf", "aux": "hf_labels", "aux_mask": "hf_labels_padded"}[aux]
+    return Case(name=tag, module=module, strategy_kwargs=kwargs, dp=dp, steps=4,
+                model={**config, **BALANCING_LOSS} if aux else config)
 
 
-WORLD_2 = [ep_case(model, 2, 2) for model in {**MOE_MODELS, **MORE_MOE_MODELS}]
+WORLD_2 = [ep_case(model, 2, 2) for model in {**MOE_MODELS, **MORE_MOE_MODELS}] + [
+    ep_case("mixtral", 2, 2, aux="aux"), ep_case("olmoe", 1, 2, aux="aux_mask")]  # (ep1: plain dp)
 WORLD_4 = [ep_case(model, 4, 4) for model in MOE_MODELS] + [
+    ep_case("qwen3_moe", 2, 4, zero_stage=3, aux="aux_mask"), ep_case("mixtral", 2, 2, tp=2, aux="aux")] + [
     ep_case(model, 2, 2, tp=2) for model in {**MOE_MODELS, "gpt_oss": None}] + [
     ep_case(model, 2, 2, pp=2) for model in MOE_MODELS] + [
     ep_case(model, 2, 4, zero_stage=zero) for model in MOE_MODELS for zero in (1, 3)]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from helpers.hf_cases import PIPELINE_HF_MODELS
+from helpers.hf_cases import MOE_MODELS, PIPELINE_HF_MODELS
 from lightning_3d.pipeline.split import split_stages
 from lightning_3d.pipeline.step_checks import StepPatternError
 from lightning_3d.policies import Plan, PlanOptions
@@ -210,3 +210,17 @@ def test_transformers_models_two_stages_give_the_models_own_logits(model_type):
     root, plan = planned(copy.deepcopy(model))
     output = chained(root, plan, kwargs=dict(input_ids=tokens))
     assert torch.equal(output[0] if isinstance(output, tuple) else output, model(input_ids=tokens).logits)
+
+
+def test_a_mixture_of_experts_load_balancing_loss_is_refused_under_a_pipeline():
+    """Mixtral with output_router_logits, called with labels: its loss adds a term from every layer's router,
+    which the last stage does not have."""
+    transformers = pytest.importorskip("transformers")
+    config = {k: v for k, v in MOE_MODELS["mixtral"].items() if k != "seq_len"}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config, output_router_logits=True)).train()
+    tokens = torch.randint(2, config["vocab_size"], (2, 8))
+    root, plan = planned(copy.deepcopy(model))
+    with pytest.raises(StepPatternError, match=r"computed inside block 'model.layers.2' .*output_router_logits=False"):
+        chained(root, plan, kwargs=dict(input_ids=tokens, labels=tokens))

@@ -39,7 +39,8 @@ class Case:
     mind, built in configure_model, user_models.py),
     "hf" (a Hugging Face causal LM, ``HFCausalLMModule``; ``model`` then holds ``model_type``, ``seq_len`` and
     the HF config's sizes), "hf_padded" (the same, calling the model with a padding mask too), "hf_labels"
-    (the same, the loss computed by the model from ``labels=``), "hf_microbatched" (the same, its logits
+    (the same, the loss computed by the model from ``labels=``), "hf_labels_padded" (that with a padding mask),
+    "hf_microbatched" (the same, its logits
     computed on the batch in 2 halves)."""
     dp: int = 1
     """Data-parallel size of the run: the global batch is split into dp per-rank batches."""

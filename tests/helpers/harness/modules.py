@@ -67,6 +67,18 @@ class LabelsHFModule(HFCausalLMModule):
         return self.model(input_ids=tokens, labels=tokens).loss
 
 
+class PaddedLabelsHFModule(HFCausalLMModule):
+    """The model's own loss (``labels``) with a padding mask, which a mixture of experts' load-balancing loss
+    follows: a sequence whose first token is even ends in 3 padding positions (chosen by its tokens, so the same
+    sequences are padded wherever the sampler places them)."""
+
+    def _loss(self, batch):
+        tokens, _ = batch
+        mask = torch.ones_like(tokens)
+        mask[tokens[:, 0] % 2 == 0, -3:] = 0
+        return self.model(input_ids=tokens, attention_mask=mask, labels=tokens).loss
+
+
 class MicrobatchedHFModule(HFCausalLMModule):
     """Computes its logits on the batch in 2 halves, as a pipeline of 2 micro-batches does: one process with a
     pipeline's arithmetic, for models whose output depends on the batch it is computed in (a router's
@@ -89,7 +101,7 @@ def module_and_data(case: Case, per_rank_batch: int, data_cls=SyntheticDataModul
         sizes = dict(case.model)
         model_type, seq_len = sizes.pop("model_type"), sizes.pop("seq_len")
         cls = {"hf": HFCausalLMModule, "hf_padded": PaddedHFModule, "hf_labels": LabelsHFModule,
-               "hf_microbatched": MicrobatchedHFModule}[case.module]
+               "hf_labels_padded": PaddedLabelsHFModule, "hf_microbatched": MicrobatchedHFModule}[case.module]
         pretrained = sizes.pop("pretrained", None)  # a config.json directory: built in configure_model
         module = cls(model_type, sizes, pretrained=pretrained, learning_rate=case.learning_rate, warmup_steps=2,
                      adam_eps=ADAM_EPS)
