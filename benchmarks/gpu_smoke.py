@@ -47,10 +47,8 @@ from typing import Callable, Optional
 
 import torch
 
-PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peak by device-name fragment; first match wins (PCIe before SXM)
-    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0),
-    ("L40S", 362.0), ("B200", 2250.0),
-)
+from lightning_3d.device_peaks import dense_bf16_tflops
+
 PARTS = ("throughput", "ac", "comm", "offload", "setup")
 
 
@@ -86,7 +84,8 @@ def peak_flops(device_name: str, override_tflops: Optional[float]) -> Optional[f
     """The device's dense bf16 peak in FLOP/s: the override, else the table's, else None (unknown)."""
     if override_tflops is not None:
         return override_tflops * 1e12
-    return next((tflops * 1e12 for fragment, tflops in PEAK_BF16_TFLOPS if fragment in device_name), None)
+    tflops = dense_bf16_tflops(device_name)
+    return None if tflops is None else tflops * 1e12
 
 
 def mfu(flops_per_step: float, step_seconds: float, peak: Optional[float]) -> Optional[float]:

@@ -10,11 +10,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from lightning_3d.callbacks.layout import dims_of
+from lightning_3d.device_peaks import dense_bf16_tflops
 from lightning_3d.parallel.clip import local_pieces
-
-# Dense bf16 peak FLOP/s per device, by the start of torch.cuda.get_device_name(); pass peak_flops otherwise.
-PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L40S": 362e12,
-              "NVIDIA A10G": 70e12}
 
 
 class ThroughputMonitor(L.Callback):
@@ -24,7 +21,8 @@ class ThroughputMonitor(L.Callback):
       from the time between consecutive training batches;
     * ``throughput/mfu`` -- model FLOP utilization, ``6 * N * tokens/s / (peak * world)`` with ``N`` the
       parameters of the whole model (each shard and stage counted once; the attention-score FLOPs are left
-      out, as in the usual 6N estimate), when the device's peak is known (``PEAK_FLOPS``) or given;
+      out, as in the usual 6N estimate), when the device's peak is known (``lightning_3d.device_peaks``) or
+      given;
     * ``throughput/step_time_skew`` -- the slowest rank's batch time over the fastest's (1.0 = no straggler).
 
     Batch shapes: samples = dim 0 of the batch's first tensor per dp replica; tokens = samples x dim 1.
@@ -43,8 +41,8 @@ class ThroughputMonitor(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.peak_flops is None and pl_module.device.type == "cuda":
-            name = torch.cuda.get_device_name(pl_module.device)
-            self.peak_flops = next((peak for prefix, peak in PEAK_FLOPS.items() if name.startswith(prefix)), None)
+            tflops = dense_bf16_tflops(torch.cuda.get_device_name(pl_module.device))
+            self.peak_flops = None if tflops is None else tflops * 1e12
         self.model_parameters = round(self._whole_model_parameters(trainer, pl_module))
         self._last = None
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_3d.common import is_positive_int
+from lightning_3d.device_peaks import dense_bf16_tflops
 from lightning_3d.errors import PlannerError
 
 GIB = 2**30
@@ -41,9 +42,9 @@ class Cluster:
     """Memory of one GPU (GiB)."""
     usable_fraction: float = 0.9
     """Share of that memory a plan may fill; the rest is the CUDA context, NCCL buffers, allocator slack."""
-    peak_tflops: float | None = 989.0
-    """Dense bf16 peak of one GPU, TFLOP/s (MFU is reported against it). None: no datasheet peak (CPU
-    ranks); step times then need a :class:`~lightning_3d.planner.calibration.Calibration`."""
+    peak_tflops: float | None = dense_bf16_tflops("H100 SXM")
+    """Dense bf16 peak of one GPU, TFLOP/s (MFU is reported against it; ``lightning_3d.device_peaks``). None:
+    no datasheet peak (CPU ranks); step times then need a :class:`~lightning_3d.planner.calibration.Calibration`."""
     gemm_efficiency: float = 0.7
     """Share of the datasheet peak that a training step's matrix multiplications and attention reach. 0.7 fits
     A100 runs (Megatron-LM, torchtitan; docs/planner.md); the H100 presets take 0.6. Measure yours (a step's
@@ -123,12 +124,15 @@ class Cluster:
 H100_GEMM_EFFICIENCY = 0.6
 
 GPUS = {
-    # Datasheet memory, dense bf16 peak and HBM bandwidth; collective bandwidths as NCCL reaches them.
-    "a100-40gb": Cluster(memory_gib=40, peak_tflops=312, hbm_bandwidth_gbs=1555, intra_node_bandwidth_gbs=230),
-    "a100-80gb": Cluster(memory_gib=80, peak_tflops=312, hbm_bandwidth_gbs=2039, intra_node_bandwidth_gbs=230),
-    "h100": Cluster(memory_gib=80, peak_tflops=989, hbm_bandwidth_gbs=3350, intra_node_bandwidth_gbs=360,
-                    inter_node_bandwidth_gbs=50, gemm_efficiency=H100_GEMM_EFFICIENCY),
-    "h200": Cluster(memory_gib=141, peak_tflops=989, hbm_bandwidth_gbs=4800, intra_node_bandwidth_gbs=360,
-                    inter_node_bandwidth_gbs=50, gemm_efficiency=H100_GEMM_EFFICIENCY),
+    # Datasheet memory, dense bf16 peak (lightning_3d.device_peaks) and HBM bandwidth; collective bandwidths as
+    # NCCL reaches them.
+    "a100-40gb": Cluster(memory_gib=40, peak_tflops=dense_bf16_tflops("A100"), hbm_bandwidth_gbs=1555,
+                         intra_node_bandwidth_gbs=230),
+    "a100-80gb": Cluster(memory_gib=80, peak_tflops=dense_bf16_tflops("A100"), hbm_bandwidth_gbs=2039,
+                         intra_node_bandwidth_gbs=230),
+    "h100": Cluster(memory_gib=80, peak_tflops=dense_bf16_tflops("H100 SXM"), hbm_bandwidth_gbs=3350,
+                    intra_node_bandwidth_gbs=360, inter_node_bandwidth_gbs=50, gemm_efficiency=H100_GEMM_EFFICIENCY),
+    "h200": Cluster(memory_gib=141, peak_tflops=dense_bf16_tflops("H200"), hbm_bandwidth_gbs=4800,
+                    intra_node_bandwidth_gbs=360, inter_node_bandwidth_gbs=50, gemm_efficiency=H100_GEMM_EFFICIENCY),
 }
 """GPU kinds by name (``--gpu`` of ``lightning-3d plan``)."""

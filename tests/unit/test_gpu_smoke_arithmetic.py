@@ -57,3 +57,25 @@ def test_mfu_is_model_flops_per_second_over_the_table_peak():
 def test_peak_is_looked_up_by_device_name_and_the_override_wins(name, override, tflops):
     peak = gpu_smoke.peak_flops(name, override)
     assert peak == (None if tflops is None else tflops * 1e12)
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL", "NVIDIA H200",
+                                  "NVIDIA A100-SXM4-40GB", "NVIDIA L40S", "Tesla T4"])
+def test_the_throughput_callback_the_planner_and_the_benchmark_read_one_peak(name, monkeypatch):
+    """One table of device peaks (lightning_3d.device_peaks): the MFU ThroughputMonitor logs on that device, the
+    benchmark's, and the planner's GPU kinds all use its figure (an H100 PCIe card peaks at 756, not the SXM 989)."""
+    import torch
+
+    from lightning_3d.callbacks import ThroughputMonitor
+    from lightning_3d.device_peaks import dense_bf16_tflops
+    from lightning_3d.planner.cluster import GPUS
+
+    tflops = dense_bf16_tflops(name)
+    monitor = ThroughputMonitor()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(ThroughputMonitor, "_whole_model_parameters", lambda self, trainer, module: 1)
+    monitor.on_train_start(None, type("Module", (), {"device": torch.device("cuda", 0)})())
+    assert monitor.peak_flops == gpu_smoke.peak_flops(name, None) == (None if tflops is None else tflops * 1e12)
+    kind = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-40GB": "a100-40gb"}.get(name)
+    if kind:
+        assert GPUS[kind].peak_tflops == tflops

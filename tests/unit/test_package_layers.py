@@ -73,7 +73,8 @@ def test_every_error_class_is_still_importable_from_the_module_that_raises_it():
 
 
 LAYERS = [
-    {"common", "errors", "fused_parts"},  # fused_parts: the stored order of fused projections of unequal parts
+    {"common", "errors", "fused_parts", "device_peaks"},  # fused_parts: the stored order of fused projections of
+    # unequal parts; device_peaks: GPUs' dense bf16 peaks
     {"models"},
     {"checkpoint"},  # files: sharded directories, pretrained weights (init_from), safe loading
     {"policies"},  # plans, and the tensor-parallel styles they name
