@@ -192,7 +192,8 @@ def _memory_lines(trainer, module, datamodule, dims, config, per_node, device, n
     if dims.pp > 1 and batch is not None:
         split_batch(torch.empty(batch, device="meta"), m)  # the engine's check, at the first step of a run
     micro = max(1, (batch or 1) // m) if dims.pp > 1 else batch or 1
-    layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, micro_batch_size=micro, num_microbatches=m,
+    layout = Layout(dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, ep=dims.ep, micro_batch_size=micro,
+                    num_microbatches=m,
                     schedule=config.pipeline_schedule, virtual_stages=config.virtual_pipeline_size,
                     sequence_parallel=config.sequence_parallel, zero_stage=config.zero_stage,
                     recompute=config.activation_checkpointing, pipeline_reduce_grads=config.pipeline_reduce_grads,

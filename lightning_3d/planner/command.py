@@ -28,7 +28,9 @@ from lightning_3d.planner.search import plan
 from lightning_3d.planner.time import COMPILE_ASSUMED
 
 SIZE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
-              "ffn": "ffn_hidden_size", "vocab": "vocab_size", "seq_len": "seq_length"}
+              "ffn": "ffn_hidden_size", "vocab": "vocab_size", "seq_len": "seq_length", "experts": "num_experts",
+              "experts_per_token": "experts_per_token", "expert_ffn": "expert_ffn_size",
+              "shared_expert_ffn": "shared_expert_ffn_size"}
 CLUSTER_FLAGS = {"gpus_per_node": "gpus_per_node", "nodes": "nodes", "memory_gib": "memory_gib",
                  "peak_tflops": "peak_tflops", "intra_bw": "intra_node_bandwidth_gbs",
                  "inter_bw": "inter_node_bandwidth_gbs", "gemm_efficiency": "gemm_efficiency"}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from lightning_3d.errors import PlannerError
 from lightning_3d.parallel.config import ParallelConfig
+from lightning_3d.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +28,9 @@ class Layout:
     pp: int = 1
     cp: int = 1
     """Context parallel: the ranks each sequence's blocks run on, a part each (``context_parallel_size``)."""
+    ep: int = 1
+    """Expert parallel: of the dp ranks, groups of ``ep`` split each block's experts among themselves
+    (``expert_parallel_size``); the experts are then data-parallel over dp / ep."""
     micro_batch_size: int = 1
     """Sequences per micro-batch (b)."""
     num_microbatches: int = 1
@@ -46,7 +50,8 @@ class Layout:
     (``ParallelConfig.data_parallel_shard_size``); 0: over all of dp."""
 
     def __post_init__(self) -> None:
-        self.to_parallel_config()  # raises ParallelConfigError with the strategy's own message
+        # raises ParallelConfigError with the strategy's own message
+        ParallelDims.from_config(self.to_parallel_config(), self.world_size)
         if self.micro_batch_size < 1 or self.num_microbatches < 1:
             raise PlannerError(f"micro_batch_size ({self.micro_batch_size}) and num_microbatches"
                                f" ({self.num_microbatches}) must be positive.")
@@ -67,6 +72,11 @@ class Layout:
         return self.dp_cp // self.shard
 
     @property
+    def expert_shard(self) -> int:
+        """The ranks ZeRO shards the experts over: those that hold the same experts, dp / ep."""
+        return self.shard // self.ep
+
+    @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
@@ -79,7 +89,7 @@ class Layout:
         pipelined = self.pp > 1
         return ParallelConfig(
             tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp, data_parallel_size=self.dp,
-            context_parallel_size=self.cp,
+            context_parallel_size=self.cp, expert_parallel_size=self.ep,
             pipeline_schedule=self.schedule if pipelined else "1f1b",
             num_microbatches=self.num_microbatches if pipelined else None,
             virtual_pipeline_size=self.virtual_stages, sequence_parallel=self.sequence_parallel,
@@ -89,9 +99,10 @@ class Layout:
 
     def describe(self) -> str:
         """A short name: ``dp2 tp2 pp2 1f1b m8 b2 sp z1 ac=selective``; under HSDP ``dp8(2x4)`` (replicas x
-        shards); with context parallelism ``cp4`` after dp."""
+        shards); with expert parallelism ``ep4``, with context parallelism ``cp4``, after dp."""
         hsdp = f"({self.replicas}x{self.shard})" if self.replicas > 1 else ""
-        parts = [f"dp{self.dp}{hsdp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}", f"pp{self.pp}"]
+        parts = [f"dp{self.dp}{hsdp}", *([f"ep{self.ep}"] if self.ep > 1 else []),
+                 *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}", f"pp{self.pp}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.virtual_stages})" if self.virtual_stages > 1 else ""))
         parts += [f"m{self.num_microbatches}", f"b{self.micro_batch_size}"]

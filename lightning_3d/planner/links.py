@@ -17,13 +17,14 @@ from typing import Any, Mapping
 from lightning_3d.errors import PlannerError
 
 DIMENSIONS = ("tp", "pp", "dp")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
     """Bytes each rank sends for one ``collective`` of an ``nbytes`` tensor (the whole, gathered or reduced
     tensor) over ``ranks`` ranks, by the ring algorithm: 2 (k - 1) / k of it for an all-reduce, (k - 1) / k
-    for an all-gather or reduce-scatter, all of it for a point-to-point send. Zero on one rank."""
+    for an all-gather or reduce-scatter, and for an all-to-all of the tensor a rank sends (its share for each
+    other rank), all of it for a point-to-point send. Zero on one rank."""
     if collective not in COLLECTIVES:
         raise PlannerError(f"collective={collective!r} is not one of {COLLECTIVES}.")
     if ranks <= 1:
@@ -36,8 +37,8 @@ def wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
 
 def latency_steps(collective: str, ranks: int) -> int:
     """Sequential hops of one ``collective`` over ``ranks`` ranks by the ring algorithm, each paying a link's
-    latency once: 2 (k - 1) for an all-reduce (a reduce-scatter, then an all-gather), k - 1 for an all-gather
-    or reduce-scatter, one for a point-to-point send. Zero on one rank."""
+    latency once: 2 (k - 1) for an all-reduce (a reduce-scatter, then an all-gather), k - 1 for an all-gather,
+    reduce-scatter or all-to-all (pairwise exchanges), one for a point-to-point send. Zero on one rank."""
     if collective not in COLLECTIVES:
         raise PlannerError(f"collective={collective!r} is not one of {COLLECTIVES}.")
     if ranks <= 1:

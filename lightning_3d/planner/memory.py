@@ -138,10 +138,30 @@ def _stage_blocks(num_layers: int, pp: int, virtual: int) -> tuple[tuple[int, ..
     return tuple(tuple(int(b) for b in stage) for stage in split)
 
 
+def block_parameters(model: ModelSpec, layout: Layout) -> float:
+    """One block's parameters on one rank before data-parallel sharding: divided over tp where tensor
+    parallelism splits them, and its experts over ep."""
+    experts = model.expert_params().per_rank(layout.tp)
+    return model.block_params().per_rank(layout.tp) - experts + experts / layout.ep
+
+
+def rank_expert_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Of :func:`rank_parameters`, the experts' (0 for a dense model): ZeRO shards them over dp / ep."""
+    return len(rank_blocks(model, layout, pp_rank)) * model.expert_params().per_rank(layout.tp) / layout.ep
+
+
+def sharded_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """:func:`rank_parameters` as ZeRO shards them: over ``layout.shard`` ranks, the experts over
+    ``layout.expert_shard``."""
+    experts = rank_expert_parameters(model, layout, pp_rank)
+    return (rank_parameters(model, layout, pp_rank) - experts) / layout.shard + experts / layout.expert_shard
+
+
 def rank_parameters(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
     """Parameters on one rank before data-parallel sharding: its blocks, the embeddings on the first pipeline
-    rank, the final norm and head on the last, each divided over tp where tensor parallelism splits it."""
-    count = len(rank_blocks(model, layout, pp_rank)) * model.block_params().per_rank(layout.tp)
+    rank, the final norm and head on the last, each divided over tp where tensor parallelism splits it, and
+    the blocks' experts over ep."""
+    count = len(rank_blocks(model, layout, pp_rank)) * block_parameters(model, layout)
     if pp_rank == 0:
         count += model.embedding_params().per_rank(layout.tp)
     if pp_rank == layout.pp - 1:
@@ -157,13 +177,14 @@ def step_gradient_bytes(model: ModelSpec, layout: Layout, precision: Precision, 
     ``pipeline_reduce_grads="per_microbatch"`` the shards plus the root unit's and one block's whole."""
     params = rank_parameters(model, layout, pp_rank)
     whole = params * precision.grad_bytes
+    shards = sharded_parameters(model, layout, pp_rank) * precision.grad_bytes
     if layout.zero_stage == 0 or layout.dp_cp == 1 or layout.pp == 1:
-        return whole / (layout.shard if layout.zero_stage else 1)
+        return shards if layout.zero_stage else whole
     if layout.pipeline_reduce_grads == "per_step":
         return whole
-    block = model.block_params().per_rank(layout.tp)
+    block = block_parameters(model, layout)
     root = params - len(rank_blocks(model, layout, pp_rank)) * block  # embeddings, final norm, head
-    return whole / layout.shard + (root + block) * precision.grad_bytes
+    return shards + (root + block) * precision.grad_bytes
 
 
 def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, *, checkpointed: bool = False,
@@ -203,7 +224,9 @@ def block_activation_bytes(model: ModelSpec, layout: Layout, precision: Precisio
         scores = b * heads * s * s
         attention += scores * e + mask * scores * (1 + e) + tokens * h * e / t  # softmax, dropout, o's input
     # The activation's input(s) and output; a GELU written as its formula saves three more.
-    mlp = tokens * model.ffn * e / t * ((4 if model.gated_mlp else 2) + 3 * model.gelu_formula)
+    mlp = tokens * model.active_ffn * e / t * ((4 if model.gated_mlp else 2) + 3 * model.gelu_formula)
+    if model.num_experts:  # each (token, expert) pair's hidden state at its expert, and the output it sends back
+        mlp += 2 * tokens * model.experts_per_token * h * e
     return between + region_inputs + attention + mlp
 
 
@@ -373,9 +396,13 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: Precision, pp_r
     # keeping the parameters gathered from forward to backward ("gathered" below). Modelled: the stage that runs
     # (1 runs as 2, and 3 as 2 under the pipeline).
     zero = zero_stage_that_runs(layout.zero_stage, layout.pp > 1)[0]
-    states = zero_model_state_bytes(params, layout.shard, 3 if zero else 0, precision)  # HSDP: its shard group
+    # Dense weights over the shard group (HSDP: its own), experts over the ranks that hold the same ones.
+    experts = rank_expert_parameters(model, layout, pp_rank)
+    states = {name: dense + routed for (name, dense), routed in zip(
+        zero_model_state_bytes(params - experts, layout.shard, 3 if zero else 0, precision).items(),
+        zero_model_state_bytes(experts, layout.expert_shard, 3 if zero else 0, precision).values())}
     blocks = rank_blocks(model, layout, pp_rank)
-    block_params = model.block_params().per_rank(layout.tp)
+    block_params = block_parameters(model, layout)
     gathered = 0.0
     gather_bytes = gathered_param_bytes(layout, precision)
     if layout.shard > 1 and zero == 2:

@@ -142,6 +142,14 @@ class ModelSpec:
     fused_qkv: bool = True
     """q, k and v come from one matrix (Megatron-LM, GPT-2); False: three Linear modules (the reference GPT,
     Llama), whose common input autocast casts to bf16 once for each, so it is saved three times."""
+    num_experts: int = 0
+    """Routed experts of each block's mixture-of-experts MLP (every block's); 0: a dense MLP."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    expert_ffn_size: int | None = None
+    """One expert's MLP width; None: ``ffn``."""
+    shared_expert_ffn_size: int = 0
+    """Width of the MLP every token also runs beside the routed experts (shared experts together); 0: none."""
     name: str = "model"
     measured: MeasuredCosts | None = None
     """Costs measured on the model itself (:class:`MeasuredCosts`), for a model no config describes: its
@@ -167,6 +175,9 @@ class ModelSpec:
             raise PlannerError(f"norm={self.norm!r} is not supported; choose 'layernorm' or 'rmsnorm'.")
         if not 0.0 <= self.dropout < 1.0:
             raise PlannerError(f"dropout must be in [0, 1), got {self.dropout}.")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise PlannerError(f"experts_per_token must be between 1 and num_experts ({self.num_experts}), got"
+                               f" {self.experts_per_token}.")
         if self.learned_positions and self.seq_length > self.positions:
             raise PlannerError(f"seq_length ({self.seq_length}) exceeds the position table's {self.positions}"
                                " rows (max_positions).")
@@ -180,6 +191,13 @@ class ModelSpec:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def active_ffn(self) -> int:
+        """The MLP width one token runs through: ``ffn``; with experts, its experts' and the shared MLP's."""
+        if not self.num_experts:
+            return self.ffn
+        return self.experts_per_token * (self.expert_ffn_size or self.ffn) + self.shared_expert_ffn_size
 
     @property
     def head_dim(self) -> int:
@@ -214,16 +232,49 @@ class ModelSpec:
 
     def block_params(self) -> Params:
         """One transformer block. Column-parallel: q, k, v, up (and gate) with their biases; row-parallel: o,
-        down, whose biases are added after the reduction and so kept whole, as are the norms."""
+        down, whose biases are added after the reduction and so kept whole, as are the norms. With experts: the
+        router (whole), the shared MLP and every expert (:meth:`expert_params`), each expert split over tp by its
+        features as an MLP is."""
         if self.measured is not None:
             return self.measured.block
-        h, f, kv, b = self.hidden_size, self.ffn, self.kv_size, int(self.bias)
-        mlp_in = 2 if self.gated_mlp else 1
+        h, kv, b = self.hidden_size, self.kv_size, int(self.bias)
         split = (h * h + 2 * h * kv + h * h  # q, k, v, o
-                 + b * (h + int(self.key_bias) * kv + kv)  # q, k, v biases
-                 + mlp_in * (h * f + b * f) + f * h)  # up (and gate) with biases, down
-        replicated = b * 2 * h + 2 * self._norm_params()  # o and down biases; two norms
-        return Params(split, replicated)
+                 + b * (h + int(self.key_bias) * kv + kv))  # q, k, v biases
+        replicated = b * h + 2 * self._norm_params()  # o's bias; two norms
+        if not self.num_experts:
+            return Params(split + self._mlp_split(self.ffn), replicated + b * h)  # (down's bias)
+        router = h * self.num_experts
+        shared = self._mlp_split(self.shared_expert_ffn_size) if self.shared_expert_ffn_size else 0
+        return Params(split + shared, replicated + router) + self.expert_params()
+
+    def expert_params(self) -> Params:
+        """The routed experts of one block, all of them (0 for a dense model): what expert parallelism splits
+        over its ep ranks."""
+        if self.measured is not None or not self.num_experts:
+            return Params(0, 0)
+        return Params(self.num_experts * self._mlp_split(self.expert_ffn_size or self.ffn), 0)
+
+    def active_block_params(self) -> int:
+        """One block's parameters a token's forward multiplies by: the experts it is routed to, not all."""
+        block, experts = self.block_params(), self.expert_params()
+        if not self.num_experts:
+            return block.total
+        return block.total - experts.total + experts.total * self.experts_per_token // self.num_experts
+
+    def active_parameters(self) -> int:
+        """Parameters one token's forward uses (as :meth:`num_parameters`, with only its experts): what a
+        mixture of experts' "active" size counts."""
+        return (self.num_layers * self.active_block_params() + self.embedding_params().total
+                + self.head_params().total)
+
+    def splits_experts_over(self, ep: int) -> bool:
+        """Whether expert parallelism over ``ep`` ranks can split every block's experts: ep divides them."""
+        return ep == 1 or bool(self.num_experts) and self.num_experts % ep == 0
+
+    def _mlp_split(self, width: int) -> int:
+        """An MLP of ``width`` features: up (and gate) with their biases, down (split over tp)."""
+        h, b = self.hidden_size, int(self.bias)
+        return (2 if self.gated_mlp else 1) * (h * width + b * width) + width * h
 
     def embedding_params(self) -> Params:
         """What the first pipeline stage holds besides blocks: the token embedding (split over the vocabulary)
@@ -288,8 +339,15 @@ class ModelSpec:
         if hidden is None or get("num_hidden_layers", "n_layer") is None:
             raise PlannerError(f"Hugging Face config of type {model_type!r} names no hidden size / layer count"
                                " the planner knows; give the sizes directly (layers, hidden, heads, ...).")
+        experts = get("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts", default=0)
+        expert_ffn = get("moe_intermediate_size") if experts else None
+        shared = get("shared_expert_intermediate_size", default=0) if experts else 0
+        if experts and not shared and get("n_shared_experts"):
+            shared = get("n_shared_experts") * (expert_ffn or get("intermediate_size"))
         return cls(
             name=values.get("_name_or_path") or model_type or "hf",
+            num_experts=experts, experts_per_token=get("num_experts_per_tok", "moe_topk", default=0) if experts else 0,
+            expert_ffn_size=expert_ffn, shared_expert_ffn_size=shared,
             num_layers=get("num_hidden_layers", "n_layer"), hidden_size=hidden,
             num_heads=get("num_attention_heads", "n_head"), num_kv_heads=get("num_key_value_heads"),
             ffn_hidden_size=get("intermediate_size", "n_inner", default=4 * hidden),

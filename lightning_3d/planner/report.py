@@ -82,7 +82,7 @@ class LayoutPlan:
 
 
 STEP_TERMS = {"compute": "compute", "tp_communication": "tensor-parallel communication",
-              "cp_communication": "context-parallel communication",
+              "cp_communication": "context-parallel communication", "ep_communication": "expert-parallel all-to-alls",
               "pp_bubble": "pipeline bubble", "pp_communication": "pipeline sends",
               "dp_communication": "exposed data-parallel communication", "optimizer": "optimizer step"}
 """The parts of ``StepTime.total``, as a sentence names them."""
@@ -129,7 +129,7 @@ def _against(winner: Candidate, other: Candidate) -> str:
 
 
 COLUMNS = ("#", "layout", "params", "grads", "optim", "activ", "gather", "total GiB", "step s", "compute", "tp",
-           "cp", "bubble", "p2p", "dp", "tokens/s", "MFU")
+           "cp", "ep", "bubble", "p2p", "dp", "tokens/s", "MFU")
 
 
 def format_table(plan: LayoutPlan, top: int = 10) -> str:
@@ -140,7 +140,8 @@ def format_table(plan: LayoutPlan, top: int = 10) -> str:
         m, t = c.memory, c.time
         rows.append((str(i), c.layout.describe(), *(f"{v / GIB:.2f}" for v in
                      (m.parameters, m.gradients, m.optimizer_state, m.activations, m.gathered, m.total)),
-                     *(f"{v:.3g}" for v in (t.total, t.compute, t.tp_communication, t.cp_communication, t.pp_bubble,
+                     *(f"{v:.3g}" for v in (t.total, t.compute, t.tp_communication, t.cp_communication,
+                                           t.ep_communication, t.pp_bubble,
                                            t.pp_communication, t.dp_communication)),
                      f"{c.tokens_per_second:,.0f}", "-" if c.mfu is None else f"{c.mfu:.1%}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -172,6 +173,8 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate, compile: bool = False) -> st
         strategy["data_parallel_shard_size"] = layout.shard
     if layout.cp > 1:
         strategy["context_parallel_size"] = layout.cp
+    if layout.ep > 1:
+        strategy["expert_parallel_size"] = layout.ep
     if compile:
         strategy["compile"] = True
     if pipelined:
@@ -188,7 +191,8 @@ def to_yaml(plan: LayoutPlan, candidate: Candidate, compile: bool = False) -> st
         f" gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer_state / GIB:.1f},",
         f"# activations {m.activations / GIB:.1f}, gathered {m.gathered / GIB:.1f}); step {t.total:.3g} s"
         f" (compute {t.compute:.3g}, tp {t.tp_communication:.3g},"
-        + (f" cp {t.cp_communication:.3g}," if layout.cp > 1 else "") + f" bubble {t.pp_bubble:.3g},"
+        + (f" cp {t.cp_communication:.3g}," if layout.cp > 1 else "")
+        + (f" ep {t.ep_communication:.3g}," if layout.ep > 1 else "") + f" bubble {t.pp_bubble:.3g},"
         f" dp {t.dp_communication:.3g}),",
         f"# {candidate.tokens_per_second:,.0f} tokens/s"
         + ("" if candidate.mfu is None else f", MFU {candidate.mfu:.1%}") + ". See docs/planner.md.",

@@ -100,7 +100,8 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
     vocabulary; cp (context parallel) where each rank keeps at least ``CP_MIN_TOKENS`` of a sequence cut
     into 2 cp chunks; pp at most the layer count; dp dividing the batch; SP whenever tp > 1 (same
     communication, less memory); schedules, ZeRO stages and recompute modes as given, under ZeRO also HSDP
-    where dp crosses nodes (:func:`_hsdp_shards`, not with cp); ``fixed`` fields at their value."""
+    where dp crosses nodes (:func:`_hsdp_shards`, not with cp); for a mixture of experts, ep dividing dp and
+    the experts (:func:`_expert_parallel_sizes`); ``fixed`` fields at their value."""
     fixed = fixed or {}
 
     def options(name: str, choices) -> list:
@@ -122,19 +123,30 @@ def enumerate_layouts(model: ModelSpec, world_size: int, gpus_per_node: int, glo
                 for schedule, virtual in _schedules(pp, model.num_layers, schedules, fixed):
                     for zero in options("zero_stage", zero_stages if dp * cp > 1 else (0,)):
                         hsdp = _hsdp_shards(dp, tp, gpus_per_node) if zero and cp == 1 else (0,)
-                        for shard in options("dp_shard", hsdp):
+                        for shard, ep in [(shard, ep) for shard in options("dp_shard", hsdp)
+                                          for ep in options("ep", _expert_parallel_sizes(model, dp, cp, shard))]:
+                            if not model.splits_experts_over(ep):
+                                continue
                             for mode in options("recompute", recompute):
                                 if mode and model.dropout > 0 and tp > 1:
                                     continue  # refused by lightning-3d: the recompute would redraw dropout masks
                                 sp = fixed.get("sequence_parallel", tp > 1 and model.seq_length // cp % tp == 0)
                                 try:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=b,
+                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batch_size=b,
                                                  num_microbatches=per_replica // b, schedule=schedule,
                                                  virtual_stages=virtual, zero_stage=zero, recompute=mode,
                                                  sequence_parallel=sp, dp_shard=shard, pipeline_reduce_grads=fixed.get(
                                                      "pipeline_reduce_grads", "per_step"))
                                 except ParallelConfigError:
                                     continue  # e.g. fewer micro-batches than stages under 1F1B
+
+
+def _expert_parallel_sizes(model: ModelSpec, dp: int, cp: int, shard: int) -> list[int]:
+    """1, and for a mixture of experts the ep sizes that divide dp and the experts (not with cp or HSDP, which
+    lightning-3d does not combine with ep yet)."""
+    if not model.num_experts or cp > 1 or shard:
+        return [1]
+    return [ep for ep in divisors(dp) if model.num_experts % ep == 0]
 
 
 def _context_parallel_sizes(model: ModelSpec, ranks: int) -> list[int]:

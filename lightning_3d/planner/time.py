@@ -61,8 +61,8 @@ from lightning_3d.planner.calibration import Calibration
 from lightning_3d.planner.links import latency_steps, wire_bytes
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.layout import Layout
-from lightning_3d.planner.memory import (Precision, block_activation_bytes, checkpointed_blocks, gathered_param_bytes,
-                                         rank_blocks, rank_parameters, stage_blocks)
+from lightning_3d.planner.memory import (Precision, block_activation_bytes, block_parameters, checkpointed_blocks,
+                                         gathered_param_bytes, rank_blocks, rank_parameters, stage_blocks)
 from lightning_3d.planner.model import ModelSpec, PlannerError
 
 ELEMENTWISE_PASSES = 3
@@ -87,6 +87,8 @@ class StepTime:
     compute: float
     tp_communication: float
     cp_communication: float
+    ep_communication: float
+    """Expert parallel's all-to-alls: tokens to their experts' ranks and back."""
     pp_bubble: float
     pp_communication: float
     dp_communication: float
@@ -99,7 +101,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.tp_communication + self.cp_communication + self.pp_bubble
+        return (self.compute + self.tp_communication + self.cp_communication + self.ep_communication + self.pp_bubble
                 + self.pp_communication + self.dp_communication + self.optimizer)
 
     def accumulated(self, batches: int, *, data_parallel_once: bool = True) -> "StepTime":
@@ -111,7 +113,9 @@ class StepTime:
         if batches == 1:
             return self
         return replace(self, compute=batches * self.compute, tp_communication=batches * self.tp_communication,
-                       cp_communication=batches * self.cp_communication, pp_bubble=batches * self.pp_bubble, pp_communication=batches * self.pp_communication,
+                       cp_communication=batches * self.cp_communication,
+                       ep_communication=batches * self.ep_communication,
+                       pp_bubble=batches * self.pp_bubble, pp_communication=batches * self.pp_communication,
                        dp_communication=(1 if data_parallel_once else batches) * self.dp_communication,
                        model_flops=batches * self.model_flops, hardware_flops=batches * self.hardware_flops)
 
@@ -123,7 +127,8 @@ def block_forward_flops(model: ModelSpec, tokens: int) -> float:
         return model.measured.block_flops_per_token * tokens
     h, s = model.hidden_size, model.seq_length
     projections = 2 * tokens * h * (2 * h + 2 * model.kv_size)  # q, o; k, v
-    mlp = 2 * tokens * h * model.ffn * (3 if model.gated_mlp else 2)
+    # (with experts: each token's experts and the shared MLP, not every expert; and the router)
+    mlp = 2 * tokens * h * (model.active_ffn * (3 if model.gated_mlp else 2) + model.num_experts)
     attention = 2 * 2 * tokens * s * h  # Q K^T and the product with V, full (Narayanan et al. count)
     return projections + mlp + attention
 
@@ -186,7 +191,12 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
     cp_end = speeds.collective("cp", "all_gather", tokens * model.hidden_size * precision.residual_bytes
                                / (t if sp else 1), cp)
 
-    per_rank = []  # (compute, tp comm, backward compute) of one micro-batch, per pipeline rank
+    # Expert parallel, per block: each (token, expert) pair's hidden state sent to its expert's rank and the
+    # output sent back, in forward, backward and a recompute: all-to-alls over ep.
+    routed = part * model.experts_per_token
+    ep_block = speeds.collective("ep", "all_to_all", routed, layout.ep) if layout.ep > 1 else 0.0
+
+    per_rank = []  # (compute, tp comm, backward compute, cp comm, ep comm) of one micro-batch, per pipeline rank
     first_stage = stage_blocks(model, layout)[0]
     for rank in range(p):
         blocks = rank_blocks(model, layout, rank)
@@ -205,14 +215,15 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         if head_timed:
             tp_time += speeds.tp_head_extra
         cp_time = (len(blocks) * cp_block + ((rank == 0) + (rank == p - 1)) * cp_end) if cp > 1 else 0.0
-        per_rank.append((compute, tp_time, compute * 2 / 3, cp_time))
-    slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1] + per_rank[r][3])
-    compute, tp_comm, backward, cp_comm = per_rank[slowest]
+        ep_time = (4 * len(blocks) + 2 * recomputed) * ep_block
+        per_rank.append((compute, tp_time, compute * 2 / 3, cp_time, ep_time))
+    slowest = max(range(p), key=lambda r: per_rank[r][0] + per_rank[r][1] + per_rank[r][3] + per_rank[r][4])
+    compute, tp_comm, backward, cp_comm, ep_comm = per_rank[slowest]
     # Each of a rank's v model chunks receives its input and sends its output once per micro-batch, forward
     # and backward: interleaving multiplies the point-to-point traffic by v (Narayanan et al. 2021, 2.2.2).
     send = 2 * v * speeds.collective("pp", "send", part / (t if sp else 1), p)
     send += v * speeds.pipeline_microbatch if p > 1 else 0.0  # the schedule's own work per chunk and micro-batch
-    microbatch = compute + tp_comm + cp_comm + send
+    microbatch = compute + tp_comm + cp_comm + ep_comm + send
     bubble_share = (ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 1.0) * (p - 1) / v
     bubble = bubble_share * microbatch
     cores = calibration.host_cores_per_rank if calibration is not None else None
@@ -226,6 +237,7 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         compute = sum(parts[0] for parts in per_rank) / p
         tp_comm = sum(parts[1] for parts in per_rank) / p
         cp_comm = sum(parts[3] for parts in per_rank) / p
+        ep_comm = sum(parts[4] for parts in per_rank) / p
         bubble = (1 - 1 / max(host_cores, 1.0)) * (m + bubble_share) * microbatch * cores
 
     # Data parallel: gradients reduced once per step (all-reduce; reduce-scatter + all-gather of the new
@@ -281,12 +293,13 @@ def estimate_step_time(model: ModelSpec, layout: Layout, cluster: Cluster, preci
         # prefetched during the previous block's compute (where a collective can run beside it).
         gathers = 2 * dp_calls("all_gather", weights)
         exposed += m * (max(0.0, gathers - compute) if dp_overlap else gathers)
-    in_blocks = len(rank_blocks(model, layout, busiest)) * model.block_params().per_rank(t)
+    in_blocks = len(rank_blocks(model, layout, busiest)) * block_parameters(model, layout)
     optimizer = speeds.optimizer(in_blocks, params - in_blocks) / (layout.shard if zero else 1)
     if t > 1 or fsdp:  # DTensor parameters (DDP's, and a lone pipeline stage's, are plain)
         optimizer += units * speeds.dtensor_optimizer_per_unit(1 / (t * (layout.shard if zero else 1)))
     return StepTime(
-        compute=m * compute, tp_communication=m * tp_comm, cp_communication=m * cp_comm, pp_bubble=bubble,
+        compute=m * compute, tp_communication=m * tp_comm, cp_communication=m * cp_comm,
+        ep_communication=m * ep_comm, pp_bubble=bubble,
         pp_communication=m * send, dp_communication=exposed, optimizer=optimizer,
         model_flops=step_flops(model, layout.global_batch_size),
         hardware_flops=step_flops(model, layout.global_batch_size, layout.recompute))
@@ -342,15 +355,18 @@ class _Speeds:
         wire = wire_bytes(collective, nbytes, ranks)
         if self.calibration is not None:
             # HSDP's two groups: dp's measured links (not calibrated apart); cp's group: tp's (the next ranks)
-            measured = "dp" if dimension.startswith("dp") else "tp" if dimension == "cp" else dimension
+            # (ep's group: dp's ranks, their links)
+            measured = ("dp" if dimension.startswith("dp") or dimension == "ep"
+                        else "tp" if dimension == "cp" else dimension)
             link = self.calibration.link(measured, collective)
             return link.seconds(wire, latency_steps(collective, ranks))
         t, c, d = self.layout.tp, self.layout.cp, self.layout.dp
         # Mesh order (pp, dp, cp, tp): a tp group spans t consecutive ranks, a cp group t * c, a dp group
         # t * c * d, and neighbouring pipeline stages lie t * c * d ranks apart; under HSDP a shard group spans
-        # t * shard ranks (shard fastest within dp), a replica group all of dp's.
+        # t * shard ranks (shard fastest within dp), a replica group all of dp's; an ep group, consecutive dp
+        # ranks, t * ep.
         span = {"tp": t, "cp": t * c, "dp": t * c * d, "pp": t * c * d + 1, "dp_shard": t * self.layout.shard,
-                "dp_replicate": t * d}[dimension]
+                "dp_replicate": t * d, "ep": t * self.layout.ep}[dimension]
         return wire / self.cluster.bandwidth(span)
 
     def dtensor_optimizer_per_unit(self, local_share: float) -> float:
