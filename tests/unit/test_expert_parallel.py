@@ -96,3 +96,25 @@ def test_experts_written_as_a_module_list_are_refused_naming_the_module():
     root.experts = Experts()
     with pytest.raises(ParallelConfigError, match=r"experts \(Experts\) is not a transformers experts module"):
         check_expert_parallel(root, Plan(experts=["experts"]), 2)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_whose_experts_get_no_token_gives_zero_gradients_and_the_others_one_processs(tmp_path):
+    """ep2 on 2 ranks, each with half the tokens: where every choice falls on one rank's experts, the other
+    rank's experts run on no pair, and their gradients are zeros (present, so data parallelism reduces them),
+    while outputs and the busy rank's gradients stay one process's; under each experts implementation
+    (eager's loop over the experts that have tokens touches no weight when none has)."""
+    import json
+
+    from helpers import WORKERS
+    from helpers.launchers import forkrun
+
+    forkrun(2, str(WORKERS / "dispatch_worker.py"), str(tmp_path), rank_files=tmp_path, timeout=180)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert len(reports[0]) == 3 * 3  # eager, grouped_mm, batched_mm x the routings
+    for case in reports[0]:
+        for rank, report in enumerate(reports):
+            found = report[case]
+            assert found["grads_exist"], (case, rank)
+            assert found["output"] < 1e-5 and found["grad"] < 1e-6, (case, rank, found)
+    assert reports[1]["eager/rank_1_gets_none"]["pairs_here"] == 0 == reports[0]["eager/rank_0_gets_none"]["pairs_here"]
