@@ -16,10 +16,12 @@ PATH may be
 Names: a checkpoint's keys are either the LightningModule's (``model.tok_emb.weight``) or the inner
 model's (``tok_emb.weight``, what ``lightning-3d convert --strip-prefix model.`` writes); the first that
 covers every key of this rank is used. Other names come from the policy (``Plan.checkpoint_names``); a tied
-weight stored once (``Plan.tied_parameters``) is read for both ends. A key the checkpoint lacks, a global
-shape that differs, or a dtype of another kind (integers for a float weight; float formats convert), is an
-error naming the tensor, raised before anything is copied; so are a truncated file and a half-written
-checkpoint directory.
+weight stored once (``Plan.tied_parameters``) is read for both ends. A mixture of experts stored one expert
+apart from another (Mixtral's ``experts.3.w1.weight``, what ``save_pretrained`` writes) is read as the stacked
+tensors the model holds, by transformers' conversion mapping of its model type (``checkpoint.stacked_experts``).
+A key the checkpoint lacks, a global shape that differs, or a dtype of another kind (integers for a float weight;
+float formats convert), is an error naming the tensor, raised before anything is copied; so are a truncated file
+and a half-written checkpoint directory.
 
 Why not DCP's ``HuggingFaceStorageReader`` for a Hugging Face directory: it reads the same slices the same way
 (``get_slice``) and gives the same weights in about the same CPU time, but it keeps each file's map open for the
@@ -42,6 +44,7 @@ from lightning_3d.checkpoint import sharded
 from lightning_3d.checkpoint.boxes import local_boxes, single_device_size
 from lightning_3d.checkpoint.safe_load import torch_load
 from lightning_3d.checkpoint.safetensors_io import SafetensorsReader
+from lightning_3d.checkpoint.stacked_experts import conversions_of, stacked_names
 from lightning_3d.fused_parts import fused_layouts
 
 INDEX = "model.safetensors.index.json"
@@ -85,7 +88,16 @@ def load_pretrained(module: nn.Module, path: str, renames: dict[str, str] | None
         sharded.load(p, {"model": state}, layouts)
         return
     source = _open(p)
-    names = _names(list(state), source.shapes, path, renames or {}, {second: first for first, second in tied})
+    partners = {second: first for first, second in tied}
+    try:
+        names = _names(list(state), source.shapes, path, renames or {}, partners)
+    except KeyError:
+        # each expert stored apart (a Hugging Face mixture of experts' own layout): read as the model's stacks
+        stacked = stacked_names(source.shapes, source.dtypes, source.copy_into, conversions_of(module))
+        if stacked is None:
+            raise
+        source = Source(*stacked)
+        names = _names(list(state), source.shapes, path, renames or {}, partners)
     for key, tensor in state.items():
         name = names[key]
         shape = tuple(single_device_size(tensor, layouts.get(key)) if isinstance(tensor, DTensor) else tensor.shape)

@@ -1,5 +1,6 @@
 """Hugging Face weights in and out: a run started from a ``save_pretrained`` directory (``init_from``) trains as
-one process that loaded it (a Mixtral's stacked experts read per rank under expert parallelism too), its sharded checkpoint exports (``lightning-3d convert --hf``) to a directory
+one process that loaded it (a Mixtral's experts read per rank under expert parallelism too, stacked or stored
+expert by expert), its sharded checkpoint exports (``lightning-3d convert --hf``) to a directory
 ``from_pretrained`` loads, and export -> load at another layout -> export gives identical files."""
 
 import json
@@ -40,8 +41,8 @@ MOE_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden
 
 def _pretrained_moe(root):
     """A Mixtral config directory, its weights (unlike any seeded init) as a safetensors file of the stacked experts
-    the model holds, and the same state dict as a torch file. (save_pretrained would write each expert's matrices
-    apart, Mixtral's original layout, which init_from does not stack yet.)"""
+    the model holds and as a save_pretrained directory (each expert's matrices apart, Mixtral's published layout),
+    and the same state dict as a torch file."""
     torch.manual_seed(8)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("mixtral", **MOE_SIZES))
     with torch.no_grad():
@@ -53,7 +54,9 @@ def _pretrained_moe(root):
         for name, tensor in state.items():
             writer.write(name, tensor)
     torch.save(state, root / "moe_source.pt")
-    return str(root / "moe_config"), str(root / "moe.safetensors"), str(root / "moe_source.pt")
+    model.save_pretrained(root / "moe_saved")
+    return (str(root / "moe_config"), str(root / "moe.safetensors"), str(root / "moe_saved"),
+            str(root / "moe_source.pt"))
 
 
 def _case(name, dp, pp, tp, strategy=(), **fields):
@@ -66,7 +69,7 @@ def _case(name, dp, pp, tp, strategy=(), **fields):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_weights")
     source, source_pt = _pretrained(root)
-    moe_config, moe_weights, moe_source_pt = _pretrained_moe(root)
+    moe_config, moe_weights, moe_saved, moe_source_pt = _pretrained_moe(root)
     # from_hf_*_meta: HFCausalLMModule(pretrained=source) builds on the meta device; no rank holds the model.
     meta = dict(MODEL, pretrained=source)
     trained = [_case("from_hf_pp2_tp2", 1, 2, 2, init_from=source, reference_weights=source_pt,
@@ -78,7 +81,12 @@ def runs(tmp_path_factory):
                # Mixtral built on the meta device, its experts over ep2 (of dp4) and ZeRO-3 over dp_mod_ep
                _case("from_hf_mixtral_dp4_ep2_zero3_meta", 4, 1, 1, init_from=moe_weights, reference_weights=moe_source_pt,
                      model=dict(model_type="mixtral", seq_len=16, **MOE_SIZES, pretrained=moe_config),
-                     strategy={"expert_parallel_size": 2, "zero_stage": 3})]
+                     strategy={"expert_parallel_size": 2, "zero_stage": 3}),
+               # the same from save_pretrained's expert-by-expert files, each rank's experts and tp rows stacked
+               _case("from_hf_mixtral_saved_dp2_ep2_tp2_meta", 2, 1, 2, init_from=moe_saved,
+                     reference_weights=moe_source_pt,
+                     model=dict(model_type="mixtral", seq_len=16, **MOE_SIZES, pretrained=moe_config),
+                     strategy={"expert_parallel_size": 2})]
     results = launch(trained, 4, root / "world4")
     exported = root / "exported"
     export_hf(root / "pp2_tp2.ckpt", exported)
@@ -92,7 +100,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["from_hf_pp2_tp2", "from_hf_tp4", "from_hf_pp2_tp2_meta", "from_hf_dp2_tp2_zero3_meta",
-                                  "from_hf_mixtral_dp4_ep2_zero3_meta"])
+                                  "from_hf_mixtral_dp4_ep2_zero3_meta", "from_hf_mixtral_saved_dp2_ep2_tp2_meta"])
 def test_a_run_started_from_a_hugging_face_directory_trains_as_one_process_that_loaded_it(runs, name):
     cases, results, _ = runs
     reference = reference_for(cases[name])

@@ -168,3 +168,61 @@ def test_every_dtype_of_the_format_is_written_and_read_as_the_package_does(tmp_p
         assert reader.dtype(name) == tensor.dtype and reader.shape(name) == (3, 5), name
         assert torch.equal(reader.read(name, (slice(1, 3), slice(2, 4))).view(torch.uint8),
                            tensor[1:3, 2:4].contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("mixtral", dict(num_local_experts=4)),  # w1 | w3 under block_sparse_moe, renamed to mlp
+    ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, head_dim=8)),  # gate_proj | up_proj
+    ("olmoe", dict(num_experts=4)),
+])
+def test_a_save_pretrained_mixture_of_experts_stored_expert_by_expert_loads_into_the_stacked_experts(
+        tmp_path, model_type, sizes):
+    """save_pretrained writes each expert apart (the models' published layout); init_from stacks them as
+    transformers' conversion mapping says: every tensor equals the saved model's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=32,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               num_experts_per_tok=2, use_cache=False, **sizes)
+    torch.manual_seed(0)
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path / "saved")
+    with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:
+        assert not any(key.endswith("gate_up_proj") for key in f.keys())  # stored expert by expert
+    torch.manual_seed(1)
+    loaded = torch.nn.ModuleDict({"model": transformers.AutoModelForCausalLM.from_config(config)})
+    load_pretrained(loaded, str(tmp_path / "saved"))
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(loaded["model"].state_dict()[name], tensor), name
+
+
+def test_a_region_of_a_stacked_tensor_reads_only_the_experts_and_features_it_covers():
+    """The gate | up stack of 4 experts read in regions that cross the gate / up boundary: each copy asks the
+    per-expert tensors for the rows inside the region only."""
+    from lightning_3d.checkpoint.stacked_experts import stacked_names
+
+    gate = {e: torch.randn(6, 5) for e in range(4)}
+    up = {e: torch.randn(6, 5) for e in range(4)}
+    tensors = {**{f"l.0.experts.{e}.w1.weight": t for e, t in gate.items()},
+               **{f"l.0.experts.{e}.w3.weight": t for e, t in up.items()}}
+    reads = []
+
+    def copy_into(name, region, out):
+        reads.append((name, region))
+        out.copy_(tensors[name][region])
+
+    merge = type("MergeModulelist", (), {"dim": 0})()
+    concat = type("Concatenate", (), {"dim": 1})()
+    converter = type("WeightConverter", (), {})()
+    converter.__dict__.update(source_patterns=[".experts.*.w1.weight", ".experts.*.w3.weight"],
+                              target_patterns=[".experts.gate_up_proj"], operations=[merge, concat])
+    shapes, dtypes, copy = stacked_names({k: tuple(t.shape) for k, t in tensors.items()},
+                                         {k: t.dtype for k, t in tensors.items()}, copy_into, [converter])
+    whole = torch.stack([torch.cat([gate[e], up[e]]) for e in range(4)])
+    assert shapes == {"l.0.experts.gate_up_proj": (4, 12, 5)}
+    region = (slice(2, 4), slice(4, 9), slice(0, 5))  # experts 2, 3; gate rows 4-5 and up rows 0-2
+    out = torch.empty(2, 5, 5)
+    copy("l.0.experts.gate_up_proj", region, out)
+    assert torch.equal(out, whole[region])
+    assert sorted(name for name, _ in reads) == ["l.0.experts.2.w1.weight", "l.0.experts.2.w3.weight",
+                                                 "l.0.experts.3.w1.weight", "l.0.experts.3.w3.weight"]
+    assert {(r[0].start, r[0].stop) for _, r in reads} == {(4, 6), (0, 3)}
