@@ -27,8 +27,9 @@ from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModu
 OUT, WHERE, RANK = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 STEP = 2
 # Short where a hang is the point; for a raising rank long, so that a slow step on a loaded host (8 ranks on
-# 2 cores) is not reported as a hang before the injected failure.
-HANG_TIMEOUT = {"slow_phases": 3, "hang": 5}.get(WHERE, 120)
+# 2 cores) is not reported as a hang before the injected failure. The hang test's steps before the injected
+# hang took over 5 s each beside 6 busy processes on 2 cores (load 10): 15 s leaves them 3 times that.
+HANG_TIMEOUT = {"slow_phases": 3, "hang": 15}.get(WHERE, 120)
 # How long a reporting rank waits for the others to print what they wait in (ThreeDStrategy(exit_timeout=)).
 # The hang test needs every rank's report: on a loaded host (8 ranks of other tests on 2 cores) 5 s was once
 # too short for one rank's ack (3 of 4 reports, a fresh clone under ATEN_CPU_CAPABILITY=default).
