@@ -136,8 +136,9 @@ def candidate_layouts(spec: ModelSpec, config: ParallelConfig, world_size: int, 
                     for recompute in options("activation_checkpointing", (None, "selective", "full")):
                         if recompute and spec.dropout > 0 and tp > 1:
                             continue  # refused by lightning-3d: recompute would redraw dropout masks
-                        try:
-                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=batch_size // m, num_microbatches=m,
+                        try:  # (expert_parallel_size stays the user's: its dp must be a multiple)
+                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=config.expert_parallel_size,
+                                         micro_batch_size=batch_size // m, num_microbatches=m,
                                          schedule=schedule, virtual_stages=virtual, zero_stage=zero,
                                          recompute=recompute, sequence_parallel=config.sequence_parallel and tp > 1,
                                          dp_shard=_hsdp_shard(config, dp))
@@ -231,7 +232,10 @@ def _size(nbytes: float) -> str:
 def _fixed(config: ParallelConfig) -> str:
     from lightning_3d.parallel.config import AUTO_FIELDS
 
-    return ", ".join(f"{name}={getattr(config, name)!r}" for name in AUTO_FIELDS if name not in config.auto_fields)
+    fixed = [f"{name}={getattr(config, name)!r}" for name in AUTO_FIELDS if name not in config.auto_fields]
+    if config.expert_parallel_size > 1:
+        fixed.append(f"expert_parallel_size={config.expert_parallel_size}")
+    return ", ".join(fixed)
 
 
 # ---------------------------------------------------------------------------------------------- on the ranks

@@ -51,6 +51,19 @@ def test_a_fixed_context_parallel_size_is_kept_and_the_decision_weighs_it():
     assert (decided.context_parallel_size, decided.tensor_parallel_size) == (2, best.layout.tp)
 
 
+def test_a_fixed_expert_parallel_size_is_kept_with_dp_a_multiple_and_the_decision_weighs_its_all_to_alls():
+    moe = ModelSpec(num_layers=8, hidden_size=128, num_heads=4, vocab_size=256, seq_length=64, gated_mlp=True,
+                    num_experts=8, experts_per_token=2, learned_positions=False, norm="rmsnorm")
+    config = ParallelConfig(layout="auto", expert_parallel_size=4)
+    layouts = list(candidate_layouts(moe, config, 8, 8, 8))
+    assert layouts and all(layout.ep == 4 and layout.dp % 4 == 0 for layout in layouts)
+    assert {(layout.dp, layout.tp * layout.pp) for layout in layouts} == {(4, 2), (8, 1)}
+    best = ranked(moe, config, world_size=8, per_node=8, batch_size=8, precision=FP32, memory_per_rank=GIB,
+                  calibration=calibration())[0]
+    assert best.layout.ep == 4 and best.time.ep_communication > 0
+    assert config.decided(**values_of(best.layout, config)).expert_parallel_size == 4
+
+
 def test_a_decided_config_is_checked_as_any_config():
     config = ParallelConfig(layout="auto")
     with pytest.raises(ParallelConfigError, match="needs at least one micro-batch per stage"):

@@ -56,9 +56,6 @@ def test_what_ep_does_not_combine_with_yet_is_refused_before_launch():
         ParallelDims(dp=4, pp=1, tp=1, dp_shard=2, ep=2)
     with pytest.raises(ParallelConfigError, match="expert_parallel_size must be a positive integer"):
         ParallelConfig(expert_parallel_size=0)
-    with pytest.raises(ParallelConfigError,
-                       match="expert_parallel_size=2 with layout='auto'.*does not time the experts' all-to-all"):
-        ParallelConfig(expert_parallel_size=2, layout="auto")
 
 
 @pytest.mark.parametrize("model_type", list(MOE))
