@@ -6,7 +6,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -46,13 +46,15 @@ from lightning_3d.parallel.tensor_parallel import reduce_partial_grads
 from lightning_3d.pipeline.engine import PipelineEngine
 from lightning_3d.policies import Policy, resolve_policy
 from lightning_3d.strategies import processes
-from lightning_3d.strategies.auto_layout import Decision, PredictionCheck, decide_layout
 from lightning_3d.strategies.checkpoints import ShardedCheckpoints, resumable, sharding_of
 from lightning_3d.strategies.checks import check_backend, check_model
 from lightning_3d.strategies.faults import TIMEOUTS, RunPhases
 from lightning_3d.strategies.host_allocator import keep_freed_host_memory
 from lightning_3d.strategies.model_build import WatchedBuild
 from lightning_3d.strategies.steps import run_step
+
+if TYPE_CHECKING:  # layout="auto" only: a fixed layout imports none of the calibration and the planner
+    from lightning_3d.strategies.auto_layout import Decision, PredictionCheck
 from lightning_3d.strategies.stop_signal import StopSignal
 from lightning_3d.strategies.threads import local_world_size, set_threads_per_rank
 
@@ -312,6 +314,8 @@ class ThreeDStrategy(ParallelStrategy):
     def _decide_layout(self, trainer: "pl.Trainer") -> None:
         """layout="auto": calibrate, let the planner choose on rank 0, and go on with the chosen config on every
         rank (``strategies/auto_layout.py``)."""
+        from lightning_3d.strategies.auto_layout import PredictionCheck, decide_layout
+
         with self._phases.phase("set-up: choosing the layout (layout='auto')", "setup_timeout"):
             decision = decide_layout(self.parallel_config, self.lightning_module, self._policy, trainer,
                                      world_size=self.world_size, per_node=self.num_processes, device=self.root_device)

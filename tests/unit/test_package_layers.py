@@ -165,3 +165,24 @@ def test_the_strategy_is_one_class_whose_hooks_are_all_in_three_d():
     hooks = {name for name in vars(ThreeDStrategy) if hasattr(Strategy, name)}
     assert {"setup_environment", "setup", "training_step", "backward", "save_checkpoint", "load_checkpoint",
             "teardown", "on_exception", "reduce", "barrier", "broadcast"} <= hooks
+
+
+def test_a_fixed_layout_run_imports_nothing_of_the_launch_time_decision_or_the_planner():
+    """layout="auto" (strategies/auto_layout.py, the calibration, the model measurement) and the planner are
+    imported when a config asks for the decision, not by ``import lightning_3d`` or a run at a fixed layout."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, lightning as L, lightning_3d\n"
+        "from lightning_3d.models import GPTConfig, GPTLightningModule, SyntheticDataModule\n"
+        "config = GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)\n"
+        "L.Trainer(strategy='3d', devices=1, accelerator='cpu', max_steps=1, logger=False, enable_checkpointing=False,"
+        " enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0).fit(\n"
+        "    GPTLightningModule(config=config), SyntheticDataModule(vocab_size=64, seq_len=16, batch_size=2))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('lightning_3d.planner', 'lightning_3d.strategies.auto_layout',"
+        " 'lightning_3d.strategies.calibrat', 'lightning_3d.strategies.measure'))))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
