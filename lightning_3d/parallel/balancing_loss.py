@@ -73,7 +73,8 @@ def _enter(group: dist.ProcessGroup) -> Callable:
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
-    _GROUPS.pop()
+    if _GROUPS:  # (always called: also after a forward, or an earlier hook, that raised before the pre-hook ran)
+        _GROUPS.pop()
 
 
 def _over_global_batch(own: Callable) -> Callable:
