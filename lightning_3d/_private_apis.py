@@ -188,8 +188,6 @@ PRIVATE_NAMES: dict[str, Private] = {
     "lightning.fabric.utilities.optimizer._optimizers_to_device": Private(
         "move optimizer state to the device after a restore, as Lightning's strategies do",
         "no public function"),
-    "lightning.fabric.utilities.types._PATH": Private(
-        "the path type of the checkpoint hooks we override", "Union[str, Path] written out"),
     "lightning.pytorch.strategies.ddp._DDPForwardRedirection": Private(
         "run training_step through the wrapped model so FSDP2 / replicate hooks fire", "no public class"),
     "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": Private(
@@ -224,9 +222,6 @@ PRIVATE_NAMES: dict[str, Private] = {
     "lightning.pytorch.LightningModule._device_mesh": Private(
         "what LightningModule.device_mesh returns; the strategy sets it",
         "no public setter (Lightning's ModelParallelStrategy sets it the same way)", attribute=True),
-    "lightning.pytorch.core.optimizer.LightningOptimizer._optimizer": Private(
-        "unwrap a LightningOptimizer, or take a plain optimizer as it is, in one getattr",
-        "LightningOptimizer.optimizer with an isinstance check", attribute=True),
     "lightning.pytorch.cli.LightningCLI._run_subcommand": Private(
         "the CLI's fit --dry_run stops before the Trainer runs", _NO_HOOK + " between parsing and running",
         attribute=True),

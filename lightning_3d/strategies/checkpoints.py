@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.checkpoint.state_dict import (
@@ -59,7 +60,7 @@ class ShardedCheckpoints:
 
     def optimizer_state(self, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's part of ``optimizer``'s state, keyed by parameter name (readable at any layout)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap Lightning's LightningOptimizer
+        optimizer = _unwrapped(optimizer)  # unwrap Lightning's LightningOptimizer
         return get_optimizer_state_dict(module, optimizer, options=_OPTIM)
 
     def save(self, path: Path, checkpoint: dict[str, Any], sharding: dict[str, int], rank_state: dict[str, Any],
@@ -121,7 +122,7 @@ class ShardedCheckpoints:
         written = meta["lightning_3d"]
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         state: dict[str, Any] = {"model": get_model_state_dict(module)}
-        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # unwrap Lightning's LightningOptimizer
+        optimizers = [_unwrapped(o) for o in optimizers]  # unwrap Lightning's LightningOptimizer
         if fitting and meta.get("optimizer_states"):
             state.update({f"optimizer_{i}": get_optimizer_state_dict(module, o, options=_OPTIM)
                           for i, o in enumerate(optimizers)})
@@ -164,7 +165,7 @@ class ShardedCheckpoints:
         ``saved_names``: the checkpoint's model entries in the order they were saved. Collective."""
         for optimizer, state in zip(optimizers, states):
             if state != _IN_SHARDS:
-                optimizer = getattr(optimizer, "_optimizer", optimizer)
+                optimizer = _unwrapped(optimizer)
                 with self.phases.phase("checkpoint load", "checkpoint_timeout"):
                     by_name = _keyed_by_name(state, module, optimizer, saved_names)
                     layouts = fused_layouts(module)
@@ -248,3 +249,8 @@ def _stored(state: dict[str, Any], layouts: dict[str, FusedParts]) -> dict[str, 
 
 def _describe(layout: dict[str, int]) -> str:
     return f"(dp, pp, tp) = ({layout['dp']}, {layout['pp']}, {layout['tp']}), zero_stage={layout['zero_stage']}"
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper, or ``optimizer`` itself."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -16,7 +16,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
@@ -510,7 +510,8 @@ class ThreeDStrategy(ParallelStrategy):
         return self._checkpoints.optimizer_state(self.lightning_module, optimizer)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, Path],
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ThreeDStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are"
                             " written with torch.distributed.checkpoint, not a CheckpointIO plugin.")
@@ -520,12 +521,12 @@ class ThreeDStrategy(ParallelStrategy):
                                    rank_random_state(self._parallel.sharded_rng), self.lightning_module)
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
             self._checkpoints.remove(Path(filepath))
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         return self._checkpoints.load(path, self.lightning_module, self.optimizers,
                                       sharding_of(self.parallel_dims, self.parallel_config), weights_only, self.barrier)
