@@ -192,9 +192,6 @@ PRIVATE_NAMES: dict[str, Private] = {
         "run training_step through the wrapped model so FSDP2 / replicate hooks fire", "no public class"),
     "lightning.pytorch.strategies.launchers._SubprocessScriptLauncher": Private(
         "start devices=N processes when no torchrun or Slurm did, as Lightning's DDP does", "no public class"),
-    "lightning.pytorch.utilities.imports._RICH_AVAILABLE": Private(
-        "the CLI's default progress bar is Rich's when rich is installed, as Lightning decides it",
-        "lightning_utilities' RequirementCache('rich>=10.2.2'), repeating Lightning's version bound"),
     # ------------------------------------------------------------------ Lightning: attributes
     "lightning.pytorch.strategies.Strategy._configure_launcher": Private(
         "the hook where a strategy sets its launcher (self._launcher)", "Lightning's strategies override it too",

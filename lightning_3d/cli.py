@@ -18,6 +18,8 @@ environment gives the ranks (see scripts/slurm/train.sbatch); the world size is 
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import os
 import sys
 from typing import Any
@@ -25,7 +27,6 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
@@ -77,7 +78,7 @@ class _CLI(LightningCLI):
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         wants_default_bar = config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in callbacks)
-        if _RICH_AVAILABLE and wants_default_bar and "callbacks" not in kwargs:
+        if find_spec("rich") is not None and wants_default_bar and "callbacks" not in kwargs:
             kwargs["callbacks"] = [*callbacks, StepsProgressBar()]
         return super().instantiate_trainer(**kwargs)
 
