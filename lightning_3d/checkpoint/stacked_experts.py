@@ -43,11 +43,12 @@ def stacked_names(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dt
     """The checkpoint (``shapes``, ``dtypes``, ``copy_into``) under the names ``conversions`` give its tensors,
     its per-expert tensors stacked; None when no converter of theirs stacks experts found there."""
     renamings = [c for c in conversions if type(c).__name__ == "WeightRenaming"]
-    converters = [c for c in conversions if type(c).__name__ == "WeightConverter" and _stacking(c) is not None]
+    converters = [(c, dim) for c in conversions
+                  if type(c).__name__ == "WeightConverter" and (dim := _stacking(c)) is not None]
     renamed = {_renamed(key, renamings): key for key in shapes}
     stacks = {}  # the model's name -> (its parts' per-expert keys, [expert][part], the concatenated dim)
-    for converter in converters:
-        stacks.update(_stacks(converter, renamed))
+    for converter, dim in converters:
+        stacks.update(_stacks(converter, dim, renamed))
     if not stacks:
         return None
     used = {key for parts, _ in stacks.values() for keys in parts for key in keys}
@@ -94,8 +95,9 @@ def _stacking(converter: Any) -> int | None:
     return None
 
 
-def _stacks(converter: Any, renamed: dict[str, str]) -> dict[str, tuple[list[list[str]], int]]:
-    """The stacked tensors ``converter`` makes of the checkpoint's keys (by their renamed names)."""
+def _stacks(converter: Any, dim: int, renamed: dict[str, str]) -> dict[str, tuple[list[list[str]], int]]:
+    """The stacked tensors ``converter`` makes of the checkpoint's keys (by their renamed names), its parts
+    concatenated along ``dim``."""
     patterns = [re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in converter.source_patterns]
     found: dict[str, dict[tuple[int, int], str]] = defaultdict(dict)  # prefix -> (expert, part) -> key
     for name, key in renamed.items():
@@ -109,7 +111,7 @@ def _stacks(converter: Any, renamed: dict[str, str]) -> dict[str, tuple[list[lis
         if len(keys) != count * len(patterns):
             continue  # an expert or a part missing: not this converter's layout
         parts = [[keys[expert, part] for part in range(len(patterns))] for expert in range(count)]
-        stacks[prefix + converter.target_patterns[0]] = (parts, _stacking(converter))
+        stacks[prefix + converter.target_patterns[0]] = (parts, dim)
     return stacks
 
 

@@ -35,7 +35,8 @@ def ep_case(model, ep, dp, tp=1, pp=1, aux=None, **strategy):
 
 
 WORLD_2 = [ep_case(model, 2, 2) for model in {**MOE_MODELS, **MORE_MOE_MODELS}] + [
-    ep_case("mixtral", 2, 2, aux="aux"), ep_case("olmoe", 1, 2, aux="aux_mask")]  # (ep1: plain dp)
+    ep_case("mixtral", 2, 2, aux="aux"), ep_case("olmoe", 1, 2, aux="aux_mask"),  # (ep1: plain dp)
+    ep_case("qwen2_moe", 2, 2, aux="aux_mask"), ep_case("gpt_oss", 2, 2, aux="aux")]
 WORLD_4 = [ep_case(model, 4, 4) for model in MOE_MODELS] + [
     ep_case("qwen3_moe", 2, 4, zero_stage=3, aux="aux_mask"), ep_case("mixtral", 2, 2, tp=2, aux="aux")] + [
     ep_case(model, 2, 2, tp=2) for model in {**MOE_MODELS, "gpt_oss": None}] + [
